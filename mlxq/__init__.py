@@ -1,0 +1,9 @@
+"""mlxq: serve MLX language models with continuous batching and a tiered KV cache."""
+
+# Before anything imports mlx: put an optimized BLAS in front of the
+# reference one the Linux CPU wheel links (see mlxq/blas.py).
+from mlxq import blas as _blas
+
+_blas.activate()
+
+__version__ = "0.1.0"

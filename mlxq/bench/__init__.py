@@ -1,0 +1,1 @@
+"""Load benchmarks over HTTP (grows with the bench issue)."""

@@ -1,0 +1,1 @@
+"""The `mlxq` command line: one file per command group, wired in main.py."""

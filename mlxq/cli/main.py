@@ -1,0 +1,26 @@
+"""`mlxq` entry point."""
+
+from __future__ import annotations
+
+import typer
+
+from mlxq import __version__
+from mlxq.cli import golden, model, serve
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Serve MLX language models.")
+app.command("serve")(serve.serve)
+app.add_typer(model.app, name="model")
+app.add_typer(golden.app, name="golden")
+
+
+@app.command("version")
+def version() -> None:
+    """Print mlxq's version and the BLAS in use."""
+    from mlxq.blas import active
+
+    blas = active()
+    typer.echo(f"mlxq {__version__} (BLAS: {blas.name} {blas.path or ''})".rstrip())
+
+
+def main() -> None:
+    app()

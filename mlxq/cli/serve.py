@@ -1,0 +1,39 @@
+"""`mlxq serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def serve(
+    model: Annotated[str | None, typer.Option(help="Model directory or a repo id in the local HF cache. "
+                                                   "Default: the embedded tiny model (no download).")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8080,
+    served_model_name: Annotated[str | None, typer.Option(help="Model id reported by /v1/models.")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY",
+                                                   help="Require 'Authorization: Bearer KEY' "
+                                                        "(all endpoints but /health).")] = None,
+    allowed_origins: Annotated[str, typer.Option(help="CORS origins, comma-separated.")] = "*",
+    prefill_step_size: Annotated[int, typer.Option(help="Prompt tokens per prefill pass.")] = 2048,
+    stall_timeout: Annotated[float, typer.Option(help="Seconds without engine progress before /health "
+                                                      "reports 503.")] = 120.0,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API."""
+    from mlxq.models.loader import ModelNotFoundError
+    from mlxq.server.config import ServerConfig
+    from mlxq.server.run import serve as run_server
+
+    try:
+        config = ServerConfig(
+            model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
+            allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+            prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=log_level,
+        )
+        run_server(config)
+    except (ValueError, ModelNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None

@@ -1,0 +1,70 @@
+"""The serial lane: one request at a time, token for token what mlx-lm generates.
+
+It drives ``mlx_lm.generate.generate_step`` (the loop ``stream_generate``
+and mlx_lm.server use): chunked prefill, ``async_eval`` of step n+1 before
+reading token n, the same sampler and processors, the same ``clear_cache``
+cadence. Reusing the loop rather than copying it is what makes parity hold
+by construction; mlxq adds cancellation, stop strings and accounting around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxq.engine.output import EmitFn, RequestOutput
+from mlxq.engine.sampling import make_request_processors, make_request_sampler
+from mlxq.engine.types import FinishReason, Request
+
+
+class _Cancelled(Exception):
+    """Raised from the prefill progress callback to abandon a prompt mid-prefill."""
+
+
+def run_serial(
+    model,
+    tokenizer,
+    request: Request,
+    emit: EmitFn,
+    *,
+    prefill_step_size: int,
+    on_step: Callable[[], None] = lambda: None,
+) -> RequestOutput:
+    """Generate ``request`` to completion (or cancellation), emitting its events."""
+    output = RequestOutput(request, tokenizer, emit)
+    if request.params.seed is not None:
+        mx.random.seed(request.params.seed)
+    sampler = make_request_sampler(request.params, tokenizer)
+    processors = make_request_processors(request.params)
+
+    def on_prefill_progress(done: int, total: int) -> None:
+        on_step()
+        if request.cancelled.is_set():
+            raise _Cancelled
+
+    steps = generate_step(
+        mx.array(request.prompt_ids),
+        model,
+        max_tokens=request.max_tokens,
+        sampler=sampler,
+        logits_processors=processors,
+        prompt_cache=make_prompt_cache(model),
+        prefill_step_size=prefill_step_size,
+        prompt_progress_callback=on_prefill_progress,
+    )
+    try:
+        for token, logprobs in steps:
+            on_step()
+            if request.cancelled.is_set():
+                output.finish(FinishReason.CANCELLED)
+                break
+            if output.add_token(token, logprobs):
+                break
+    except _Cancelled:
+        output.finish(FinishReason.CANCELLED)
+    finally:
+        steps.close()
+    return output

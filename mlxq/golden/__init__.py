@@ -1,0 +1,1 @@
+"""Oracle goldens: mlx-lm's own generation on the same weights, written to goldens/."""

@@ -1,0 +1,56 @@
+"""Generate the serial goldens: mlx-lm's tokens for every case on every tiny architecture."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from mlxq.golden.cases import ARCHS, CASES
+from mlxq.golden.oracle import oracle_tokens
+from mlxq.golden.store import golden_path, machine_key
+
+
+def weights_digest(model_dir: Path) -> str:
+    return hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
+
+
+def generate_serial_goldens(out_root: Path, *, machine: str | None = None, archs=ARCHS) -> Path:
+    import mlx.core as mx
+    import mlx_lm
+
+    from mlxq.blas import active
+    from mlxq.models.tiny import FACTORY_VERSION, build_tiny_model
+
+    models = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs:
+            model_dir = build_tiny_model(arch, Path(tmp) / arch)
+            model, tokenizer = mlx_lm.load(str(model_dir))
+            cases = {}
+            for case in CASES:
+                prompt_ids = tokenizer.encode(case.prompt)
+                cases[case.name] = {
+                    "case": asdict(case),
+                    "prompt_ids": prompt_ids,
+                    "tokens": oracle_tokens(model, tokenizer, prompt_ids, case),
+                }
+            models[arch] = {"weights_sha256": weights_digest(model_dir), "cases": cases}
+    doc = {
+        "suite": "serial",
+        "generated_by": "mlx_lm.stream_generate (the oracle)",
+        "meta": {
+            "machine": machine_key(),
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "blas": active().name,
+            "factory_version": FACTORY_VERSION,
+        },
+        "models": models,
+    }
+    path = golden_path("serial", out_root, machine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return path

@@ -1,0 +1,94 @@
+"""Resolve and load a model: a local directory or a repo id in the local HF cache.
+
+Loading is always offline. A repo id that is not in the Hugging Face cache is
+an error that names every place we looked, never a download attempt.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxq.models.tiny import read_manifest
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model spec names nothing loadable on this machine."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine; created once at start-up."""
+
+    model: Any  # the mlx-lm nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict  # config.json as loaded by mlx-lm
+    path: Path  # the directory the weights came from
+    name: str  # the id /v1/models reports
+    description: str  # one line for logs: what this model is
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's output layer (may exceed the tokenizer's vocabulary)."""
+        return int(self.config.get("vocab_size") or self.config.get("text_config", {})["vocab_size"])
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was configured for, when it says."""
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions"):
+            value = self.config.get(key) or self.config.get("text_config", {}).get(key)
+            if value:
+                return int(value)
+        return None
+
+
+def _hf_cache_dir() -> Path:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return Path(HF_HUB_CACHE)
+
+
+def resolve_model_path(spec: str) -> Path:
+    """Map a local path or a cached HF repo id to a directory, offline."""
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise ModelNotFoundError(f"{local} is a directory but has no config.json")
+        return local
+    looked = [str(local.resolve())]
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        looked.append(f"Hugging Face cache {_hf_cache_dir()}")
+        try:
+            return Path(snapshot_download(spec, local_files_only=True))
+        except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+            pass
+    raise ModelNotFoundError(
+        f"model {spec!r} not found; looked in: {'; '.join(looked)}. mlxq never downloads: "
+        "pass a local model directory, or fetch the repo first (huggingface-cli download)"
+    )
+
+
+def load_model(spec: str, *, name: str | None = None) -> LoadedModel:
+    """Load weights + tokenizer through mlx-lm's loader."""
+    import mlx_lm
+
+    path = resolve_model_path(spec)
+    # Belt and braces: nothing below may reach the network.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+    manifest = read_manifest(path)
+    if manifest:
+        model_name = name or manifest["name"]
+        what = (
+            f"{manifest['name']}: {manifest['num_params'] / 1e6:.1f}M-parameter {manifest['arch']} "
+            f"with random weights (mlxq tiny-model factory, seed {manifest['seed']})"
+        )
+    else:
+        model_name = name or spec
+        what = f"{config.get('model_type', '?')} model from {path}"
+    return LoadedModel(model, tokenizer, config, path, model_name, what)

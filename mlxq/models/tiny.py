@@ -1,0 +1,103 @@
+"""The tiny-model factory: complete random-weight model directories, offline.
+
+``build_tiny_model`` writes config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json (with a chat template and EOS) and mlxq-model.json.
+The parameter list comes from mlx-lm's own model class for the config, so
+the directory loads through ``mlx_lm.load`` like any downloaded checkpoint.
+
+Determinism: weights come from numpy's PCG64 seeded by (seed, parameter
+name), the tokenizer from a fixed corpus; the same arguments give the same
+bytes on every run and machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from mlxq.models.presets import make_config
+from mlxq.models.tokenizer import EOS_TOKEN, write_tokenizer_files
+
+# Bump when the bytes a given (arch, preset, seed) produce change.
+FACTORY_VERSION = 1
+MANIFEST = "mlxq-model.json"
+
+
+def _param_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the parameters mlx-lm's class for ``config`` expects."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    # Shapes only: mlx arrays are lazy, so nothing big is materialized here.
+    return {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+
+
+def _init_param(name: str, shape: tuple[int, ...], rng: np.random.Generator, unit_norm: float):
+    if len(shape) == 1:
+        if "norm" in name:
+            # RMSNorm scales; gemma stores (scale - 1), hence unit_norm 0 there.
+            return np.full(shape, unit_norm, dtype=np.float32)
+        return np.zeros(shape, dtype=np.float32)  # biases, A_log, dt_bias
+    fan_in = int(np.prod(shape[1:]))
+    scale = np.float32(1.0 / np.sqrt(fan_in))
+    return rng.standard_normal(shape, dtype=np.float32) * scale
+
+
+def _write_weights(out: Path, config: dict, seed: int) -> int:
+    import mlx.core as mx
+
+    shapes = _param_shapes(config)
+    unit_norm = 0.0 if config["model_type"].startswith("gemma") else 1.0
+    dtype = getattr(mx, config["torch_dtype"])
+    weights = {}
+    for name in sorted(shapes):
+        # One generator per tensor: a tensor's bytes do not depend on the others.
+        key = [seed, zlib.crc32(config["model_type"].encode()), zlib.crc32(name.encode())]
+        rng = np.random.Generator(np.random.PCG64(key))
+        weights[name] = mx.array(_init_param(name, shapes[name], rng, unit_norm)).astype(dtype)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return sum(int(np.prod(s)) for s in shapes.values())
+
+
+def build_tiny_model(arch: str, out: str | Path, *, seed: int = 0, preset: str = "tiny") -> Path:
+    """Write a complete model directory to ``out`` (replaced atomically) and return it."""
+    out = Path(out)
+    config = make_config(arch, preset)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        ids = write_tokenizer_files(tmp, config["vocab_size"])
+        config["eos_token_id"] = [ids[EOS_TOKEN], ids["<|endoftext|>"]]
+        config["bos_token_id"] = None
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        num_params = _write_weights(tmp, config, seed)
+        manifest = {
+            "name": f"mlxq-{preset}-{arch}",
+            "arch": arch,
+            "preset": preset,
+            "seed": seed,
+            "factory_version": FACTORY_VERSION,
+            "num_params": num_params,
+            "note": "random weights built by mlxq's tiny-model factory; output is meaningless text",
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_manifest(model_dir: Path) -> dict | None:
+    path = Path(model_dir) / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,29 @@
+"""The server's frozen configuration, validated once; the CLI builds it from flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = None  # local dir or cached HF repo id; None = the embedded default
+    served_model_name: str | None = None  # id in /v1/models; defaults to the model's own name
+    host: str = "127.0.0.1"  # loopback by default, like mlx_lm.server
+    port: int = 8080
+    api_key: str | None = None  # when set, every endpoint but /health needs "Bearer <key>"
+    allowed_origins: tuple[str, ...] = ("*",)  # CORS
+    prefill_step_size: int = 2048  # prompt tokens per prefill pass
+    stall_timeout_s: float = 120.0  # /health turns 503 when work is pending and no step ran this long
+    log_level: str = "info"
+    extra: dict = field(default_factory=dict)  # reserved for later sections; never read by the engine
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0-65535, got {self.port}")
+        if self.prefill_step_size < 1:
+            raise ValueError("prefill_step_size must be >= 1")
+        if self.stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be > 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")

@@ -1,0 +1,58 @@
+"""Prompts to token ids: chat messages through the model's chat template, raw text as is."""
+
+from __future__ import annotations
+
+from mlxq.server.errors import invalid
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_message(i: int, message) -> None:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise invalid(f"{where} must be an object", "messages")
+    role = message.get("role")
+    if role not in ROLES:
+        raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(
+                    f"{where}.content parts must be {{\"type\": \"text\", \"text\": ...}}; "
+                    "images and audio are not supported",
+                    "messages",
+                )
+    elif content is None:
+        if not (role == "assistant" and message.get("tool_calls")):
+            raise invalid(f"{where}.content is required", "messages")
+    elif not isinstance(content, str):
+        raise invalid(f"{where}.content must be a string or a list of text parts", "messages")
+
+
+def tokenize_chat(tokenizer, messages, tools, template_kwargs: dict) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty list", "messages")
+    for i, message in enumerate(messages):
+        _check_message(i, message)
+    if not tokenizer.has_chat_template:
+        raise invalid("this model has no chat template: use /v1/completions", "messages")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs
+        )
+    except Exception as exc:  # jinja errors, template raise_exception(), bad kwargs
+        raise invalid(f"the chat template rejected these messages: {exc}", "messages") from None
+    return list(ids)
+
+
+def tokenize_completion(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("'prompt' must not be empty", "prompt")
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise invalid("'prompt' must be a non-empty string or a list of token ids", "prompt")

@@ -1,0 +1,168 @@
+"""Parse an OpenAI-style completion body into a validated ``GenerationSpec``.
+
+Accepts every field mlx_lm.server reads (with its defaults), validates types
+and ranges, and refuses what mlxq does not do yet (``n`` > 1, structured
+``response_format``, adapters, draft models) instead of ignoring it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mlxq.engine.types import SamplingParams
+from mlxq.server.errors import APIError, invalid
+from mlxq.server.prompts import tokenize_chat, tokenize_completion
+from mlxq.server.validate import (
+    read_bool,
+    read_dict,
+    read_int,
+    read_number,
+    read_stop,
+    read_str,
+)
+
+DEFAULT_MAX_TOKENS = 512  # mlx_lm.server's default
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A validated request, ready to become an ``engine.Request``."""
+
+    kind: Literal["chat", "completion"]
+    model: str  # as the client named it (echoed back)
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a final usage chunk
+    logprobs: bool
+    top_logprobs: int
+    tools: list | None  # tool definitions given: parse tool calls out of the output
+
+
+def parse_generation(body, kind: Literal["chat", "completion"], lm) -> GenerationSpec:
+    """Validate ``body`` against the loaded model ``lm`` (a models.LoadedModel)."""
+    tokenizer = lm.tokenizer
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    _refuse_unsupported(body)
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise invalid("'tools' must be a list of objects", "tools")
+    if body.get("tool_choice") == "none":
+        tools = None
+    if kind == "chat":
+        template_kwargs = read_dict(body, "chat_template_kwargs") or {}
+        prompt_ids = tokenize_chat(tokenizer, body.get("messages"), tools or None, template_kwargs)
+    else:
+        prompt_ids = tokenize_completion(tokenizer, body.get("prompt"))
+        if any(not 0 <= t < lm.vocab_size for t in prompt_ids):
+            raise invalid(f"'prompt' token ids must be in 0-{lm.vocab_size - 1}", "prompt")
+    max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length)
+    logprobs, top_logprobs = _read_logprobs(body, kind)
+    stream = read_bool(body, "stream", False)
+    stream_options = read_dict(body, "stream_options") or {}
+    return GenerationSpec(
+        kind=kind,
+        model=read_str(body, "model", "default_model"),
+        prompt_ids=prompt_ids,
+        params=_read_sampling(body, lm.vocab_size),
+        max_tokens=max_tokens,
+        stop=read_stop(body),
+        stream=stream,
+        include_usage=bool(stream and read_bool(stream_options, "include_usage", False)),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        tools=tools or None,
+    )
+
+
+def _refuse_unsupported(body: dict) -> None:
+    n = read_int(body, "n", 1, lo=1)
+    if n != 1:
+        raise invalid("'n' other than 1 is not supported yet", "n", "unsupported")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise invalid("'response_format' is not supported yet (only {\"type\": \"text\"})", "response_format",
+                      "unsupported")
+    if body.get("adapters") is not None:
+        raise invalid("'adapters' is not supported yet", "adapters", "unsupported")
+    if read_str(body, "draft_model", "default_model") != "default_model":
+        raise invalid("'draft_model' is not supported yet", "draft_model", "unsupported")
+    read_int(body, "num_draft_tokens", 0, lo=0)
+
+
+def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None) -> int:
+    requested = read_int(body, "max_completion_tokens", None, lo=1)
+    if requested is None:
+        requested = read_int(body, "max_tokens", None, lo=1)
+    room = None if context_length is None else context_length - num_prompt
+    if room is not None and room < 1:
+        raise APIError(
+            400,
+            f"the prompt is {num_prompt} tokens, and the model's context is {context_length}: "
+            "shorten the prompt",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
+    if room is not None and requested > room:
+        raise APIError(
+            400,
+            f"prompt ({num_prompt} tokens) + max_tokens ({requested}) exceeds the model's context "
+            f"of {context_length} tokens: lower max_tokens to at most {room}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def _read_logprobs(body: dict, kind: str) -> tuple[bool, int]:
+    raw = body.get("logprobs")
+    if kind == "completion" and isinstance(raw, int) and not isinstance(raw, bool):
+        # Legacy completions: logprobs is the number of alternatives (0-5).
+        top = read_int(body, "logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+        return True, top
+    wanted = read_bool(body, "logprobs", False)
+    top = read_int(body, "top_logprobs", 0, lo=-1, hi=MAX_TOP_LOGPROBS)
+    return wanted, max(top, 0) if wanted else 0
+
+
+def _read_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    raw = read_dict(body, "logit_bias")
+    if not raw:
+        return None
+    bias: dict[int, float] = {}
+    for key in raw:
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise invalid(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise invalid(f"'logit_bias' token id {token} is outside the vocabulary (0-{vocab_size - 1})",
+                          "logit_bias")
+        bias[token] = read_number(raw, key, 0.0, lo=-100, hi=100)
+    return bias
+
+
+def _read_sampling(body: dict, vocab_size: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=read_number(body, "temperature", 0.0, lo=0, hi=100),
+        top_p=read_number(body, "top_p", 1.0, lo=0, hi=1),
+        top_k=read_int(body, "top_k", 0, lo=0),
+        min_p=read_number(body, "min_p", 0.0, lo=0, hi=1),
+        repetition_penalty=read_number(body, "repetition_penalty", 0.0, lo=0, hi=100),
+        repetition_context_size=read_int(body, "repetition_context_size", 20, lo=0, hi=1 << 20),
+        presence_penalty=read_number(body, "presence_penalty", 0.0, lo=-100, hi=100),
+        presence_context_size=read_int(body, "presence_context_size", 20, lo=0, hi=1 << 20),
+        frequency_penalty=read_number(body, "frequency_penalty", 0.0, lo=-100, hi=100),
+        frequency_context_size=read_int(body, "frequency_context_size", 20, lo=0, hi=1 << 20),
+        logit_bias=_read_logit_bias(body, vocab_size),
+        xtc_probability=read_number(body, "xtc_probability", 0.0, lo=0, hi=1),
+        xtc_threshold=read_number(body, "xtc_threshold", 0.1, lo=0, hi=1),
+        seed=read_int(body, "seed", None, lo=0, hi=(1 << 63) - 1),
+    )

@@ -1,0 +1,105 @@
+"""HTTP routes: parse, submit, shape. Nothing here touches MLX."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from mlxq.engine.types import FinishReason, Request
+from mlxq.server.bridge import stream_events
+from mlxq.server.errors import APIError, invalid
+from mlxq.server.openai_format import ChoiceBuilder
+from mlxq.server.protocol import GenerationSpec, parse_generation
+from mlxq.server.state import ServerState
+
+
+async def _read_json(http: HTTPRequest):
+    raw = await http.body()
+    if not raw:
+        raise invalid("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+def _new_request(spec: GenerationSpec, prefix: str) -> Request:
+    return Request(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        prompt_ids=spec.prompt_ids,
+        params=spec.params,
+        max_tokens=spec.max_tokens,
+        stop=spec.stop,
+        logprobs=spec.logprobs,
+        top_logprobs=spec.top_logprobs,
+    )
+
+
+async def chat_completions(http: HTTPRequest):
+    return await _generate(http, "chat")
+
+
+async def completions(http: HTTPRequest):
+    return await _generate(http, "completion")
+
+
+async def _generate(http: HTTPRequest, kind):
+    state: ServerState = http.app.state.mlxq
+    state.require_ready()
+    spec = parse_generation(await _read_json(http), kind, state.loaded)
+    request = _new_request(spec, "chatcmpl" if kind == "chat" else "cmpl")
+    builder = ChoiceBuilder(spec, state.loaded.tokenizer, request.request_id, state.model_name)
+    if spec.stream:
+        return StreamingResponse(_sse(state, request, builder), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async for event in stream_events(state.engine, request, http.is_disconnected):
+        builder.add(event)
+        if event.finish_reason is FinishReason.ERROR:
+            raise APIError(500, event.error or "generation failed", code="engine_error")
+    if builder.finish_reason is None or builder.finish_reason == FinishReason.CANCELLED.value:
+        raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
+    return JSONResponse(builder.final())
+
+
+def _sse_line(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _sse(state: ServerState, request: Request, builder: ChoiceBuilder):
+    # Starlette cancels this generator when the client disconnects; leaving
+    # stream_events cancels the engine request.
+    async for event in stream_events(state.engine, request):
+        if event.finish_reason is FinishReason.ERROR:
+            err = APIError(500, event.error or "generation failed", code="engine_error")
+            yield _sse_line(err.body())
+            break
+        text, calls, entry = builder.add(event)
+        finish = builder.finish_reason if event.finish_reason is not None else None
+        if text or calls or entry or finish:
+            yield _sse_line(builder.chunk(text, calls, entry, finish))
+    if builder.spec.include_usage and builder.usage is not None:
+        yield _sse_line(builder.usage_chunk())
+    yield "data: [DONE]\n\n"
+
+
+async def list_models(http: HTTPRequest):
+    state: ServerState = http.app.state.mlxq
+    created = int(state.started_at_wall)
+    data = [{"id": state.model_name, "object": "model", "created": created, "owned_by": "mlxq",
+             "description": state.loaded.description if state.loaded else None}]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(http: HTTPRequest):
+    state: ServerState = http.app.state.mlxq
+    healthy, reason = state.health()
+    return JSONResponse({"status": "ok" if healthy else "unavailable", "reason": reason},
+                        status_code=200 if healthy else 503)
+
+
+async def stats(http: HTTPRequest):
+    state: ServerState = http.app.state.mlxq
+    return JSONResponse(state.stats())

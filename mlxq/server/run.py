@@ -1,0 +1,49 @@
+"""Start a server: resolve the model, start the engine thread, run uvicorn.
+
+Lifecycle (uvicorn's own CLI -> Config -> Server split): the engine starts
+in the app's lifespan and loads the model on its own thread, so /health
+answers 503 "loading" until it is ready; on SIGINT/SIGTERM uvicorn stops
+accepting, finishes open responses, and the lifespan stops the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from mlxq.blas import active as active_blas
+from mlxq.engine.engine import Engine, EngineConfig
+from mlxq.models.default import ensure_default_model
+from mlxq.models.loader import load_model, resolve_model_path
+from mlxq.server.app import build_app
+from mlxq.server.config import ServerConfig
+from mlxq.server.state import ServerState
+
+log = logging.getLogger("mlxq.server")
+
+
+def make_state(config: ServerConfig) -> ServerState:
+    """Resolve the model now (a missing model fails before the port opens); load it later."""
+    if config.model is None:
+        spec = str(ensure_default_model())
+        log.info("no --model given: serving the embedded default model at %s", spec)
+    else:
+        spec = str(resolve_model_path(config.model))
+    engine = Engine(lambda: load_model(spec, name=config.served_model_name),
+                    EngineConfig(prefill_step_size=config.prefill_step_size))
+    return ServerState(config=config, engine=engine)
+
+
+def serve(config: ServerConfig) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    blas = active_blas()
+    log.info("BLAS: %s (%s)", blas.name, blas.path or blas.reason)
+    if blas.name == "bundled-reference":
+        log.warning("slow CPU math: %s", blas.reason)
+    state = make_state(config)
+    app = build_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level=config.log_level, timeout_graceful_shutdown=30))
+    log.info("mlxq listening on http://%s:%d", config.host, config.port)
+    server.run()

@@ -1,0 +1,90 @@
+"""What the routes share: config, the loaded model, the engine, health and stats."""
+
+from __future__ import annotations
+
+import platform
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from mlxq import __version__
+from mlxq.blas import active as active_blas
+from mlxq.engine.engine import Engine
+from mlxq.models.loader import LoadedModel
+from mlxq.server.config import ServerConfig
+from mlxq.server.errors import APIError
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: Engine
+    started_at: float = field(default_factory=time.monotonic)
+    started_at_wall: float = field(default_factory=time.time)
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        """The model, once the engine thread has loaded it (None before)."""
+        return self.engine.loaded
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self.loaded.name if self.loaded else "loading"
+
+    def require_ready(self) -> None:
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        if not self.engine.ready.is_set():
+            raise APIError(503, "the model is still loading; retry shortly", code="loading")
+
+    def health(self) -> tuple[bool, str]:
+        """Healthy means: loaded, engine thread alive, and making progress when it has work."""
+        engine = self.engine
+        if not engine.is_alive:
+            return False, f"engine thread stopped: {engine.fatal_error or 'shutdown'}"
+        if not engine.ready.is_set():
+            return False, "loading"
+        idle_for = time.monotonic() - engine.last_progress_at
+        if idle_for > self.config.stall_timeout_s:
+            return False, f"engine made no progress for {idle_for:.0f}s"
+        return True, "ok"
+
+    def stats(self) -> dict:
+        import mlx.core as mx
+
+        engine = self.engine
+        return {
+            "version": __version__,
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+            "model": {
+                "id": self.model_name,
+                "path": str(self.loaded.path) if self.loaded else None,
+                "description": self.loaded.description if self.loaded else None,
+                "context_length": self.loaded.context_length if self.loaded else None,
+            },
+            "engine": {
+                "alive": engine.is_alive,
+                "ready": engine.ready.is_set(),
+                "running": engine.num_running,
+                "waiting": engine.num_waiting,
+                "prefill_step_size": self.config.prefill_step_size,
+                "lane": "serial",
+                **asdict(engine.stats),
+            },
+            "memory": {
+                "mlx_active_bytes": mx.get_active_memory(),
+                "mlx_peak_bytes": mx.get_peak_memory(),
+                "mlx_cache_bytes": mx.get_cache_memory(),
+                "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            },
+            "runtime": {
+                "device": str(mx.default_device()),
+                "mlx": mx.__version__,
+                "python": sys.version.split()[0],
+                "platform": platform.platform(),
+                "blas": active_blas().as_dict(),
+            },
+        }

@@ -1,0 +1,85 @@
+"""Tool calls out of generated text, with the model's own mlx-lm tool parser.
+
+The model writes ``<start>payload<end>`` (markers from the tokenizer, e.g.
+``<tool_call>``/``</tool_call>``); the parser turns a payload into
+``{"name", "arguments"}``. While streaming, text before a start marker goes
+out as content, and everything from the marker on is held until the call
+closes, then goes out as one ``tool_calls`` delta.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ToolCallSplitter:
+    start: str  # e.g. "<tool_call>"
+    end: str  # e.g. "</tool_call>"
+    parse: object  # mlx-lm parse_tool_call(text, tools) -> dict
+    tools: list | None
+    _buffer: str = ""
+    calls: list[dict] = field(default_factory=list)  # every call found so far
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """Returns (content to emit now, tool calls completed by this text)."""
+        self._buffer += text
+        content, found = "", []
+        while True:
+            at = self._buffer.find(self.start)
+            if at < 0:
+                keep = _partial_suffix(self._buffer, self.start)
+                cut = len(self._buffer) - keep
+                content += self._buffer[:cut]
+                self._buffer = self._buffer[cut:]
+                return content, found
+            content += self._buffer[:at]
+            close = self._buffer.find(self.end, at + len(self.start))
+            if close < 0:
+                self._buffer = self._buffer[at:]
+                return content, found
+            payload = self._buffer[at + len(self.start) : close]
+            self._buffer = self._buffer[close + len(self.end) :]
+            call = self._to_openai(payload)
+            if call is None:  # unparseable: give the text back as content
+                content += self.start + payload + self.end
+            else:
+                found.append(call)
+                self.calls.append(call)
+
+    def flush(self) -> str:
+        """An unclosed call at the end of the output is plain text."""
+        rest, self._buffer = self._buffer, ""
+        return rest
+
+    def _to_openai(self, payload: str) -> dict | None:
+        try:
+            parsed = self.parse(payload, self.tools)
+        except Exception:
+            return None
+        if not isinstance(parsed, dict) or "name" not in parsed:
+            return None
+        arguments = parsed.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return {
+            "index": len(self.calls),
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": parsed["name"], "arguments": arguments},
+        }
+
+
+def make_splitter(tokenizer, tools) -> ToolCallSplitter | None:
+    if not tools or not tokenizer.has_tool_calling or tokenizer.tool_parser is None:
+        return None
+    return ToolCallSplitter(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
