@@ -9,6 +9,7 @@ accepting, finishes open responses, and the lifespan stops the engine.
 from __future__ import annotations
 
 import logging
+import threading
 
 import uvicorn
 
@@ -45,5 +46,17 @@ def serve(config: ServerConfig) -> None:
     app = build_app(state)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level=config.log_level, timeout_graceful_shutdown=30))
+    threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
     server.run()
+    if state.engine.fatal_error and not state.engine.ready.is_set():
+        raise SystemExit(1)
+
+
+def _exit_if_load_fails(state: ServerState, server: uvicorn.Server) -> None:
+    """A model that fails to load should end the process, not leave a 503 forever."""
+    while not state.engine.ready.wait(0.2):
+        if state.engine.fatal_error:
+            log.critical("model failed to load: %s", state.engine.fatal_error)
+            server.should_exit = True
+            return

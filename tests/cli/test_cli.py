@@ -1,0 +1,66 @@
+"""The `mlxq` command line, through Typer's runner and as real processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from mlxq.cli.main import app
+
+runner = CliRunner()
+
+
+def test_model_tiny_is_byte_deterministic(tmp_path):
+    digests = []
+    for name in ("a", "b"):
+        result = runner.invoke(app, ["model", "tiny", "--arch", "gemma3_text", "--out", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        assert "mlxq-tiny-gemma3_text" in result.output
+        digests.append({f: hashlib.sha256((tmp_path / name / f).read_bytes()).hexdigest()
+                        for f in ("model.safetensors", "tokenizer.json", "config.json", "tokenizer_config.json")})
+    assert digests[0] == digests[1]
+    other = runner.invoke(app, ["model", "tiny", "--arch", "gemma3_text", "--out", str(tmp_path / "c"),
+                                "--seed", "1"])
+    assert other.exit_code == 0
+    assert hashlib.sha256((tmp_path / "c" / "model.safetensors").read_bytes()).hexdigest() != \
+        digests[0]["model.safetensors"]
+
+
+def test_model_tiny_rejects_unknown_arch(tmp_path):
+    result = runner.invoke(app, ["model", "tiny", "--arch", "gpt9", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    assert "unknown arch" in result.output
+
+
+def test_serve_with_missing_model_fails_fast_naming_where_it_looked(tmp_path):
+    missing = tmp_path / "nope"
+    proc = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--model", str(missing)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "not found" in proc.stderr and str(missing) in proc.stderr
+
+
+def test_serve_with_uncached_repo_id_names_the_hf_cache(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--model", "nobody/no-such-model"],
+                          capture_output=True, text=True, timeout=60, env={"HF_HOME": str(tmp_path),
+                                                                          "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2
+    assert "Hugging Face cache" in proc.stderr and "never downloads" in proc.stderr
+
+
+def test_golden_gen_writes_tokens(tmp_path):
+    result = runner.invoke(app, ["golden", "gen", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "serial.json").read_text())
+    assert set(doc["models"]) == {"llama", "qwen3", "gemma3_text", "qwen3_next"}
+    case = doc["models"]["llama"]["cases"]["greedy-short"]
+    assert len(case["tokens"]) == case["case"]["max_tokens"]
+
+
+def test_version_names_the_blas():
+    result = runner.invoke(app, ["version"])
+    assert result.exit_code == 0 and "BLAS:" in result.output

@@ -1,0 +1,92 @@
+"""The engine thread: failures stay inside one request, cancellation stops a row."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import mlx.core as mx
+
+from mlxq.engine.engine import Engine, EngineConfig
+from mlxq.engine.types import FinishReason, Request, SamplingParams
+from mlxq.models.loader import load_model
+
+POISON = 7  # a prompt containing this token id makes the wrapped model raise
+
+
+class PoisonedModel:
+    """The real model, except that it raises on prompts holding POISON (a real engine fault)."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __call__(self, inputs, cache=None, **kw):
+        if inputs.size > 1 and bool(mx.any(inputs == POISON).item()):
+            raise RuntimeError("injected fault")
+        return self._model(inputs, cache=cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def start_engine(model_dir, poisoned=False) -> Engine:
+    def load():
+        loaded = load_model(str(model_dir))
+        if poisoned:
+            loaded.model = PoisonedModel(loaded.model)
+        return loaded
+
+    engine = Engine(load, EngineConfig())
+    engine.start()
+    assert engine.ready.wait(60)
+    return engine
+
+
+def run(engine: Engine, request: Request) -> list:
+    events: queue.Queue = queue.Queue()
+    engine.submit(request, events.put)
+    out = []
+    while True:
+        event = events.get(timeout=60)
+        out.append(event)
+        if event.finish_reason is not None:
+            return out
+
+
+def test_exception_fails_only_that_request(tiny_model_dirs):
+    engine = start_engine(tiny_model_dirs["llama"], poisoned=True)
+    try:
+        bad = run(engine, Request("bad", [1, 2, POISON, 3], SamplingParams(), 8))
+        assert bad[-1].finish_reason is FinishReason.ERROR
+        assert "injected fault" in bad[-1].error
+        good = run(engine, Request("good", [1, 2, 3], SamplingParams(), 8))
+        assert good[-1].finish_reason is FinishReason.LENGTH
+        assert good[-1].usage.completion_tokens == 8
+        assert engine.is_alive and engine.stats.requests_failed == 1
+    finally:
+        engine.stop(10)
+
+
+def test_cancel_stops_generation_within_a_step(tiny_model_dirs):
+    engine = start_engine(tiny_model_dirs["llama"])
+    try:
+        request = Request("long", [1, 2, 3], SamplingParams(), 4000)
+        events: queue.Queue = queue.Queue()
+        seen = threading.Event()
+
+        def emit(event):
+            events.put(event)
+            if event.token_id is not None:
+                seen.set()
+
+        engine.submit(request, emit)
+        assert seen.wait(30)
+        request.cancel()
+        while (event := events.get(timeout=30)).finish_reason is None:
+            pass
+        assert event.finish_reason is FinishReason.CANCELLED
+        assert event.usage.completion_tokens < 4000
+        # The engine moves on to the next request.
+        assert run(engine, Request("next", [4, 5], SamplingParams(), 3))[-1].finish_reason is FinishReason.LENGTH
+    finally:
+        engine.stop(10)

@@ -1,0 +1,114 @@
+"""Bad input gets a clear OpenAI-style 4xx, and the server stays healthy after it."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+BAD_BODIES = [
+    # (path, body, expected status, words the message must contain, param)
+    (CHAT, {}, 400, "messages", "messages"),
+    (CHAT, {"messages": []}, 400, "non-empty", "messages"),
+    (CHAT, {"messages": "hello"}, 400, "messages", "messages"),
+    (CHAT, {"messages": [{"content": "x"}]}, 400, "role", "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role", "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "content", "messages"),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "content", "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "images", "messages"),
+    (CHAT, {"messages": MSG, "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": "ten"}, 400, "integer", "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 10**12}, 400, "context", "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 1.5}, 400, "integer", "max_tokens"),
+    (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "number", "temperature"),
+    (CHAT, {"messages": MSG, "temperature": -1}, 400, "temperature", "temperature"),
+    (CHAT, {"messages": MSG, "top_p": 2}, 400, "top_p", "top_p"),
+    (CHAT, {"messages": MSG, "top_k": -3}, 400, "top_k", "top_k"),
+    (CHAT, {"messages": MSG, "stream": "yes"}, 400, "boolean", "stream"),
+    (CHAT, {"messages": MSG, "stop": 5}, 400, "stop", "stop"),
+    (CHAT, {"messages": MSG, "stop": ["a", 1]}, 400, "stop", "stop"),
+    (CHAT, {"messages": MSG, "seed": "abc"}, 400, "integer", "seed"),
+    (CHAT, {"messages": MSG, "seed": -1}, 400, "seed", "seed"),
+    (CHAT, {"messages": MSG, "logit_bias": {"abc": 1}}, 400, "token ids", "logit_bias"),
+    (CHAT, {"messages": MSG, "logit_bias": {"99999999": 1}}, 400, "vocabulary", "logit_bias"),
+    (CHAT, {"messages": MSG, "logit_bias": [1, 2]}, 400, "object", "logit_bias"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs", "top_logprobs"),
+    (CHAT, {"messages": MSG, "n": 2}, 400, "not supported yet", "n"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "not supported yet",
+     "response_format"),
+    (CHAT, {"messages": MSG, "adapters": "lora"}, 400, "not supported yet", "adapters"),
+    (CHAT, {"messages": MSG, "tools": "get_weather"}, 400, "tools", "tools"),
+    (CHAT, {"messages": MSG, "stream_options": 3}, 400, "object", "stream_options"),
+    (CHAT, [1, 2, 3], 400, "JSON object", None),
+    (COMPLETIONS, {"prompt": ""}, 400, "empty", "prompt"),
+    (COMPLETIONS, {"prompt": 42}, 400, "prompt", "prompt"),
+    (COMPLETIONS, {"prompt": [1, -5]}, 400, "token ids", "prompt"),
+    (COMPLETIONS, {"prompt": [1, 2], "max_tokens": 4095}, 400, "context", "max_tokens"),
+    (COMPLETIONS, {"prompt": [1] * 4096}, 400, "shorten the prompt", "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words,param", BAD_BODIES)
+def test_bad_body_gets_openai_error(llama_server, path, body, status, words, param):
+    r = httpx.post(llama_server.url + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert words.lower() in error["message"].lower()
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b"{bad json", b"", b"\xff\xfe", b"null", b'"text"'])
+def test_malformed_bodies(llama_server, raw):
+    r = httpx.post(llama_server.url + CHAT, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_route_and_method(llama_server):
+    r = httpx.get(llama_server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(llama_server.url + CHAT)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_unknown_fields_are_ignored(llama_server):
+    r = httpx.post(llama_server.url + CHAT, json={"messages": MSG, "max_tokens": 2, "user": "me", "foo": [1]})
+    assert r.status_code == 200
+
+
+def test_context_limit_exact_fit_is_accepted(llama_server):
+    r = httpx.post(llama_server.url + COMPLETIONS, json={"prompt": [1] * 4094, "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_client_disconnect_mid_stream_cancels_generation(llama_server):
+    before = httpx.get(llama_server.url + "/stats").json()["engine"]["requests_cancelled"]
+    with httpx.stream("POST", llama_server.url + COMPLETIONS,
+                      json={"prompt": "x", "max_tokens": 4000, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = httpx.get(llama_server.url + "/stats").json()["engine"]
+        if stats["requests_cancelled"] > before and stats["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["requests_cancelled"] == before + 1
+    assert stats["running"] == 0
+    assert httpx.get(llama_server.url + "/health").status_code == 200
+    r = httpx.post(llama_server.url + COMPLETIONS, json={"prompt": "y", "max_tokens": 3})
+    assert r.status_code == 200
+
+
+def test_server_healthy_after_all_of_the_above(llama_server):
+    assert httpx.get(llama_server.url + "/health").json() == {"status": "ok", "reason": "ok"}
