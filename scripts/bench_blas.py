@@ -80,7 +80,8 @@ def main() -> None:
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     summary = {}
     for name, rs in runs.items():
-        summary[name] = {key: statistics.median(r[key] for r in rs) for key in ("gflops", "matvec_ms", "decode_tok_s", "prefill_tok_s")}
+        keys = ("gflops", "matvec_ms", "decode_tok_s", "prefill_tok_s")
+        summary[name] = {key: statistics.median(r[key] for r in rs) for key in keys}
         summary[name]["loaded"] = rs[0]["blas"]
     base = summary["bundled"]
     print(f"{'BLAS':10} {'loaded':18} {'GFLOP/s':>9} {'matvec ms':>10} {'decode tok/s':>13} {'decode x':>9} "
