@@ -24,6 +24,19 @@ from mlxq.server.state import ServerState
 log = logging.getLogger("mlxq.server")
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, except that a handled SIGINT/SIGTERM ends the process with exit 0.
+
+    uvicorn re-raises the captured signal after its graceful shutdown, so the
+    process would die "by signal" even though nothing was lost. A drained,
+    orderly stop is a success; we forget the signal once it is handled.
+    """
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
 def make_state(config: ServerConfig) -> ServerState:
     """Resolve the model now (a missing model fails before the port opens); load it later."""
     if config.model is None:
@@ -44,7 +57,7 @@ def serve(config: ServerConfig) -> None:
         log.warning("slow CPU math: %s", blas.reason)
     state = make_state(config)
     app = build_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level=config.log_level, timeout_graceful_shutdown=30))
     threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
