@@ -5,12 +5,13 @@ from __future__ import annotations
 import typer
 
 from mlxq import __version__
-from mlxq.cli import golden, model, serve
+from mlxq.cli import bench, golden, model, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Serve MLX language models.")
 app.command("serve")(serve.serve)
 app.add_typer(model.app, name="model")
 app.add_typer(golden.app, name="golden")
+app.add_typer(bench.app, name="bench")
 
 
 @app.command("version")

@@ -22,7 +22,7 @@ class RequestOutput:
         self._emit = emit
         self._detokenizer = tokenizer.detokenizer
         self._stops = StopStringMatcher(request.stop)
-        self._eos = set(tokenizer.eos_token_ids)
+        self._eos = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
         self.cached_tokens = cached_tokens
         self.num_generated = 0
         self.tokens: list[int] = []  # generated ids, EOS excluded

@@ -40,6 +40,7 @@ class GenerationSpec:
     include_usage: bool  # stream_options.include_usage: a final usage chunk
     logprobs: bool
     top_logprobs: int
+    ignore_eos: bool  # vLLM's extension: EOS does not end the request
     tools: list | None  # tool definitions given: parse tool calls out of the output
 
 
@@ -76,6 +77,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm) -> Generatio
         include_usage=bool(stream and read_bool(stream_options, "include_usage", False)),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        ignore_eos=read_bool(body, "ignore_eos", False),
         tools=tools or None,
     )
 

@@ -35,6 +35,7 @@ def _new_request(spec: GenerationSpec, prefix: str) -> Request:
         stop=spec.stop,
         logprobs=spec.logprobs,
         top_logprobs=spec.top_logprobs,
+        ignore_eos=spec.ignore_eos,
     )
 
 

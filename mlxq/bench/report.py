@@ -1,0 +1,76 @@
+"""Tables (rich) and plots (matplotlib, optional) of benchmark results."""
+
+from __future__ import annotations
+
+from statistics import median
+
+from rich.console import Console
+from rich.table import Table
+
+
+def results_table(runs: list[dict], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("target", "c", "done", "failed", "out tok/s", "req/s", "TTFT p50", "TTFT p95", "ITL p50",
+                "TPOT p50", "E2EL p50", "cached"):
+        table.add_column(col, justify="right" if col != "target" else "left")
+    for r in runs:
+        cached = r.get("cached_token_ratio")
+        table.add_row(
+            r["label"], str(r["concurrency"]), str(r["completed"]), str(r["failed"]),
+            f"{r['output_throughput_tok_s']:.1f}", f"{r['request_throughput']:.2f}",
+            f"{r['ttft_ms']['p50']:.0f} ms", f"{r['ttft_ms']['p95']:.0f} ms", f"{r['itl_ms']['p50']:.1f} ms",
+            f"{r['tpot_ms']['p50']:.1f} ms", f"{r['e2el_ms']['p50']:.0f} ms",
+            "-" if cached is None else f"{cached:.0%}",
+        )
+    return table
+
+
+def print_sweep(result: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(results_table(result["a"] + result["b"], "serving-load"))
+    for r in result["a"] + result["b"]:
+        if r["errors"]:
+            console.print(f"[red]{r['label']} c={r['concurrency']}: {r['failed']} failed, e.g. {r['errors'][0]}")
+    if result.get("ratios"):
+        table = Table(title="B / A (medians over rounds)")
+        table.add_column("metric")
+        levels = list(next(iter(result["ratios"].values())).keys())
+        for level in levels:
+            table.add_column(f"c={level}", justify="right")
+        for metric, by_level in result["ratios"].items():
+            table.add_row(metric, *[("-" if by_level[lv] is None else f"{by_level[lv]:.2f}x") for lv in levels])
+        console.print(table)
+
+
+def plot_sweep(result: dict, path: str) -> None:
+    """TTFT p50/p95 and output tok/s against concurrency, one line per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tps, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in ("a", "b"):
+        runs = result[key]
+        if not runs:
+            continue
+        label = runs[0]["label"]
+        levels = sorted({r["concurrency"] for r in runs})
+        def at(level, key, runs=runs):
+            return median(key(r) for r in runs if r["concurrency"] == level)
+
+        tps = [at(lv, lambda r: r["output_throughput_tok_s"]) for lv in levels]
+        p50 = [at(lv, lambda r: r["ttft_ms"]["p50"]) for lv in levels]
+        p95 = [at(lv, lambda r: r["ttft_ms"]["p95"]) for lv in levels]
+        ax_tps.plot(levels, tps, marker="o", label=label)
+        ax_ttft.plot(levels, p50, marker="o", label=f"{label} p50")
+        ax_ttft.plot(levels, p95, marker="x", linestyle="--", label=f"{label} p95")
+    ax_tps.set(xlabel="concurrency", ylabel="output tok/s", title="Throughput")
+    ax_ttft.set(xlabel="concurrency", ylabel="TTFT (ms)", title="Time to first token")
+    for ax in (ax_tps, ax_ttft):
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,74 @@
+"""`mlxq bench ...`: load benchmarks over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks over live SSE.")
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter("--concurrency takes integers, e.g. 1,4,8") from None
+    if not levels or min(levels) < 1:
+        raise typer.BadParameter("--concurrency levels must be >= 1")
+    return levels
+
+
+@app.command("serving-load")
+def serving_load(
+    url: Annotated[str, typer.Option(help="Server base URL.")] = "http://127.0.0.1:8080",
+    model: Annotated[str, typer.Option(help="Model name sent in requests.")] = "default_model",
+    endpoint: Annotated[str, typer.Option(help="chat or completions.")] = "chat",
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated (a sweep).")] = "1",
+    num_requests: Annotated[int, typer.Option(help="Requests per level.")] = 32,
+    request_rate: Annotated[float, typer.Option(help="Requests/s (Poisson or gamma); inf = all at once.")]
+    = math.inf,
+    burstiness: Annotated[float, typer.Option(help="Gamma shape of inter-arrivals; 1 = Poisson.")] = 1.0,
+    dataset: Annotated[str, typer.Option(help="random, shared-prefix or multi-turn.")] = "random",
+    prompt_len: Annotated[int, typer.Option(help="Prompt length in words (shared prefix length).")] = 150,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens per request.")] = 64,
+    num_groups: Annotated[int, typer.Option(help="shared-prefix: agent groups.")] = 4,
+    turns: Annotated[int, typer.Option(help="multi-turn: turns per conversation.")] = 3,
+    ignore_eos: Annotated[bool, typer.Option(help="Ask for exactly max_tokens tokens.")] = False,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    warmup: Annotated[int, typer.Option(help="Unrecorded warm-up requests per measurement.")] = 1,
+    rounds: Annotated[int, typer.Option(help="Repeats per level (alternating with --compare).")] = 1,
+    compare: Annotated[str | None, typer.Option(help="Second server URL: run both, alternating.")] = None,
+    compare_model: Annotated[str | None, typer.Option(help="Model name for --compare.")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY", help="Bearer key.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG: TTFT and tok/s vs concurrency.")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Load-test an OpenAI-compatible server (mlxq, mlx_lm.server, ...) with vLLM's metric definitions."""
+    from mlxq.bench.client import LoadConfig
+    from mlxq.bench.report import plot_sweep, print_sweep
+    from mlxq.bench.serving_load import Workload, sweep
+
+    try:
+        cfg = LoadConfig(url=url, model=model, endpoint=endpoint, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                         request_rate=request_rate, burstiness=burstiness, seed=seed, api_key=api_key)
+        other = None if compare is None else LoadConfig(**{**cfg.__dict__, "url": compare,
+                                                            "model": compare_model or model})
+        work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup)
+        if dataset not in ("random", "shared-prefix", "multi-turn"):
+            raise ValueError(f"unknown dataset {dataset!r}")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    result = asyncio.run(sweep(cfg, work, _levels(concurrency), other, rounds, quiet))
+    print_sweep(result)
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+    if plot:
+        plot_sweep(result, str(plot))
+    if any(r["failed"] for r in result["a"] + result["b"]):
+        raise typer.Exit(1)
