@@ -18,11 +18,18 @@ def serve(
                                                         "(all endpoints but /health).")] = None,
     allowed_origins: Annotated[str, typer.Option(help="CORS origins, comma-separated.")] = "*",
     prefill_step_size: Annotated[int, typer.Option(help="Prompt tokens per prefill pass.")] = 2048,
+    batch: Annotated[int, typer.Option("--batch", "--decode-concurrency",
+                                       help="Rows decoding together (continuous batching); "
+                                            "1 = the strict serial lane.")] = 8,
+    prompt_concurrency: Annotated[int, typer.Option(help="Batch joiners prefilling at once.")] = 4,
+    kv_budget: Annotated[str | None, typer.Option(help="Cap on projected KV bytes of the batch, "
+                                                          "e.g. 8GB; over it requests queue.")] = None,
     stall_timeout: Annotated[float, typer.Option(help="Seconds without engine progress before /health "
                                                       "reports 503.")] = 120.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
+    from mlxq.cli.units import parse_bytes
     from mlxq.models.loader import ModelNotFoundError
     from mlxq.server.config import ServerConfig
     from mlxq.server.run import serve as run_server
@@ -32,6 +39,8 @@ def serve(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
             allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
             prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=log_level,
+            batch=batch, prompt_concurrency=prompt_concurrency,
+            kv_budget_bytes=parse_bytes(kv_budget) if kv_budget else None,
         )
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:

@@ -3,20 +3,27 @@
 The HTTP side calls :meth:`Engine.submit` with a request and an ``emit``
 callback (which must itself be thread-safe: the server hands events to its
 event loop with ``call_soon_threadsafe``). Cancellation is the request's
-own flag, read between steps. An exception while running one request fails
-that request with an ERROR event; the thread goes on to the next one.
+own flag, read between steps.
+
+Scheduling is one FIFO over both lanes, so neither starves the other:
+the head of the queue is admitted to the batch when it is a continuous
+request that fits; when the head is a serial request, batch admission
+pauses, running rows finish (drain), the serial request runs alone, and
+admission resumes.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, TokenEvent
 from mlxq.models.loader import LoadedModel
@@ -29,10 +36,19 @@ class EngineConfig:
     """Engine knobs, validated once; the CLI maps its flags onto these."""
 
     prefill_step_size: int = 2048  # prompt tokens per prefill forward pass
+    max_rows: int = 8  # --batch: concurrency cap; 1 = strict serial lane only
+    prompt_concurrency: int = 4  # joiners prefilling at once (batch lane)
+    kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
 
     def __post_init__(self):
         if self.prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
+        if self.max_rows < 1:
+            raise ValueError("batch must be >= 1")
+        if self.prompt_concurrency < 1:
+            raise ValueError("prompt_concurrency must be >= 1")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise ValueError("kv_budget must be > 0")
 
 
 @dataclass
@@ -45,12 +61,19 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     last_decode_tok_s: float = 0.0
+    lanes: dict = field(default_factory=lambda: {"serial": 0, "continuous": 0})
+    placement_reasons: dict = field(default_factory=dict)
 
 
 @dataclass
 class _Work:
     request: Request
     emit: EmitFn
+    placement: Placement
+
+
+class AdmissionError(ValueError):
+    """A request that can never run here (e.g. its KV alone exceeds --kv-budget)."""
 
 
 class Engine:
@@ -63,9 +86,14 @@ class Engine:
         self.ready = threading.Event()
         self.config = config
         self.stats = EngineStats()
-        self._queue: queue.Queue[_Work | None] = queue.Queue()
-        self._running: Request | None = None
+        self.gateway: GenerationGateway | None = None
+        self.scheduler = None  # BatchScheduler once loaded, when the model can batch
+        self.footprint = None  # KvFootprint once loaded
+        self._inbox: queue.Queue[_Work | None] = queue.Queue()
+        self._waiting: collections.deque[_Work] = collections.deque()
+        self._serial_running: Request | None = None
         self._stopping = threading.Event()
+        self._finished = threading.Event()  # the loop has ended (the thread itself parks, see _park)
         self._thread = threading.Thread(target=self._loop, name="mlxq-engine", daemon=True)
         self.last_progress_at = time.monotonic()  # heartbeat for /health
         self.fatal_error: str | None = None
@@ -74,99 +102,235 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: Request, emit: EmitFn) -> None:
+    def check_admissible(self, num_prompt: int, max_tokens: int) -> None:
+        """Raise AdmissionError when a request could never be admitted (pure Python, any thread)."""
+        budget = self.config.kv_budget_bytes
+        if budget is None or self.footprint is None or self.gateway is None or self.gateway.mode != "batch":
+            return
+        need = self.footprint.row_bytes(num_prompt + max_tokens)
+        if need > budget:
+            fits = _max_tokens_within(self.footprint, budget, num_prompt)
+            hint = f"lower max_tokens to {fits}" if fits > 0 else "shorten the prompt"
+            raise AdmissionError(
+                f"this request needs {need / 2**20:.1f} MiB of KV cache (prompt {num_prompt} + max_tokens "
+                f"{max_tokens} tokens), more than the server's whole --kv-budget of {budget / 2**20:.1f} MiB: {hint}"
+            )
+
+    def submit(self, request: Request, emit: EmitFn) -> Placement:
         if not self.is_alive or not self.ready.is_set():
             raise RuntimeError("the engine is not running")
-        self._queue.put(_Work(request, emit))
+        placement = self.gateway.place(RequestShape.of(request))
+        self._inbox.put(_Work(request, emit, placement))
+        return placement
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop after the current request; queued requests are cancelled."""
+        """Stop after the current step; queued and running requests are cancelled."""
         self._stopping.set()
-        self._queue.put(None)
-        self._thread.join(timeout)
+        self._inbox.put(None)
+        self._finished.wait(timeout)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        return self._thread.is_alive() and not self._finished.is_set() and not self._stopping.is_set()
 
     @property
     def num_waiting(self) -> int:
-        return self._queue.qsize()
+        return self._inbox.qsize() + len(self._waiting)
 
     @property
     def num_running(self) -> int:
-        return 1 if self._running is not None else 0
+        rows = self.scheduler.num_rows + self.scheduler.num_prefilling if self.scheduler else 0
+        return rows + (1 if self._serial_running is not None else 0)
 
     # --- the engine thread ------------------------------------------------------
     def _loop(self) -> None:
         try:
             self.loaded = self._load()
+            self._setup_lanes()
             self.ready.set()
-            log.info("model ready: %s", self.loaded.description)
+            log.info("model ready: %s (batch mode: %s)", self.loaded.description, self.gateway.mode)
             while not self._stopping.is_set():
                 self._beat()
-                try:
-                    work = self._queue.get(timeout=0.25)
-                except queue.Empty:
-                    continue
-                if work is None:
+                if not self._intake(block=self._idle()):
                     break
-                self._run_one(work)
+                self._schedule()
         except BaseException as exc:  # the thread must not die silently: /health reports it
             self.fatal_error = f"{type(exc).__name__}: {exc}"
             log.critical("engine thread died: %s", self.fatal_error, exc_info=True)
         finally:
-            self._cancel_queued()
+            self._cancel_everything()
+            self._drain_device()
+            self._finished.set()
+            self._park()
+
+    @staticmethod
+    def _park() -> None:
+        """Never return: a thread that ran MLX must not exit before the process does.
+
+        Seen with mlx 0.32.4 on Linux CPU: when a thread that used MLX (its
+        thread-local generation stream) exits and the process then exits, the
+        C++ runtime aborts in about half the runs ("terminate called without an
+        active exception", exit -6), turning a clean SIGTERM into a crash. The
+        daemon thread parks instead and is discarded at exit (0 aborts in 12 runs).
+        """
+        threading.Event().wait()
+
+    @staticmethod
+    def _drain_device() -> None:
+        """Wait for queued MLX work before the engine thread ends.
+
+        A pipelined step may still be running for a row that already finished;
+        if the process exits while MLX's stream worker holds it, the C++ runtime
+        aborts ("terminate called without an active exception", exit -6).
+        """
+        try:
+            import mlx.core as mx
+
+            mx.synchronize()
+        except Exception:  # best effort during shutdown
+            log.debug("synchronize at shutdown failed", exc_info=True)
+
+    def _setup_lanes(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlxq.kv.capabilities import UnknownCacheKind, model_cache_kinds
+        from mlxq.kv.projection import measure_footprint
+
+        reason = None
+        try:
+            model_cache_kinds(make_prompt_cache(self.loaded.model))
+            self.footprint = measure_footprint(self.loaded.model)
+        except UnknownCacheKind as exc:
+            reason = str(exc)
+            log.warning("continuous batching unavailable for this model: %s; every request runs serially", exc)
+        self.gateway = GenerationGateway(self.config.max_rows, reason)
+        if self.gateway.mode == "batch":
+            from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+
+            self.scheduler = BatchScheduler(
+                self.loaded.model, self.loaded.tokenizer, self.footprint,
+                SchedulerConfig(self.config.max_rows, self.config.prompt_concurrency,
+                                self.config.prefill_step_size, self.config.kv_budget_bytes),
+                on_finish=lambda row: self._account(row.output.usage(), row.output.finished),
+            )
+
+    def _idle(self) -> bool:
+        return not self._waiting and (self.scheduler is None or self.scheduler.is_idle)
+
+    def _intake(self, block: bool) -> bool:
+        """Move submitted work into the FIFO; False when asked to stop."""
+        try:
+            work = self._inbox.get(timeout=0.25) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if work is None:
+                return False
+            self._waiting.append(work)
+            lane = work.placement.lane.value
+            self.stats.lanes[lane] += 1
+            reasons = self.stats.placement_reasons
+            reasons[work.placement.reason] = reasons.get(work.placement.reason, 0) + 1
+            try:
+                work = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _schedule(self) -> None:
+        self._drop_cancelled_waiting()
+        while self._waiting and self._waiting[0].placement.lane is Lane.CONTINUOUS:
+            head = self._waiting[0]
+            if not self.scheduler.can_admit(head.request):
+                if self.scheduler.is_idle:  # it would not fit even alone: never wait forever
+                    self._waiting.popleft()
+                    self._reject(head)
+                    continue
+                break
+            self._waiting.popleft()
+            self.scheduler.add(head.request, head.emit)
+        if self._waiting and self._waiting[0].placement.lane is Lane.SERIAL:
+            if self.scheduler is None or self.scheduler.is_idle:
+                self._run_serial(self._waiting.popleft())
+                return
+            # A serial request waits at the head: admission is paused, running rows drain.
+        if self.scheduler is not None and not self.scheduler.is_idle:
+            self.scheduler.step()
+
+    def _reject(self, work: _Work) -> None:
+        try:
+            self.check_admissible(len(work.request.prompt_ids), work.request.max_tokens)
+            message = "the request does not fit the KV budget"
+        except AdmissionError as exc:
+            message = str(exc)
+        self.stats.requests_failed += 1
+        work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.ERROR, error=message))
+
+    def _drop_cancelled_waiting(self) -> None:
+        if not any(w.request.cancelled.is_set() for w in self._waiting):
+            return
+        for work in [w for w in self._waiting if w.request.cancelled.is_set()]:
+            self._waiting.remove(work)
+            work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.CANCELLED))
+            self.stats.requests_cancelled += 1
 
     def _beat(self) -> None:
         self.last_progress_at = time.monotonic()
 
-    def _run_one(self, work: _Work) -> None:
+    def _run_serial(self, work: _Work) -> None:
         from mlxq.engine.serial import run_serial
 
         request = work.request
-        if request.cancelled.is_set():
-            work.emit(TokenEvent(request.request_id, finish_reason=FinishReason.CANCELLED))
-            self.stats.requests_cancelled += 1
-            return
-        self._running = request
+        self._serial_running = request
         try:
             output = run_serial(
-                self.loaded.model,
-                self.loaded.tokenizer,
-                request,
-                work.emit,
-                prefill_step_size=self.config.prefill_step_size,
-                on_step=self._beat,
+                self.loaded.model, self.loaded.tokenizer, request, work.emit,
+                prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
             )
             self._account(output.usage(), output.finished)
         except Exception as exc:
             log.error("request %s failed: %s\n%s", request.request_id, exc, traceback.format_exc())
             self.stats.requests_failed += 1
             message = f"generation failed: {type(exc).__name__}: {exc}"
-            work.emit(
-                TokenEvent(request.request_id, finish_reason=FinishReason.ERROR, error=message)
-            )
+            work.emit(TokenEvent(request.request_id, finish_reason=FinishReason.ERROR, error=message))
         finally:
-            self._running = None
+            self._serial_running = None
 
     def _account(self, usage, finished: FinishReason | None) -> None:
+        self._beat()
         self.stats.prompt_tokens += usage.prompt_tokens
         self.stats.generated_tokens += usage.completion_tokens
         if finished is FinishReason.CANCELLED:
             self.stats.requests_cancelled += 1
+        elif finished is FinishReason.ERROR:
+            self.stats.requests_failed += 1
         else:
             self.stats.requests_finished += 1
         if usage.decode_tok_s:
             self.stats.last_decode_tok_s = usage.decode_tok_s
 
-    def _cancel_queued(self) -> None:
+    def _cancel_everything(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.fail_all("the server is shutting down")
+        pending = list(self._waiting)
+        self._waiting.clear()
         while True:
             try:
-                work = self._queue.get_nowait()
+                work = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if work is not None:
-                work.emit(
-                    TokenEvent(work.request.request_id, finish_reason=FinishReason.CANCELLED)
-                )
+                pending.append(work)
+        for work in pending:
+            work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.CANCELLED))
+
+
+def _max_tokens_within(footprint, budget: int, num_prompt: int) -> int:
+    """The largest max_tokens whose row alone fits the budget (0 if none)."""
+    lo, hi = 0, 1 << 22
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if footprint.row_bytes(num_prompt + mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -6,6 +6,7 @@ seeded request here draw the same tokens as mlx_lm.server for the same seed.
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxq.engine.types import SamplingParams
@@ -33,3 +34,32 @@ def make_request_processors(params: SamplingParams) -> list:
         params.frequency_penalty,
         params.frequency_context_size,
     )
+
+
+def make_keyed_sampler(params: SamplingParams):
+    """mlx-lm's sampler chain, drawing from an explicit PRNG key instead of MLX's global state.
+
+    ``make_sampler`` draws with ``mx.random.categorical`` on the global key
+    sequence, whose i-th draw uses ``split(key_i)[1]`` and moves on to
+    ``split(key_i)[0]``. Passing those keys explicitly reproduces the draws of
+    ``mx.random.seed(seed)`` + serial generation for one row, independent of
+    its neighbours in a batch. XTC makes a second, hidden draw, so seeded XTC
+    requests stay on the serial lane (see gateway.py).
+    """
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    methods = []
+    if 0 < params.top_p < 1.0:
+        methods.append(lambda x: apply_top_p(x, params.top_p))
+    if params.min_p != 0.0:
+        methods.append(lambda x: apply_min_p(x, params.min_p, 1))
+    if params.top_k > 0:
+        methods.append(lambda x: apply_top_k(x, params.top_k))
+    inverse_temp = 1.0 / params.temperature
+
+    def sample(logprobs, key):
+        for method in methods:
+            logprobs = method(logprobs)
+        return mx.random.categorical(logprobs * inverse_temp, key=key)
+
+    return sample

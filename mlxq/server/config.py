@@ -14,6 +14,9 @@ class ServerConfig:
     api_key: str | None = None  # when set, every endpoint but /health needs "Bearer <key>"
     allowed_origins: tuple[str, ...] = ("*",)  # CORS
     prefill_step_size: int = 2048  # prompt tokens per prefill pass
+    batch: int = 8  # rows decoding together; 1 = the strict serial lane
+    prompt_concurrency: int = 4  # batch joiners prefilling at once
+    kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     stall_timeout_s: float = 120.0  # /health turns 503 when work is pending and no step ran this long
     log_level: str = "info"
     extra: dict = field(default_factory=dict)  # reserved for later sections; never read by the engine
@@ -23,6 +26,10 @@ class ServerConfig:
             raise ValueError(f"port must be 0-65535, got {self.port}")
         if self.prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
+        if self.batch < 1 or self.prompt_concurrency < 1:
+            raise ValueError("batch and prompt_concurrency must be >= 1")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise ValueError("kv_budget must be > 0")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be > 0")
         if self.api_key is not None and not self.api_key:

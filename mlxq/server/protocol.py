@@ -41,6 +41,7 @@ class GenerationSpec:
     logprobs: bool
     top_logprobs: int
     ignore_eos: bool  # vLLM's extension: EOS does not end the request
+    deterministic: bool  # mlxq's extension: run on the serial lane (bits independent of other requests)
     tools: list | None  # tool definitions given: parse tool calls out of the output
 
 
@@ -78,6 +79,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm) -> Generatio
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=read_bool(body, "ignore_eos", False),
+        deterministic=read_bool(body, "deterministic", False),
         tools=tools or None,
     )
 

@@ -8,6 +8,7 @@ import uuid
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
+from mlxq.engine.engine import AdmissionError
 from mlxq.engine.types import FinishReason, Request
 from mlxq.server.bridge import stream_events
 from mlxq.server.errors import APIError, invalid
@@ -36,6 +37,7 @@ def _new_request(spec: GenerationSpec, prefix: str) -> Request:
         logprobs=spec.logprobs,
         top_logprobs=spec.top_logprobs,
         ignore_eos=spec.ignore_eos,
+        deterministic=spec.deterministic,
     )
 
 
@@ -51,6 +53,10 @@ async def _generate(http: HTTPRequest, kind):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     spec = parse_generation(await _read_json(http), kind, state.loaded)
+    try:
+        state.engine.check_admissible(len(spec.prompt_ids), spec.max_tokens)
+    except AdmissionError as exc:
+        raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
     request = _new_request(spec, "chatcmpl" if kind == "chat" else "cmpl")
     builder = ChoiceBuilder(spec, state.loaded.tokenizer, request.request_id, state.model_name)
     if spec.stream:

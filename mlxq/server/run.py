@@ -45,7 +45,9 @@ def make_state(config: ServerConfig) -> ServerState:
     else:
         spec = str(resolve_model_path(config.model))
     engine = Engine(lambda: load_model(spec, name=config.served_model_name),
-                    EngineConfig(prefill_step_size=config.prefill_step_size))
+                    EngineConfig(prefill_step_size=config.prefill_step_size, max_rows=config.batch,
+                                 prompt_concurrency=config.prompt_concurrency,
+                                 kv_budget_bytes=config.kv_budget_bytes))
     return ServerState(config=config, engine=engine)
 
 

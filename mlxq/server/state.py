@@ -52,6 +52,23 @@ class ServerState:
             return False, f"engine made no progress for {idle_for:.0f}s"
         return True, "ok"
 
+    def _batch_stats(self) -> dict:
+        engine = self.engine
+        scheduler = engine.scheduler
+        gateway = engine.gateway
+        return {
+            "configured": engine.config.max_rows,
+            "mode": gateway.mode if gateway else "loading",
+            "not_batchable_reason": gateway.batch_unavailable if gateway else None,
+            "active_rows": scheduler.num_rows if scheduler else 0,
+            "prefilling_rows": scheduler.num_prefilling if scheduler else 0,
+            "pending_rows": engine.num_waiting,
+            "submitted_rows": scheduler.submitted_rows if scheduler else 0,
+            "kv_bytes": scheduler.projected_bytes() if scheduler else 0,
+            "kv_budget_bytes": engine.config.kv_budget_bytes,
+            "prompt_concurrency": engine.config.prompt_concurrency,
+        }
+
     def stats(self) -> dict:
         import mlx.core as mx
 
@@ -71,9 +88,9 @@ class ServerState:
                 "running": engine.num_running,
                 "waiting": engine.num_waiting,
                 "prefill_step_size": self.config.prefill_step_size,
-                "lane": "serial",
                 **asdict(engine.stats),
             },
+            "batch": self._batch_stats(),
             "memory": {
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_peak_bytes": mx.get_peak_memory(),

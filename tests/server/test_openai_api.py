@@ -115,7 +115,8 @@ def test_chat_with_tools_renders_through_the_template(client):
 def test_stats_report_engine_model_and_blas(llama_server):
     stats = httpx.get(f"{llama_server.url}/stats").json()
     assert stats["engine"]["alive"] is True
-    assert stats["engine"]["lane"] == "serial"
+    assert stats["batch"]["mode"] == "batch" and stats["batch"]["configured"] == 8
+    assert stats["engine"]["lanes"]["continuous"] > 0
     assert stats["model"]["context_length"] == 4096
     assert stats["runtime"]["blas"]["name"] in {"mkl", "openblas", "custom", "bundled-reference", "not-applicable"}
     assert stats["memory"]["mlx_active_bytes"] > 0

@@ -1,0 +1,65 @@
+"""One batch row's sampling state: its sampler, processors, token history and PRNG key.
+
+Each row samples exactly as the serial lane would for the same request:
+the same mlx-lm sampler and processors, applied to that row's [1, V] logits,
+with processors seeing the same token history (prompt + tokens fed so far).
+A seeded row carries its own PRNG key and draws with it explicitly
+(sampling.make_keyed_sampler), so its draws follow the same key sequence as
+``mx.random.seed(seed)`` followed by serial generation, whatever its
+neighbours do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mlxq.engine.output import RequestOutput
+from mlxq.engine.sampling import make_keyed_sampler, make_request_processors, make_request_sampler
+from mlxq.engine.types import Request
+
+
+@dataclass
+class Row:
+    request: Request
+    output: RequestOutput
+    sampler: object  # logprobs [1, V] -> token [1]; keyed (logprobs, key) when key is set
+    processors: list  # mlx-lm logits processors
+    key: mx.array | None  # this row's PRNG state (seeded rows only)
+    history: mx.array | None = None  # tokens the processors see; None when there are none
+    fed: int = 0  # tokens whose KV is in the cache (prompt + generated inputs)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Sampling reduces to argmax over the row's logprobs: vectorizable across rows."""
+        return self.request.params.is_greedy and not self.processors and not self.request.logprobs
+
+    def feed_history(self, tokens: mx.array) -> None:
+        if self.processors:
+            self.history = tokens if self.history is None else mx.concatenate([self.history, tokens])
+
+    def sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, mx.array]:
+        """(token [1], logprobs [1, V]) from this row's logits [1, V] after feeding ``inputs``."""
+        if self.processors:
+            self.feed_history(inputs)
+            for processor in self.processors:
+                logits = processor(self.history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if self.key is None:
+            return self.sampler(logprobs), logprobs
+        self.key, draw = mx.random.split(self.key)
+        return self.sampler(logprobs, draw), logprobs
+
+
+def make_row(request: Request, tokenizer, emit) -> Row:
+    params = request.params
+    keyed = params.seed is not None and not params.is_greedy
+    return Row(
+        request=request,
+        output=RequestOutput(request, tokenizer, emit),
+        sampler=make_keyed_sampler(params) if keyed else make_request_sampler(params, tokenizer),
+        processors=make_request_processors(request.params),
+        key=mx.random.key(params.seed) if keyed else None,
+    )

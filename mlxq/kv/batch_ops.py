@@ -1,0 +1,60 @@
+"""Row surgery on per-layer caches: join rows into a batch, drop rows, take one out.
+
+mlx-lm's batched caches already implement the operations by layer kind
+(BatchKVCache: left-padded full attention; BatchRotatingKVCache: per-row
+rings, ring wrap included; ArraysCache: row-stacked recurrent state). These
+functions route each layer by its declared kind (capabilities.py) and keep
+the invariant the scheduler relies on: after a join every row's next write
+lands in the same column (rows are right-aligned), so one advancing offset
+serves all rows, with per-row left padding masked and per-row RoPE offsets.
+"""
+
+from __future__ import annotations
+
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
+
+from mlxq.kv.capabilities import CacheKind, cache_kind
+
+_BATCH_CLASS = {CacheKind.FULL: BatchKVCache, CacheKind.ROTATING: BatchRotatingKVCache,
+                CacheKind.RECURRENT: ArraysCache}
+
+
+def merge_solo_rows(rows: list[list]) -> list:
+    """Per layer, one batched cache holding ``rows`` (each a solo cache list) in order."""
+    num_layers = len(rows[0])
+    merged = []
+    for layer in range(num_layers):
+        column = [row[layer] for row in rows]
+        kind = cache_kind(column[0])
+        merged.append(_BATCH_CLASS[kind].merge(column))
+    return merged
+
+
+def append_rows(batch: list, solo_rows: list[list]) -> list:
+    """``batch`` (already batched) extended in place with new solo rows."""
+    joiners = merge_solo_rows(solo_rows)
+    for layer, (running, joining) in enumerate(zip(batch, joiners, strict=True)):
+        if cache_kind(running) is not cache_kind(joining):
+            raise TypeError(f"layer {layer}: cannot join {type(joining).__name__} to {type(running).__name__}")
+        running.extend(joining)
+    return batch
+
+
+def keep_rows(batch: list, keep: list[int]) -> None:
+    """Drop every row not in ``keep`` (indices into the current batch), in place."""
+    for cache in batch:
+        cache_kind(cache)
+        cache.filter(keep)
+
+
+def extract_row(batch: list, index: int) -> list:
+    """A solo cache list for one row (a copy): the B=1 step runs on it as the serial lane does."""
+    out = []
+    for cache in batch:
+        kind = cache_kind(cache)
+        solo = cache.extract(index)
+        if kind is CacheKind.RECURRENT:
+            solo.left_padding = None
+            solo.lengths = None
+        out.append(solo)
+    return out

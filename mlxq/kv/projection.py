@@ -1,0 +1,70 @@
+"""Worst-case KV bytes of a batch, for byte-budget admission.
+
+Measured, not derived from config fields: one token is prefilled into a
+fresh cache list and each layer's bytes are read back (full and rotating
+layers: bytes per token; recurrent layers: a fixed state). The batch lane
+keeps contiguous padded caches, so a full-attention layer costs every row
+the *longest* row's length, rounded up to the cache's 256-token growth step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxq.kv.capabilities import CacheKind, cache_kind
+
+GROWTH_STEP = 256  # KVCache / BatchKVCache allocate in 256-token granules
+
+
+@dataclass(frozen=True)
+class LayerFootprint:
+    kind: CacheKind
+    bytes_per_token: int  # full / rotating layers
+    fixed_bytes: int  # recurrent layers: state size per row
+    window: int | None  # rotating layers: ring size
+
+
+@dataclass(frozen=True)
+class KvFootprint:
+    layers: tuple[LayerFootprint, ...]
+
+    def row_bytes(self, num_tokens: int) -> int:
+        """One row holding ``num_tokens`` tokens (prompt + generated)."""
+        return self.batch_bytes([num_tokens])
+
+    def batch_bytes(self, row_tokens: list[int]) -> int:
+        """Rows padded to the longest, as the batch lane stores them."""
+        if not row_tokens:
+            return 0
+        rows, longest = len(row_tokens), max(row_tokens)
+        padded = -(-longest // GROWTH_STEP) * GROWTH_STEP
+        total = 0
+        for layer in self.layers:
+            if layer.kind is CacheKind.FULL:
+                total += rows * padded * layer.bytes_per_token
+            elif layer.kind is CacheKind.ROTATING:
+                total += rows * min(padded, layer.window) * layer.bytes_per_token
+            else:
+                total += rows * layer.fixed_bytes
+        return total
+
+
+def measure_footprint(model) -> KvFootprint:
+    """Prefill one token into fresh caches and read each layer's bytes (engine thread only)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)
+    mx.eval([c.state for c in caches])
+    layers = []
+    for cache in caches:
+        kind = cache_kind(cache)
+        if kind is CacheKind.RECURRENT:
+            layers.append(LayerFootprint(kind, 0, int(cache.nbytes), None))
+        else:
+            allocated = cache.keys.shape[2]
+            per_token = int(cache.nbytes) // allocated
+            window = getattr(cache, "max_size", None) if kind is CacheKind.ROTATING else None
+            layers.append(LayerFootprint(kind, per_token, 0, window))
+    return KvFootprint(tuple(layers))
