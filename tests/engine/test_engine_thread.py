@@ -70,7 +70,7 @@ def test_exception_fails_only_that_request(tiny_model_dirs):
 def test_cancel_stops_generation_within_a_step(tiny_model_dirs):
     engine = start_engine(tiny_model_dirs["llama"])
     try:
-        request = Request("long", [1, 2, 3], SamplingParams(), 4000)
+        request = Request("long", [1, 2, 3], SamplingParams(), 4000, ignore_eos=True)
         events: queue.Queue = queue.Queue()
         seen = threading.Event()
 

@@ -93,7 +93,7 @@ def test_context_limit_exact_fit_is_accepted(llama_server):
 def test_client_disconnect_mid_stream_cancels_generation(llama_server):
     before = httpx.get(llama_server.url + "/stats").json()["engine"]["requests_cancelled"]
     with httpx.stream("POST", llama_server.url + COMPLETIONS,
-                      json={"prompt": "x", "max_tokens": 4000, "stream": True}) as r:
+                      json={"prompt": "x", "max_tokens": 4000, "stream": True, "ignore_eos": True}) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break  # leaving the block closes the connection mid-stream
