@@ -54,7 +54,7 @@ async def measure(cfg: LoadConfig, work: Workload, concurrency: int, label: str,
 
 
 async def sweep(cfg: LoadConfig, work: Workload, levels: list[int], compare: LoadConfig | None = None,
-                rounds: int = 1, quiet: bool = False) -> dict:
+                rounds: int = 1, quiet: bool = False, labels: tuple[str, str] = ("a", "b")) -> dict:
     """Every concurrency level; with ``compare``, A and B alternate (A,B then B,A ...) each round."""
     results: dict = {"a": [], "b": []}
     for level in levels:
@@ -63,7 +63,7 @@ async def sweep(cfg: LoadConfig, work: Workload, levels: list[int], compare: Loa
             if compare and r % 2 == 1:
                 order.reverse()
             for key, target in order:
-                label = f"{key}:{target.url.split('://')[-1]}"
+                label = labels[0] if key == "a" else labels[1]
                 results[key].append(await measure(target, work, level, label, quiet))
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -44,6 +44,8 @@ def serving_load(
     rounds: Annotated[int, typer.Option(help="Repeats per level (alternating with --compare).")] = 1,
     compare: Annotated[str | None, typer.Option(help="Second server URL: run both, alternating.")] = None,
     compare_model: Annotated[str | None, typer.Option(help="Model name for --compare.")] = None,
+    label: Annotated[str | None, typer.Option(help="Name of the first server in tables and plots.")] = None,
+    compare_label: Annotated[str | None, typer.Option(help="Name of the --compare server.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY", help="Bearer key.")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: TTFT and tok/s vs concurrency.")] = None,
@@ -64,7 +66,8 @@ def serving_load(
             raise ValueError(f"unknown dataset {dataset!r}")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    result = asyncio.run(sweep(cfg, work, _levels(concurrency), other, rounds, quiet))
+    result = asyncio.run(sweep(cfg, work, _levels(concurrency), other, rounds, quiet,
+                               labels=(label or "a", compare_label or "b")))
     print_sweep(result)
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))

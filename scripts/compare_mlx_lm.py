@@ -1,0 +1,106 @@
+"""mlxq serve vs mlx_lm.server on the same model, machine and BLAS, side by side.
+
+Builds (or reuses) a tiny-factory model, starts both servers on loopback
+(mlx_lm.server in an interpreter that imported mlxq first, so it runs on the
+same optimized BLAS), waits for both, then runs `mlxq bench serving-load
+--compare` over a concurrency sweep with alternating rounds.
+
+    python scripts/compare_mlx_lm.py --preset small --concurrency 1,4,8,16 \
+        --num-requests 24 --prompt-len 150 --max-tokens 64 --rounds 2 --out docs/results/vs-mlx-lm
+
+Extra mlxq serve flags go after `--`, e.g. `-- --batch 16`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="model directory (default: build --arch/--preset)")
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--prompt-len", type=int, default=150)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dataset", default="random")
+    ap.add_argument("--out", default="bench-out", help="folder for JSON, PNG and logs")
+    ap.add_argument("mlxq_args", nargs="*", help="extra `mlxq serve` flags (after --)")
+    args = ap.parse_args()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        from mlxq.models.tiny import build_tiny_model
+
+        model = str(build_tiny_model(args.arch, Path(tempfile.mkdtemp()) / f"{args.preset}-{args.arch}",
+                                     preset=args.preset))
+    levels = [int(x) for x in args.concurrency.split(",")]
+    top = str(max(levels))
+    mlxq_port, mlx_lm_port = free_port(), free_port()
+    mlxq_cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", model, "--port", str(mlxq_port),
+                "--log-level", "warning", "--batch", top, *args.mlxq_args]
+    # mlx_lm.server with mlxq imported first: the same BLAS for both.
+    mlx_lm_cmd = [sys.executable, "-c", "import mlxq, sys; from mlx_lm.server import main; sys.argv[0] = "
+                  "'mlx_lm.server'; main()", "--model", model, "--port", str(mlx_lm_port),
+                  "--decode-concurrency", top, "--max-tokens", str(args.max_tokens), "--log-level", "WARNING"]
+    logs = [open(out / "mlxq.log", "w"), open(out / "mlx_lm.log", "w")]
+    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+             for cmd, log in zip((mlxq_cmd, mlx_lm_cmd), logs, strict=True)]
+    try:
+        a, b = f"http://127.0.0.1:{mlxq_port}", f"http://127.0.0.1:{mlx_lm_port}"
+        wait_ready(a, procs[0])
+        wait_ready(b, procs[1])
+        bench = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", a, "--compare", b,
+                 "--concurrency", args.concurrency, "--num-requests", str(args.num_requests),
+                 "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
+                 "--rounds", str(args.rounds), "--dataset", args.dataset, "--ignore-eos", "--warmup", "2",
+                 "--label", "mlxq", "--compare-label", "mlx_lm.server",
+                 "--json", str(out / "serving-load.json"), "--plot", str(out / "serving-load.png"), "--quiet"]
+        env = {**os.environ, "COLUMNS": "160"}
+        result = subprocess.run(bench, env=env)
+        sys.exit(result.returncode)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()
