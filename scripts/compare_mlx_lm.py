@@ -14,6 +14,7 @@ Extra mlxq serve flags go after `--`, e.g. `-- --batch 16`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -45,6 +46,43 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise TimeoutError(url)
 
 
+@contextlib.contextmanager
+def both_servers(model: str, batch: int, max_tokens: int, out: Path, mlxq_args=()):
+    """Start mlxq serve and mlx_lm.server on ``model``; yield their URLs; stop both."""
+    mlxq_port, mlx_lm_port = free_port(), free_port()
+    mlxq_cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", model, "--port", str(mlxq_port),
+                "--log-level", "warning", "--batch", str(batch), *mlxq_args]
+    # mlx_lm.server with mlxq imported first: the same BLAS for both.
+    mlx_lm_cmd = [sys.executable, "-c", "import mlxq, sys; from mlx_lm.server import main; sys.argv[0] = "
+                  "'mlx_lm.server'; main()", "--model", model, "--port", str(mlx_lm_port),
+                  "--decode-concurrency", str(batch), "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
+    logs = [open(out / "mlxq.log", "w"), open(out / "mlx_lm.log", "w")]
+    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+             for cmd, log in zip((mlxq_cmd, mlx_lm_cmd), logs, strict=True)]
+    try:
+        a, b = f"http://127.0.0.1:{mlxq_port}", f"http://127.0.0.1:{mlx_lm_port}"
+        wait_ready(a, procs[0])
+        wait_ready(b, procs[1])
+        yield a, b
+    finally:
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def bench_command(a: str, b: str, concurrency: str, num_requests: int, prompt_len: int, max_tokens: int,
+                  rounds: int, dataset: str, json_path: Path, plot_path: Path | None) -> list[str]:
+    cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", a, "--compare", b,
+           "--concurrency", concurrency, "--num-requests", str(num_requests), "--prompt-len", str(prompt_len),
+           "--max-tokens", str(max_tokens), "--rounds", str(rounds), "--dataset", dataset, "--ignore-eos",
+           "--warmup", "2", "--label", "mlxq", "--compare-label", "mlx_lm.server", "--json", str(json_path),
+           "--quiet"]
+    return cmd + (["--plot", str(plot_path)] if plot_path else [])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="model directory (default: build --arch/--preset)")
@@ -69,37 +107,11 @@ def main() -> None:
         model = str(build_tiny_model(args.arch, Path(tempfile.mkdtemp()) / f"{args.preset}-{args.arch}",
                                      preset=args.preset))
     levels = [int(x) for x in args.concurrency.split(",")]
-    top = str(max(levels))
-    mlxq_port, mlx_lm_port = free_port(), free_port()
-    mlxq_cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", model, "--port", str(mlxq_port),
-                "--log-level", "warning", "--batch", top, *args.mlxq_args]
-    # mlx_lm.server with mlxq imported first: the same BLAS for both.
-    mlx_lm_cmd = [sys.executable, "-c", "import mlxq, sys; from mlx_lm.server import main; sys.argv[0] = "
-                  "'mlx_lm.server'; main()", "--model", model, "--port", str(mlx_lm_port),
-                  "--decode-concurrency", top, "--max-tokens", str(args.max_tokens), "--log-level", "WARNING"]
-    logs = [open(out / "mlxq.log", "w"), open(out / "mlx_lm.log", "w")]
-    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-             for cmd, log in zip((mlxq_cmd, mlx_lm_cmd), logs, strict=True)]
-    try:
-        a, b = f"http://127.0.0.1:{mlxq_port}", f"http://127.0.0.1:{mlx_lm_port}"
-        wait_ready(a, procs[0])
-        wait_ready(b, procs[1])
-        bench = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", a, "--compare", b,
-                 "--concurrency", args.concurrency, "--num-requests", str(args.num_requests),
-                 "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
-                 "--rounds", str(args.rounds), "--dataset", args.dataset, "--ignore-eos", "--warmup", "2",
-                 "--label", "mlxq", "--compare-label", "mlx_lm.server",
-                 "--json", str(out / "serving-load.json"), "--plot", str(out / "serving-load.png"), "--quiet"]
-        env = {**os.environ, "COLUMNS": "160"}
-        result = subprocess.run(bench, env=env)
-        sys.exit(result.returncode)
-    finally:
-        for proc in procs:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with both_servers(model, max(levels), args.max_tokens, out, args.mlxq_args) as (a, b):
+        cmd = bench_command(a, b, args.concurrency, args.num_requests, args.prompt_len, args.max_tokens,
+                            args.rounds, args.dataset, out / "serving-load.json", out / "serving-load.png")
+        result = subprocess.run(cmd, env={**os.environ, "COLUMNS": "160"})
+    sys.exit(result.returncode)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,194 @@
+"""GPU measurements for mlxq (one command on the GPU machine; results under --out).
+
+Phases (pick with --phases, default all):
+  build      random-weight model at a real shape (tiny factory, --fast-init on the GPU)
+  bandwidth  a large elementwise copy: the achievable bytes/s of this device
+  b1         B=1 decode tok/s: mlx-lm stream_generate, mlxq serial lane, mlxq batch lane
+             (one row), and the fraction of the bandwidth roofline
+  prefill    prefill tok/s for long prompts through the serial lane
+  http       concurrency sweep over HTTP: mlxq serve vs mlx_lm.server (bench serving-load)
+
+    python scripts/gpu_bench.py --preset llama3-8b --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlxq  # noqa: E402,F401
+
+MODELS = Path(os.environ.get("MLXQ_BENCH_MODELS", "/tmp/mlxq-models"))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def phase_build(args, results):
+    from mlxq.models.tiny import build_tiny_model, read_manifest
+
+    path = MODELS / args.preset
+    if not (path / "mlxq-model.json").exists():
+        t = time.perf_counter()
+        build_tiny_model("llama", path, preset=args.preset, fast_init=True)
+        log(f"built {path} in {time.perf_counter() - t:.0f}s")
+    results["model"] = read_manifest(path) | {"path": str(path)}
+
+
+def phase_bandwidth(args, results):
+    import mlx.core as mx
+
+    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB
+    a = mx.random.uniform(shape=(n,)).astype(mx.bfloat16)
+    mx.eval(a)
+    for _ in range(3):
+        mx.eval(a * 2)
+    reps, t = 20, time.perf_counter()
+    for _ in range(reps):
+        mx.eval(a * 2)
+    dt = (time.perf_counter() - t) / reps
+    results["bandwidth"] = {"bytes_moved": 2 * a.nbytes, "seconds": dt, "tb_s": 2 * a.nbytes / dt / 1e12}
+    log(f"copy bandwidth {results['bandwidth']['tb_s']:.2f} TB/s")
+
+
+def _weight_bytes_per_step(model, config) -> int:
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings"):
+            continue  # an untied embedding is gathered (one row per token), not streamed
+        total += p.nbytes
+    return total
+
+
+def phase_b1(args, results):
+    import mlx.core as mx
+    import mlx_lm
+    from bench_b1 import batch_lane, serial
+
+    from mlxq.kv.projection import measure_footprint
+    from mlxq.models.loader import load_model
+
+    lm = load_model(str(MODELS / args.preset))
+    footprint = measure_footprint(lm.model)
+    prompt = [1000 + i for i in range(args.prompt_tokens)]
+    n = args.max_tokens
+
+    def oracle():
+        last = None
+        for r in mlx_lm.stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=n):
+            last = r
+        return last.generation_tps
+
+    oracle()
+    runs = {"mlx_lm_stream_generate": [], "mlxq_serial": [], "mlxq_batch_lane": []}
+    for r in range(args.rounds):
+        runs["mlx_lm_stream_generate"].append(oracle())
+        runs["mlxq_serial"].append(serial(lm, prompt, n)[0])
+        runs["mlxq_batch_lane"].append(batch_lane(lm, footprint, prompt, n)[0])
+        log(f"b1 round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    step_bytes = _weight_bytes_per_step(lm.model, lm.config)
+    bw = results.get("bandwidth", {}).get("tb_s")
+    results["b1"] = {
+        "tok_s_median": med, "runs": runs, "prompt_tokens": len(prompt), "max_tokens": n,
+        "weight_bytes_per_step": step_bytes,
+        "weight_tb_s": {k: v * step_bytes / 1e12 for k, v in med.items()},
+        "roofline_fraction": {k: v * step_bytes / 1e12 / bw for k, v in med.items()} if bw else None,
+        "serial_vs_mlx_lm": med["mlxq_serial"] / med["mlx_lm_stream_generate"],
+        "batch_lane_vs_serial": med["mlxq_batch_lane"] / med["mlxq_serial"],
+    }
+    log(f"b1 medians {med}")
+
+
+def phase_prefill(args, results):
+    from mlxq.engine.serial import run_serial
+    from mlxq.engine.types import Request, SamplingParams
+    from mlxq.models.loader import load_model
+
+    lm = load_model(str(MODELS / args.preset))
+    out = {}
+    for length in (4096, 16384):
+        prompt = [1000 + (i * 7) % 100000 for i in range(length)]
+        ttfts = []
+        for _ in range(2):
+            o = run_serial(lm.model, lm.tokenizer, Request("p", prompt, SamplingParams(), 1), lambda e: None,
+                           prefill_step_size=2048)
+            ttfts.append(o.usage().ttft_s)
+        best = min(ttfts)
+        out[str(length)] = {"ttft_s": ttfts, "prefill_tok_s": length / best}
+        log(f"prefill {length}: {length / best:.0f} tok/s")
+    results["prefill"] = out
+
+
+def phase_http(args, results):
+    from compare_mlx_lm import bench_command, both_servers
+
+    out = Path(args.out)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    model = str(MODELS / args.preset)
+    sweep = {}
+    with both_servers(model, max(levels), args.max_tokens, out, ["--prompt-concurrency", "8"]) as (a, b):
+        for level in levels:
+            path = out / f"http-c{level}.json"
+            num = max(16, 2 * level)
+            cmd = bench_command(a, b, str(level), num, args.prompt_words, args.max_tokens, 1, "random", path, None)
+            t = time.perf_counter()
+            subprocess.run(cmd, env={**os.environ, "COLUMNS": "200"}, check=False)
+            log(f"http c={level} done in {time.perf_counter() - t:.0f}s")
+            if path.exists():
+                doc = json.loads(path.read_text())
+                sweep[str(level)] = {
+                    key: {k: v for k, v in doc[key][0].items() if k != "records"} for key in ("a", "b")
+                }
+    results["http"] = sweep
+
+
+PHASES = {"build": phase_build, "bandwidth": phase_bandwidth, "b1": phase_b1, "prefill": phase_prefill,
+          "http": phase_http}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--phases", default="build,bandwidth,b1,prefill,http")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=180)
+    ap.add_argument("--prompt-words", type=int, default=130)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import mlx.core as mx
+
+    results = {"date": time.strftime("%Y-%m-%d"), "device": str(mx.default_device()), "preset": args.preset,
+               "mlx": mx.__version__}
+    try:
+        import mlx_lm
+
+        results["mlx_lm"] = mlx_lm.__version__
+        results["device_info"] = {k: str(v) for k, v in mx.device_info().items()} if hasattr(mx, "device_info") \
+            else None
+    except Exception as exc:  # informational only
+        results["device_info_error"] = str(exc)
+    for name in args.phases.split(","):
+        log(f"phase {name}")
+        PHASES[name](args, results)
+        (out / f"gpu-bench-{args.preset}.json").write_text(json.dumps(results, indent=1, default=str))
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
