@@ -66,21 +66,26 @@ def _payload(cfg: LoadConfig, conv: Conversation, user: str) -> tuple[str, dict]
     return "/v1/completions", body
 
 
-def _content(cfg: LoadConfig, chunk: dict) -> str:
+def _content(chunk: dict) -> str:
     choices = chunk.get("choices") or []
     if not choices:
         return ""
-    if cfg.endpoint == "chat":
+    if "delta" in choices[0]:
         return (choices[0].get("delta") or {}).get("content") or ""
     return choices[0].get("text") or ""
 
 
 async def send_one(client: httpx.AsyncClient, cfg: LoadConfig, conv: Conversation, user: str) -> RequestRecord:
     path, body = _payload(cfg, conv, user)
-    record = RequestRecord(sent_at=time.perf_counter(), tag=conv.tag)
+    return await stream_request(client, cfg.url.rstrip("/") + path, body, conv.tag)
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict, tag: str = "") -> RequestRecord:
+    """POST one streamed completion and time it at the client."""
+    record = RequestRecord(sent_at=time.perf_counter(), tag=tag)
     chunks = 0
     try:
-        async with client.stream("POST", cfg.url.rstrip("/") + path, json=body) as response:
+        async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")[:300]
                 record.error = f"HTTP {response.status_code}: {text}"
@@ -96,7 +101,7 @@ async def send_one(client: httpx.AsyncClient, cfg: LoadConfig, conv: Conversatio
                     record.error = f"stream error: {chunk['error']}"
                     return record
                 now = time.perf_counter()
-                text = _content(cfg, chunk)
+                text = _content(chunk)
                 if text:
                     chunks += 1
                     record.first_chunk_at = record.first_chunk_at or now
@@ -104,6 +109,8 @@ async def send_one(client: httpx.AsyncClient, cfg: LoadConfig, conv: Conversatio
                     record.output_text += text
                 if chunk.get("choices") and chunk["choices"][0].get("finish_reason"):
                     record.finish_reason = chunk["choices"][0]["finish_reason"]
+                if chunk.get("choices") and (chunk["choices"][0].get("logprobs") or {}).get("content"):
+                    record.logprobs += chunk["choices"][0]["logprobs"]["content"]
                 _read_usage(record, chunk.get("usage"))
         record.done_at = time.perf_counter()
         if not record.output_tokens:

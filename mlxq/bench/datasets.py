@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 
-def _words() -> list[str]:
+def corpus_words() -> list[str]:
     text = resources.files("mlxq.models").joinpath("corpus.txt").read_text(encoding="utf-8")
     return sorted({w for w in text.split() if w.isascii() and w.isalpha()})
 
@@ -41,7 +41,7 @@ def make_workload(
     turns: int = 3,
 ) -> list[Conversation]:
     rng = random.Random(seed)
-    words = _words()
+    words = corpus_words()
     if dataset == "random":
         return [Conversation(None, [_text(rng, words, prompt_len)], "random") for _ in range(num_requests)]
     if dataset == "shared-prefix":

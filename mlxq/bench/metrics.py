@@ -26,6 +26,7 @@ class RequestRecord:
     prompt_tokens: int | None = None  # from usage when reported
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     output_text: str = ""
+    logprobs: list = field(default_factory=list)  # chat logprob entries, when the request asked for them
     finish_reason: str | None = None
     error: str | None = None
     tag: str = ""  # workload label (dataset group, conversation turn)

@@ -74,3 +74,43 @@ def plot_sweep(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def matrix_table(cells: list[dict]) -> Table:
+    table = Table(title="feature matrix")
+    for col in ("cell", "gate", "requests", "out tok/s", "TTFT p50", "TTFT p95", "note"):
+        table.add_column(col, justify="left" if col in ("cell", "gate", "note") else "right")
+    for c in cells:
+        if c["status"] == "skipped":
+            table.add_row(c["cell"], "[yellow]skipped", "-", "-", "-", "-", c["note"])
+            continue
+        gate = "[green]pass" if c["status"] == "pass" else "[red]FAIL"
+        table.add_row(c["cell"], gate, str(c["requests"]), f"{c['output_throughput_tok_s']:.1f}",
+                      f"{c['ttft_ms']['p50']:.0f} ms", f"{c['ttft_ms']['p95']:.0f} ms", c["note"])
+    return table
+
+
+def plot_matrix(cells: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [c for c in cells if c["status"] != "skipped"]
+    names = [c["cell"] for c in ran]
+    colors = ["tab:green" if c["status"] == "pass" else "tab:red" for c in ran]
+    fig, (ax_tps, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_tps.bar(names, [c["output_throughput_tok_s"] for c in ran], color=colors)
+    ax_tps.set(ylabel="aggregate output tok/s", title="Throughput (green: gate passed)")
+    xs = range(len(ran))
+    ax_ttft.bar([x - 0.2 for x in xs], [c["ttft_ms"]["p50"] for c in ran], width=0.4, label="p50")
+    ax_ttft.bar([x + 0.2 for x in xs], [c["ttft_ms"]["p95"] for c in ran], width=0.4, label="p95")
+    ax_ttft.set_xticks(list(xs), names)
+    ax_ttft.set(ylabel="TTFT (ms)", title="Time to first token")
+    ax_ttft.legend()
+    for ax in (ax_tps, ax_ttft):
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

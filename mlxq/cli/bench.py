@@ -75,3 +75,47 @@ def serving_load(
         plot_sweep(result, str(plot))
     if any(r["failed"] for r in result["a"] + result["b"]):
         raise typer.Exit(1)
+
+
+matrix_app = typer.Typer(no_args_is_help=True, help="Composition matrices over live SSE.")
+app.add_typer(matrix_app, name="matrix")
+
+
+@matrix_app.command("features")
+def matrix_features(
+    model: Annotated[str | None, typer.Option(help="Model for both servers (default: the embedded one).")] = None,
+    concurrency: Annotated[int, typer.Option(help="Concurrent requests per cell.")] = 8,
+    requests: Annotated[int, typer.Option(help="Requests per cell.")] = 16,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens per request.")] = 32,
+    serve_arg: Annotated[list[str] | None, typer.Option(help="Extra `mlxq serve` flag for the server under "
+                                                            "test (repeatable), e.g. --serve-arg=--batch=16.")]
+    = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the cells.")] = None,
+) -> None:
+    """Six cells (greedy, shared prefix, stop+seed, quantized KV, logprobs, mixed) with conformance gates."""
+    from rich.console import Console
+
+    from mlxq.bench.matrix import make_cells, run_cell
+    from mlxq.bench.report import matrix_table, plot_matrix
+    from mlxq.bench.servers import ServeProcess
+
+    console = Console()
+    model_args = ["--model", model] if model else []
+    cells = make_cells(requests, max_tokens)
+    with ServeProcess(*model_args, "--batch", str(max(concurrency, 2)), *(serve_arg or [])) as server, \
+            ServeProcess(*model_args, "--batch", "1") as reference:
+        results = [run_cell(cell, server.url, reference.url, concurrency,
+                            on_progress=lambda name: console.print(f"cell {name} ...")) for cell in cells]
+    console.print(matrix_table(results))
+    for r in results:
+        for problem in r.get("problems", []):
+            console.print(f"[red]{r['cell']}: {problem}")
+    doc = {"concurrency": concurrency, "requests": requests, "max_tokens": max_tokens, "model": model,
+           "cells": results}
+    if json_path:
+        json_path.write_text(json.dumps(doc, indent=1))
+    if plot:
+        plot_matrix(results, str(plot))
+    if any(r["status"] == "fail" for r in results):
+        raise typer.Exit(1)

@@ -6,9 +6,12 @@ user's cache directory and reused afterwards, so it needs no download.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
+from mlxq.models.presets import make_config
 from mlxq.models.tiny import FACTORY_VERSION, build_tiny_model, read_manifest
 
 DEFAULT_ARCH = "llama"
@@ -24,8 +27,14 @@ def cache_root() -> Path:
 
 
 def ensure_default_model() -> Path:
-    """The default model's directory, built if missing or from an older factory."""
-    name = f"{DEFAULT_PRESET}-{DEFAULT_ARCH}-s{DEFAULT_SEED}-f{FACTORY_VERSION}"
+    """The default model's directory, built if missing or from an older factory.
+
+    The directory name carries a digest of the config, so changing a preset's
+    shape builds a new model instead of reusing a stale one.
+    """
+    config = json.dumps(make_config(DEFAULT_ARCH, DEFAULT_PRESET), sort_keys=True).encode()
+    digest = hashlib.sha256(config).hexdigest()[:8]
+    name = f"{DEFAULT_PRESET}-{DEFAULT_ARCH}-s{DEFAULT_SEED}-f{FACTORY_VERSION}-{digest}"
     path = cache_root() / "models" / name
     manifest = read_manifest(path) if path.exists() else None
     if manifest is None or manifest.get("factory_version") != FACTORY_VERSION:

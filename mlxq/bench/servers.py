@@ -1,0 +1,51 @@
+"""Start `mlxq serve` as a child process for benchmarks that bring their own server."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`mlxq serve ARGS` on a free loopback port; a context manager that waits for /health."""
+
+    def __init__(self, *args: str, log_path: str | None = None, timeout_s: float = 300):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self._timeout = timeout_s
+        cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(self.port), "--log-level", "warning",
+               *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> ServeProcess:
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlxq serve exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.__exit__()
+        raise TimeoutError(f"mlxq serve on {self.url} not healthy after {self._timeout}s")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
