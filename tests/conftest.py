@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 import mlxq  # noqa: F401  (first: loads the fast BLAS before anything imports mlx)
+from mlxq.bench.servers import free_port
 from mlxq.golden.cases import ARCHS
 from mlxq.models.tiny import build_tiny_model
 
@@ -43,12 +43,6 @@ def load_tiny(tiny_model_dirs):
         return _loaded_cache[arch]
 
     return load
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(base_url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:

@@ -107,7 +107,7 @@ class Engine:
         budget = self.config.kv_budget_bytes
         if budget is None or self.footprint is None or self.gateway is None or self.gateway.mode != "batch":
             return
-        need = self.footprint.row_bytes(num_prompt + max_tokens)
+        need = self.footprint.row_bytes(num_prompt + max_tokens, num_prompt)
         if need > budget:
             fits = _max_tokens_within(self.footprint, budget, num_prompt)
             hint = f"lower max_tokens to {fits}" if fits > 0 else "shorten the prompt"
@@ -199,7 +199,7 @@ class Engine:
         reason = None
         try:
             model_cache_kinds(make_prompt_cache(self.loaded.model))
-            self.footprint = measure_footprint(self.loaded.model)
+            self.footprint = measure_footprint(self.loaded.model, self.config.prefill_step_size)
         except UnknownCacheKind as exc:
             reason = str(exc)
             log.warning("continuous batching unavailable for this model: %s; every request runs serially", exc)
@@ -329,7 +329,7 @@ def _max_tokens_within(footprint, budget: int, num_prompt: int) -> int:
     lo, hi = 0, 1 << 22
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if footprint.row_bytes(num_prompt + mid) <= budget:
+        if footprint.row_bytes(num_prompt + mid, num_prompt) <= budget:
             lo = mid
         else:
             hi = mid - 1

@@ -83,10 +83,13 @@ class BatchScheduler:
         return not self._rows and not self._joiners
 
     def projected_bytes(self, extra: Request | None = None) -> int:
+        """Worst-case KV bytes of every row (and ``extra``) at prompt + max_tokens, plus prefill transients."""
         lengths = [len(r.request.prompt_ids) + r.request.max_tokens for r in self._all_rows()]
+        prefilling = [len(j.row.request.prompt_ids) for j in self._joiners]
         if extra is not None:
             lengths.append(len(extra.prompt_ids) + extra.max_tokens)
-        return self.footprint.batch_bytes(lengths)
+            prefilling.append(len(extra.prompt_ids))
+        return self.footprint.batch_bytes(lengths) + sum(self.footprint.prefill_bytes(n) for n in prefilling)
 
     def can_admit(self, request: Request) -> bool:
         if len(self._rows) + len(self._joiners) >= self.config.max_rows:

@@ -46,3 +46,13 @@ CASES: tuple[GoldenCase, ...] = (
 )
 
 ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_next")
+
+
+# The batched suite: N prompts of different lengths decoded together (static B=N), greedy.
+BATCHED_PROMPTS = (
+    SHORT,
+    LONG,
+    "Every decode step reads the weights once.",
+    LONG[:120],
+)
+BATCHED_MAX_TOKENS = 16

@@ -41,3 +41,12 @@ def oracle_tokens(model, tokenizer, prompt_ids: list[int], case: GoldenCase) -> 
             break
         tokens.append(response.token)
     return tokens
+
+
+def oracle_batch_tokens(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """mlx-lm's BatchGenerator (via batch_generate) on all prompts at once: static B=N, greedy."""
+    from mlx_lm.generate import batch_generate
+
+    response = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True,
+                              completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+    return [list(ids) for ids in response.token_ids]

@@ -5,6 +5,11 @@ fresh cache list and each layer's bytes are read back (full and rotating
 layers: bytes per token; recurrent layers: a fixed state). The batch lane
 keeps contiguous padded caches, so a full-attention layer costs every row
 the *longest* row's length, rounded up to the cache's 256-token growth step.
+
+Sliding-window layers hold their window once a row decodes, but while a
+prompt chunk of n tokens is written a ring holds window - 1 + n tokens (the
+chunk must attend to the window before it): a prefilling row pays that
+transient on top (``prefill_bytes``).
 """
 
 from __future__ import annotations
@@ -27,10 +32,16 @@ class LayerFootprint:
 @dataclass(frozen=True)
 class KvFootprint:
     layers: tuple[LayerFootprint, ...]
+    prefill_chunk: int = 2048  # prompt tokens written per prefill step
 
-    def row_bytes(self, num_tokens: int) -> int:
-        """One row holding ``num_tokens`` tokens (prompt + generated)."""
-        return self.batch_bytes([num_tokens])
+    def row_bytes(self, num_tokens: int, prompt_tokens: int = 0) -> int:
+        """One row alone: ``num_tokens`` (prompt + max_tokens), with its prefill transient."""
+        return self.batch_bytes([num_tokens]) + self.prefill_bytes(prompt_tokens)
+
+    def prefill_bytes(self, prompt_tokens: int) -> int:
+        """Extra ring bytes while a prompt is prefilled in chunks (sliding-window layers only)."""
+        chunk = min(prompt_tokens, self.prefill_chunk)
+        return sum(chunk * layer.bytes_per_token for layer in self.layers if layer.kind is CacheKind.ROTATING)
 
     def batch_bytes(self, row_tokens: list[int]) -> int:
         """Rows padded to the longest, as the batch lane stores them."""
@@ -49,7 +60,7 @@ class KvFootprint:
         return total
 
 
-def measure_footprint(model) -> KvFootprint:
+def measure_footprint(model, prefill_chunk: int = 2048) -> KvFootprint:
     """Prefill one token into fresh caches and read each layer's bytes (engine thread only)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -67,4 +78,4 @@ def measure_footprint(model) -> KvFootprint:
             per_token = int(cache.nbytes) // allocated
             window = getattr(cache, "max_size", None) if kind is CacheKind.ROTATING else None
             layers.append(LayerFootprint(kind, per_token, 0, window))
-    return KvFootprint(tuple(layers))
+    return KvFootprint(tuple(layers), prefill_chunk)
