@@ -2,12 +2,13 @@
 
 One ``step()`` is a short list of phases:
 
-    _purge_cancelled -> _prefill (one chunk per joiner, bounded) -> _join -> _decode_step
+    _purge_cancelled -> _prefill (one chunk per joiner, bounded) -> _first_tokens -> _join
+    -> _decode_step
 
-- A joiner prefills alone on its own solo caches, in the serial lane's
-  chunks, and samples token 0 before it joins; so each row's numbers match
-  its solo run as far as batching allows, and a row that ends at token 0
-  never touches the batch.
+- A joiner prefills prompt[:-1] alone on its own solo caches, in the serial
+  lane's chunks. Joiners that finish in the same step get token 0 from one
+  forward of their last prompt tokens (one joiner: on its own caches; more:
+  merged), before they join; a row that ends at token 0 never joins.
 - A row joining an empty batch *adopts* its caches: the B=1 step is the
   serial lane's graph. A second row merges both into mlx-lm's batched
   caches; when only one row is left it is extracted back to solo caches.
@@ -30,7 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.rows import Row, make_row
 from mlxq.engine.types import FinishReason, Request
-from mlxq.kv.batch_ops import append_rows, extract_row, keep_rows, merge_solo_rows
+from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.projection import KvFootprint
 
 log = logging.getLogger("mlxq.scheduler")
@@ -51,6 +52,11 @@ class _Joiner:
     row: Row
     caches: list
     done: int = 0  # prompt tokens already prefilled
+
+    @property
+    def is_prefilled(self) -> bool:
+        """All but the last prompt token are in the caches: ready for token 0."""
+        return self.done >= len(self.row.request.prompt_ids) - 1
 
 
 class BatchScheduler:
@@ -119,7 +125,7 @@ class BatchScheduler:
         self._purge_cancelled()
         ready = self._prefill()
         if ready:
-            self._join(ready)
+            self._first_tokens(ready)
         if self._rows:
             try:
                 self._decode_step()
@@ -139,83 +145,103 @@ class BatchScheduler:
         # Running rows are cancelled at emit time, where their pending token is dropped.
 
     def _prefill(self) -> list[_Joiner]:
-        """Advance joiners one chunk each, FIFO, within one chunk's worth of tokens per step."""
+        """Advance joiners one chunk each, FIFO, within one chunk's worth of tokens per step.
+
+        Returns the joiners whose prompt, all but its last token, is now in their caches.
+        """
         budget = self.config.prefill_step_size
         ready = []
         for joiner in list(self._joiners):
-            if budget <= 0:
-                break
-            try:
-                used = self._advance(joiner)
-            except Exception as exc:
-                log.error("prefill failed for %s", joiner.row.request.request_id, exc_info=True)
-                self._joiners.remove(joiner)
-                joiner.row.output.finish(FinishReason.ERROR, error=f"prefill failed: {type(exc).__name__}: {exc}")
-                self._on_finish(joiner.row)
-                continue
-            budget -= used
-            if joiner.row.output.finished is not None:
-                self._joiners.remove(joiner)  # ended at token 0: never joins the batch
-                self._on_finish(joiner.row)
-            elif joiner.done == len(joiner.row.request.prompt_ids):
+            if not joiner.is_prefilled and budget > 0:
+                try:
+                    budget -= self._advance(joiner)
+                except Exception as exc:
+                    self._fail_joiners([joiner], "prefill", exc)
+                    continue
+            if joiner.is_prefilled:
                 self._joiners.remove(joiner)
                 ready.append(joiner)
         return ready
 
     def _advance(self, joiner: _Joiner) -> int:
-        """One chunk of the prompt (all but its last token), or token 0 once that is done.
-
-        Chunk boundaries are the serial lane's (mlx-lm generate_step): chunks of
-        prefill_step_size over prompt[:-1], then the last token alone.
-        """
+        """One chunk of prompt[:-1], at the serial lane's boundaries (mlx-lm generate_step)."""
         prompt, row = joiner.row.request.prompt_ids, joiner.row
-        remaining = len(prompt) - 1 - joiner.done
+        n = min(self.config.prefill_step_size, len(prompt) - 1 - joiner.done)
         with mx.stream(generation_stream):
-            if remaining > 0:
-                n = min(self.config.prefill_step_size, remaining)
-                chunk = mx.array(prompt[joiner.done : joiner.done + n])
-                self.model(chunk[None], cache=joiner.caches)
-                mx.eval([c.state for c in joiner.caches])
-                row.feed_history(chunk)
-                joiner.done += n
-                mx.clear_cache()
-                return n
-            last = mx.array(prompt[-1:])
-            logits = self.model(last[None], cache=joiner.caches)[:, -1, :]
-            token, logprobs = row.sample(logits, last)
-            mx.eval(token, logprobs)
-        joiner.done = len(prompt)
-        row.fed = len(prompt)
-        row.output.add_token(token.item(), logprobs.squeeze(0))
-        row.extra["token0"], row.extra["logprobs0"] = token, logprobs.squeeze(0)
-        return 1
+            chunk = mx.array(prompt[joiner.done : joiner.done + n])
+            self.model(chunk[None], cache=joiner.caches)
+            mx.eval([c.state for c in joiner.caches])
+        row.feed_history(chunk)
+        joiner.done += n
+        if n == self.config.prefill_step_size:
+            # A long prompt: release the chunk's transient buffers (the serial lane does
+            # the same). Short prompts skip it, so a burst of joiners does not make the
+            # allocator give back and re-acquire the running batch's buffers each time.
+            mx.clear_cache()
+        return n
 
-    def _join(self, ready: list[_Joiner]) -> None:
-        tokens = [j.row.extra.pop("token0") for j in ready]
-        logprobs = [j.row.extra.pop("logprobs0") for j in ready]
-        if not self._rows:
-            first = ready[0]
-            self._caches, self._batched = first.caches, False  # adopt: zero copy, serial graph
-            rest = ready[1:]
-            self._rows = [first.row]
-            self._pending = (tokens[0], [logprobs[0]], [True])
-            tokens, logprobs = tokens[1:], logprobs[1:]
-        else:
-            rest = ready
-        if not rest:
+    def _first_tokens(self, ready: list[_Joiner]) -> None:
+        """Token 0 of every ready joiner from one forward of their last prompt tokens, then join.
+
+        One joiner runs on its own caches (the serial lane's graph); several are
+        merged first, so a burst of arrivals costs one forward here, not one each.
+        """
+        try:
+            if len(ready) == 1:
+                caches, batched = ready[0].caches, False
+            else:
+                caches, batched = merge_solo_rows([j.caches for j in ready]), True
+            lasts = mx.array([j.row.request.prompt_ids[-1] for j in ready])
+            with mx.stream(generation_stream):
+                logits = self.model(lasts[:, None], cache=caches)[:, -1, :]
+                drawn = [j.row.sample(logits[i : i + 1], lasts[i : i + 1]) for i, j in enumerate(ready)]
+                tokens = mx.concatenate([token for token, _ in drawn])
+                logprobs = [lp.squeeze(0) for _, lp in drawn]
+                mx.eval(tokens, logprobs)
+        except Exception as exc:
+            self._fail_joiners(ready, "first token", exc)
             return
-        if self._batched:
-            append_rows(self._caches, [j.caches for j in rest])
-        else:
-            self._caches = merge_solo_rows([self._caches] + [j.caches for j in rest])
-            self._batched = True
+        alive = []
+        for i, (joiner, token) in enumerate(zip(ready, tokens.tolist(), strict=True)):
+            joiner.row.fed = len(joiner.row.request.prompt_ids)
+            if self._emit(joiner.row, token, logprobs[i]):
+                alive.append(i)
+            else:
+                self._on_finish(joiner.row)  # ended at token 0: never joins the batch
+        if not alive:
+            return
+        if batched and len(alive) < len(ready):
+            keep_rows(caches, alive)
+        if batched and len(alive) == 1 and not self._rows:
+            caches, batched = extract_row(caches, 0), False
+        self._join([ready[i].row for i in alive], caches, batched,
+                   tokens[mx.array(alive)], [logprobs[i] for i in alive])
+
+    def _join(self, rows: list[Row], caches: list, batched: bool, tokens: mx.array, logprobs: list) -> None:
+        """Add rows whose token 0 was emitted; their caches hold the prompt, token 0 is pending."""
+        if not self._rows:
+            # Adopt: a lone joiner keeps its own caches, zero copy, and runs the serial graph.
+            self._caches, self._batched, self._rows = caches, batched, rows
+            self._pending = (tokens, logprobs, [True] * len(rows))
+            return
+        if not self._batched:
+            self._caches, self._batched = merge_solo_rows([self._caches]), True
+        extend_batch(self._caches, caches if batched else merge_solo_rows([caches]))
         pending_tokens, pending_lps, emitted = self._pending
         self._pending = (
-            mx.concatenate([pending_tokens, *tokens]),
+            mx.concatenate([pending_tokens, tokens]),
             pending_lps + logprobs,
-            emitted + [True] * len(rest),
+            emitted + [True] * len(rows),
         )
-        self._rows += [j.row for j in rest]
+        self._rows += rows
+
+    def _fail_joiners(self, joiners: list[_Joiner], phase: str, exc: Exception) -> None:
+        log.error("%s failed for %d joiner(s)", phase, len(joiners), exc_info=True)
+        for joiner in joiners:
+            if joiner in self._joiners:
+                self._joiners.remove(joiner)
+            joiner.row.output.finish(FinishReason.ERROR, error=f"{phase} failed: {type(exc).__name__}: {exc}")
+            self._on_finish(joiner.row)
 
     def _decode_step(self) -> None:
         inputs, logprobs_now, emitted = self._pending

@@ -32,7 +32,11 @@ def merge_solo_rows(rows: list[list]) -> list:
 
 def append_rows(batch: list, solo_rows: list[list]) -> list:
     """``batch`` (already batched) extended in place with new solo rows."""
-    joiners = merge_solo_rows(solo_rows)
+    return extend_batch(batch, merge_solo_rows(solo_rows))
+
+
+def extend_batch(batch: list, joiners: list) -> list:
+    """``batch`` extended in place with the rows of another batched cache list (right-aligned)."""
     for layer, (running, joining) in enumerate(zip(batch, joiners, strict=True)):
         if cache_kind(running) is not cache_kind(joining):
             raise TypeError(f"layer {layer}: cannot join {type(joining).__name__} to {type(running).__name__}")
