@@ -27,6 +27,12 @@ def serve(
     stall_timeout: Annotated[float, typer.Option(help="Seconds without engine progress before /health "
                                                       "reports 503.")] = 120.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_format: Annotated[str, typer.Option(help="Request log lines: plain or json.")] = "plain",
+    log_prompts: Annotated[bool, typer.Option(help="Include prompt text in request log lines.")] = False,
+    max_request_bytes: Annotated[str, typer.Option(help="Refuse larger request bodies (413) before "
+                                                        "parsing, e.g. 16MiB.")] = "16MiB",
+    max_tokens_limit: Annotated[int | None, typer.Option(help="Server-wide cap on max_tokens.")] = None,
+    max_prompt_tokens: Annotated[int | None, typer.Option(help="Per-request cap on prompt tokens.")] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     from mlxq.cli.units import parse_bytes
@@ -39,7 +45,9 @@ def serve(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
             allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
             prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=log_level,
-            batch=batch, prompt_concurrency=prompt_concurrency,
+            batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
+            max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
+            max_prompt_tokens=max_prompt_tokens,
             kv_budget_bytes=parse_bytes(kv_budget) if kv_budget else None,
         )
         run_server(config)

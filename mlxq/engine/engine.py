@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
 from mlxq.engine.output import EmitFn
-from mlxq.engine.types import FinishReason, Request, TokenEvent
+from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
 
 log = logging.getLogger("mlxq.engine")
@@ -97,10 +97,15 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="mlxq-engine", daemon=True)
         self.last_progress_at = time.monotonic()  # heartbeat for /health
         self.fatal_error: str | None = None
+        self._observers: list[Callable[[RequestDone], None]] = []
 
     # --- called from any thread -------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    def add_observer(self, observer: Callable[[RequestDone], None]) -> None:
+        """Called on the engine thread once per finished request; must be quick and never raise."""
+        self._observers.append(observer)
 
     def check_admissible(self, num_prompt: int, max_tokens: int) -> None:
         """Raise AdmissionError when a request could never be admitted (pure Python, any thread)."""
@@ -211,7 +216,8 @@ class Engine:
                 self.loaded.model, self.loaded.tokenizer, self.footprint,
                 SchedulerConfig(self.config.max_rows, self.config.prompt_concurrency,
                                 self.config.prefill_step_size, self.config.kv_budget_bytes),
-                on_finish=lambda row: self._account(row.output.usage(), row.output.finished),
+                on_finish=lambda row: self._done(row.request, Lane.CONTINUOUS, row.output.finished,
+                                                 row.output.usage()),
             )
 
     def _idle(self) -> bool:
@@ -262,8 +268,8 @@ class Engine:
             message = "the request does not fit the KV budget"
         except AdmissionError as exc:
             message = str(exc)
-        self.stats.requests_failed += 1
         work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.ERROR, error=message))
+        self._done(work.request, work.placement.lane, FinishReason.ERROR, None, message)
 
     def _drop_cancelled_waiting(self) -> None:
         if not any(w.request.cancelled.is_set() for w in self._waiting):
@@ -271,7 +277,7 @@ class Engine:
         for work in [w for w in self._waiting if w.request.cancelled.is_set()]:
             self._waiting.remove(work)
             work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.CANCELLED))
-            self.stats.requests_cancelled += 1
+            self._done(work.request, work.placement.lane, FinishReason.CANCELLED, None)
 
     def _beat(self) -> None:
         self.last_progress_at = time.monotonic()
@@ -286,27 +292,36 @@ class Engine:
                 self.loaded.model, self.loaded.tokenizer, request, work.emit,
                 prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
             )
-            self._account(output.usage(), output.finished)
+            self._done(request, Lane.SERIAL, output.finished, output.usage())
         except Exception as exc:
             log.error("request %s failed: %s\n%s", request.request_id, exc, traceback.format_exc())
-            self.stats.requests_failed += 1
             message = f"generation failed: {type(exc).__name__}: {exc}"
             work.emit(TokenEvent(request.request_id, finish_reason=FinishReason.ERROR, error=message))
+            self._done(request, Lane.SERIAL, FinishReason.ERROR, None, message)
         finally:
             self._serial_running = None
 
-    def _account(self, usage, finished: FinishReason | None) -> None:
+    def _done(self, request: Request, lane: Lane, finished: FinishReason | None, usage, error=None) -> None:
+        """Every request ends here exactly once: stats, then observers."""
         self._beat()
-        self.stats.prompt_tokens += usage.prompt_tokens
-        self.stats.generated_tokens += usage.completion_tokens
+        finished = finished or FinishReason.ERROR
+        if usage is not None:
+            self.stats.prompt_tokens += usage.prompt_tokens
+            self.stats.generated_tokens += usage.completion_tokens
+            if usage.decode_tok_s:
+                self.stats.last_decode_tok_s = usage.decode_tok_s
         if finished is FinishReason.CANCELLED:
             self.stats.requests_cancelled += 1
         elif finished is FinishReason.ERROR:
             self.stats.requests_failed += 1
         else:
             self.stats.requests_finished += 1
-        if usage.decode_tok_s:
-            self.stats.last_decode_tok_s = usage.decode_tok_s
+        done = RequestDone(request, lane.value, finished, usage, error)
+        for observer in self._observers:
+            try:
+                observer(done)
+            except Exception:  # an observer must never take a request or the engine down
+                log.exception("request observer failed")
 
     def _cancel_everything(self) -> None:
         if self.scheduler is not None:

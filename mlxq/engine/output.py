@@ -30,12 +30,15 @@ class RequestOutput:
         self._started_at = time.monotonic()
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
+        self._gaps: list[float] = []  # seconds between successive tokens (inter-token latency)
 
     def add_token(self, token: int, logprobs=None) -> bool:
         """Account one sampled token; returns True when the request is finished."""
         now = time.monotonic()
         if self._first_token_at is None:
             self._first_token_at = now
+        else:
+            self._gaps.append(now - self._last_token_at)
         self._last_token_at = now
         if token in self._eos:
             self.finish(FinishReason.STOP)
@@ -82,6 +85,7 @@ class RequestOutput:
             queue_s=self._started_at - submitted,
             ttft_s=(first - submitted) if first else 0.0,
             decode_s=(last - first) if first and last else 0.0,
+            inter_token_s=tuple(self._gaps),
         )
 
     def _logprobs(self, token: int, logprobs) -> tuple[float | None, tuple[TopLogprob, ...]]:

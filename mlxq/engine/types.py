@@ -85,6 +85,12 @@ class Usage:
     queue_s: float  # submit -> engine picked it up
     ttft_s: float  # submit -> first token sampled
     decode_s: float  # first token -> last token
+    inter_token_s: tuple[float, ...] = ()  # gaps between successive tokens, at the engine
+
+    @property
+    def prefill_s(self) -> float:
+        """Engine pickup -> first token: the prompt's prefill (and its interleaving)."""
+        return max(0.0, self.ttft_s - self.queue_s) if self.ttft_s else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -107,4 +113,15 @@ class TokenEvent:
     top_logprobs: tuple[TopLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """Handed to engine observers (metrics, request log) exactly once per request."""
+
+    request: Request
+    lane: str  # "serial" or "continuous"
+    finish_reason: FinishReason
+    usage: Usage | None  # None when the request never reached the engine's lanes
     error: str | None = None

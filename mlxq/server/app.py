@@ -21,8 +21,8 @@ from mlxq.server.errors import (
 )
 from mlxq.server.state import ServerState
 
-# Reachable without the API key: load balancers probe it.
-PUBLIC_PATHS = frozenset({"/health"})
+# Reachable without the API key: load balancers probe them.
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
 
 
 class ApiKeyAuth:
@@ -68,6 +68,8 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             Route("/completions", routes.completions, methods=["POST"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
+            Route("/ready", routes.ready, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/stats", routes.stats, methods=["GET"]),
         ],
         middleware=[

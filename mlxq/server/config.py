@@ -19,6 +19,11 @@ class ServerConfig:
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     stall_timeout_s: float = 120.0  # /health turns 503 when work is pending and no step ran this long
     log_level: str = "info"
+    log_format: str = "plain"  # request log lines: plain or json
+    log_prompts: bool = False  # include prompt text in request log lines (user data: off by default)
+    max_request_bytes: int = 16 * 2**20  # larger bodies get 413 before parsing
+    max_tokens_limit: int | None = None  # server-wide cap on max_tokens (None: the model's context)
+    max_prompt_tokens: int | None = None  # per-request prompt length cap (None: the model's context)
     extra: dict = field(default_factory=dict)  # reserved for later sections; never read by the engine
 
     def __post_init__(self):
@@ -34,3 +39,15 @@ class ServerConfig:
             raise ValueError("stall_timeout_s must be > 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.log_format not in ("plain", "json"):
+            raise ValueError("log_format must be plain or json")
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be >= 1024")
+        for name in ("max_tokens_limit", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")

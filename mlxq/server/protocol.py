@@ -45,7 +45,8 @@ class GenerationSpec:
     tools: list | None  # tool definitions given: parse tool calls out of the output
 
 
-def parse_generation(body, kind: Literal["chat", "completion"], lm) -> GenerationSpec:
+def parse_generation(body, kind: Literal["chat", "completion"], lm,
+                     default_max_tokens: int | None = None) -> GenerationSpec:
     """Validate ``body`` against the loaded model ``lm`` (a models.LoadedModel)."""
     tokenizer = lm.tokenizer
     if not isinstance(body, dict):
@@ -63,7 +64,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm) -> Generatio
         prompt_ids = tokenize_completion(tokenizer, body.get("prompt"))
         if any(not 0 <= t < lm.vocab_size for t in prompt_ids):
             raise invalid(f"'prompt' token ids must be in 0-{lm.vocab_size - 1}", "prompt")
-    max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length)
+    max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length, default_max_tokens)
     logprobs, top_logprobs = _read_logprobs(body, kind)
     stream = read_bool(body, "stream", False)
     stream_options = read_dict(body, "stream_options") or {}
@@ -99,7 +100,7 @@ def _refuse_unsupported(body: dict) -> None:
     read_int(body, "num_draft_tokens", 0, lo=0)
 
 
-def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None) -> int:
+def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, default_cap: int | None) -> int:
     requested = read_int(body, "max_completion_tokens", None, lo=1)
     if requested is None:
         requested = read_int(body, "max_tokens", None, lo=1)
@@ -113,7 +114,8 @@ def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None) ->
             code="context_length_exceeded",
         )
     if requested is None:
-        return DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
+        default = DEFAULT_MAX_TOKENS if default_cap is None else min(DEFAULT_MAX_TOKENS, default_cap)
+        return default if room is None else min(default, room)
     if room is not None and requested > room:
         raise APIError(
             400,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import uuid
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlxq.engine.engine import AdmissionError
 from mlxq.engine.types import FinishReason, Request
@@ -17,14 +18,41 @@ from mlxq.server.protocol import GenerationSpec, parse_generation
 from mlxq.server.state import ServerState
 
 
-async def _read_json(http: HTTPRequest):
-    raw = await http.body()
+async def _read_json(http: HTTPRequest, limit: int):
+    """The body as JSON; bodies over ``limit`` bytes are refused before parsing (413)."""
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw:
         raise invalid("the request body is empty; send a JSON object")
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body larger than the server's limit of {limit} bytes (--max-request-bytes)",
+                    code="request_too_large")
+
+
+def _check_limits(spec: GenerationSpec, config) -> None:
+    """Server-wide caps (--max-tokens-limit, --max-prompt-tokens), beyond the model's context."""
+    if config.max_prompt_tokens is not None and len(spec.prompt_ids) > config.max_prompt_tokens:
+        raise APIError(400, f"the prompt is {len(spec.prompt_ids)} tokens; this server accepts at most "
+                            f"{config.max_prompt_tokens} (--max-prompt-tokens)", param="messages",
+                       code="prompt_too_long")
+    if config.max_tokens_limit is not None and spec.max_tokens > config.max_tokens_limit:
+        raise APIError(400, f"max_tokens {spec.max_tokens} is above this server's limit of "
+                            f"{config.max_tokens_limit} (--max-tokens-limit)", param="max_tokens",
+                       code="max_tokens_too_large")
 
 
 def _new_request(spec: GenerationSpec, prefix: str) -> Request:
@@ -52,7 +80,9 @@ async def completions(http: HTTPRequest):
 async def _generate(http: HTTPRequest, kind):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
-    spec = parse_generation(await _read_json(http), kind, state.loaded)
+    spec = parse_generation(await _read_json(http, state.config.max_request_bytes), kind, state.loaded,
+                            default_max_tokens=state.config.max_tokens_limit)
+    _check_limits(spec, state.config)
     try:
         state.engine.check_admissible(len(spec.prompt_ids), spec.max_tokens)
     except AdmissionError as exc:
@@ -105,6 +135,18 @@ async def health(http: HTTPRequest):
     healthy, reason = state.health()
     return JSONResponse({"status": "ok" if healthy else "unavailable", "reason": reason},
                         status_code=200 if healthy else 503)
+
+
+async def ready(http: HTTPRequest):
+    """Model loaded and admitting: what a load balancer should route on (/health says "alive")."""
+    state: ServerState = http.app.state.mlxq
+    ok = state.is_ready()
+    return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+
+async def metrics(http: HTTPRequest):
+    state: ServerState = http.app.state.mlxq
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def stats(http: HTTPRequest):

@@ -63,6 +63,9 @@ def serve(config: ServerConfig) -> None:
     log.info("BLAS: %s (%s)", blas.name, blas.path or blas.reason)
     if blas.name == "bundled-reference":
         log.warning("slow CPU math: %s", blas.reason)
+    if not config.is_loopback and config.api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach this address can use the model "
+                    "and read /stats; set --api-key (or MLXQ_API_KEY) or bind to 127.0.0.1", config.host)
     state = make_state(config)
     app = build_app(state)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port,

@@ -14,6 +14,8 @@ from mlxq.engine.engine import Engine
 from mlxq.models.loader import LoadedModel
 from mlxq.server.config import ServerConfig
 from mlxq.server.errors import APIError
+from mlxq.server.metrics import ServerMetrics
+from mlxq.server.request_log import RequestLogger
 
 
 @dataclass
@@ -22,6 +24,17 @@ class ServerState:
     engine: Engine
     started_at: float = field(default_factory=time.monotonic)
     started_at_wall: float = field(default_factory=time.time)
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self):
+        self.metrics = ServerMetrics(self)
+        self.engine.add_observer(self.metrics.observe)
+        self.engine.add_observer(RequestLogger(self.config.log_format, self.config.log_prompts,
+                                               lambda: self.loaded.tokenizer if self.loaded else None))
+
+    def is_ready(self) -> bool:
+        """Model loaded and admitting requests."""
+        return self.engine.is_alive and self.engine.ready.is_set()
 
     @property
     def loaded(self) -> LoadedModel | None:

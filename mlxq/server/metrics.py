@@ -1,0 +1,104 @@
+"""Prometheus metrics, named like vLLM's where the concept is the same.
+
+vLLM exports ``vllm:<name>``; mlxq exports ``mlxq:<name>`` with the same
+``<name>`` and meaning, so a dashboard moves over by changing the prefix:
+
+- gauges: num_requests_running (decoding or prefilling rows, or the serial
+  request), num_requests_waiting, kv_cache_usage_bytes (projected KV bytes
+  of the batch), kv_cache_budget_bytes (--kv-budget, 0 when unset);
+- counters: prompt_tokens_total, generation_tokens_total,
+  request_success_total{finished_reason} (stop, length, cancelled = vLLM's
+  "abort", error), prefix_cache_queries_total and prefix_cache_hits_total
+  (in tokens: looked up / served from a prompt cache);
+- histograms: time_to_first_token_seconds, inter_token_latency_seconds,
+  e2e_request_latency_seconds, request_queue_time_seconds,
+  request_prefill_time_seconds, request_decode_time_seconds,
+  request_prompt_tokens, request_generation_tokens.
+
+Each server has its own registry, so several servers in one process (tests)
+never share counters. Counters move on the engine thread, once per finished
+request (``Engine.add_observer``); gauges are read when scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from mlxq.engine.types import RequestDone
+
+PREFIX = "mlxq:"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class _EngineGauges:
+    """A collector that reads the engine's live numbers at scrape time."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def collect(self):
+        engine = self._state.engine
+        scheduler = engine.scheduler
+        values = {
+            "num_requests_running": engine.num_running,
+            "num_requests_waiting": engine.num_waiting,
+            "kv_cache_usage_bytes": scheduler.projected_bytes() if scheduler else 0,
+            "kv_cache_budget_bytes": engine.config.kv_budget_bytes or 0,
+        }
+        for name, value in values.items():
+            yield GaugeMetricFamily(PREFIX + name, name.replace("_", " "), value=value)
+
+
+class ServerMetrics:
+    def __init__(self, state):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests by reason",
+                                       ["finished_reason"], registry=r)
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in prompt caches",
+                                      registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens served from prompt caches",
+                                   registry=r)
+
+        def latency(name, doc):
+            return Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = latency("time_to_first_token_seconds", "Submit to first token")
+        self.itl = latency("inter_token_latency_seconds", "Gap between successive tokens")
+        self.e2e = latency("e2e_request_latency_seconds", "Submit to last token")
+        self.queue = latency("request_queue_time_seconds", "Submit to engine pickup")
+        self.prefill = latency("request_prefill_time_seconds", "Engine pickup to first token")
+        self.decode = latency("request_decode_time_seconds", "First token to last token")
+        self.prompt_len = Histogram(PREFIX + "request_prompt_tokens", "Prompt length", buckets=TOKEN_BUCKETS,
+                                    registry=r)
+        self.generation_len = Histogram(PREFIX + "request_generation_tokens", "Generated tokens",
+                                        buckets=TOKEN_BUCKETS, registry=r)
+        r.register(_EngineGauges(state))
+
+    def observe(self, done: RequestDone) -> None:
+        self.request_success.labels(done.finish_reason.value).inc()
+        usage = done.usage
+        if usage is None:
+            return
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        self.prefix_queries.inc(usage.prompt_tokens)
+        self.prefix_hits.inc(usage.cached_tokens)
+        self.prompt_len.observe(usage.prompt_tokens)
+        self.generation_len.observe(usage.completion_tokens)
+        self.queue.observe(usage.queue_s)
+        if usage.ttft_s:
+            self.ttft.observe(usage.ttft_s)
+            self.prefill.observe(usage.prefill_s)
+            self.decode.observe(usage.decode_s)
+            self.e2e.observe(usage.ttft_s + usage.decode_s)
+        for gap in usage.inter_token_s:
+            self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

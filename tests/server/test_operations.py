@@ -1,0 +1,191 @@
+"""Operations: /metrics adds up, /health means progress, request logs, limits, exposure warning."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from mlxq.engine.engine import Engine, EngineConfig
+from mlxq.models.loader import load_model
+from mlxq.server.config import ServerConfig
+from mlxq.server.state import ServerState
+from tests.conftest import InProcessServer, ServerProcess
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {sample name with labels: value} (comments and _created lines dropped)."""
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("#") or "_created" in line or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        out[name] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ops_server(tiny_model_dirs):
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-format", "json",
+                       "--max-request-bytes", "64KiB", "--max-tokens-limit", "200",
+                       "--max-prompt-tokens", "1000") as server:
+        yield server
+
+
+async def _completion(url: str, body: dict) -> dict:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return (await client.post(url + "/v1/completions", json=body)).json()
+
+
+def test_metrics_add_up_to_the_requests_sent(ops_server):
+    url = ops_server.url
+    bodies = [{"prompt": [1, 2, 3 + i], "max_tokens": 5 + i, "ignore_eos": True} for i in range(12)]
+
+    async def run_all():
+        return await asyncio.gather(*(_completion(url, b) for b in bodies))
+
+    before = scrape(url)
+    results = asyncio.run(run_all())
+    during_or_after = scrape(url)
+    assert during_or_after["mlxq:num_requests_running"] == 0
+    after = scrape(url)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    generated = sum(r["usage"]["completion_tokens"] for r in results)
+    assert generated == sum(b["max_tokens"] for b in bodies)
+    assert delta('mlxq:request_success_total{finished_reason="length"}') == 12
+    assert delta("mlxq:generation_tokens_total") == generated
+    assert delta("mlxq:prompt_tokens_total") == 12 * 3
+    assert delta("mlxq:time_to_first_token_seconds_count") == 12
+    assert delta("mlxq:e2e_request_latency_seconds_count") == 12
+    assert delta("mlxq:request_queue_time_seconds_count") == 12
+    # One inter-token gap per token after the first (EOS ignored, so exactly max_tokens tokens).
+    assert delta("mlxq:inter_token_latency_seconds_count") == generated - 12
+    assert delta("mlxq:request_generation_tokens_sum") == generated
+    assert after["mlxq:num_requests_waiting"] == 0 and after["mlxq:kv_cache_usage_bytes"] == 0
+
+
+def test_metrics_count_cancelled_requests(ops_server):
+    url = ops_server.url
+    before = scrape(url)
+    with httpx.stream("POST", url + "/v1/completions",
+                      json={"prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 20
+    while scrape(url).get('mlxq:request_success_total{finished_reason="cancelled"}', 0) <= \
+            before.get('mlxq:request_success_total{finished_reason="cancelled"}', 0):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_limits_refuse_with_clear_errors(ops_server):
+    url = ops_server.url + "/v1/completions"
+    big = httpx.post(url, content=b'{"prompt": "' + b"a" * 70_000 + b'"}',
+                     headers={"content-type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    over = httpx.post(url, json={"prompt": [1, 2], "max_tokens": 201})
+    assert over.status_code == 400 and over.json()["error"]["code"] == "max_tokens_too_large"
+    long = httpx.post(url, json={"prompt": [1] * 1001, "max_tokens": 2})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "prompt_too_long"
+    # Without max_tokens, the default is capped by --max-tokens-limit.
+    ok = httpx.post(url, json={"prompt": [1, 2], "ignore_eos": True}).json()
+    assert ok["usage"]["completion_tokens"] == 200
+    assert httpx.get(ops_server.url + "/health").status_code == 200
+
+
+def test_ready_and_metrics_endpoints(ops_server):
+    assert httpx.get(ops_server.url + "/ready").json() == {"ready": True}
+    r = httpx.get(ops_server.url + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    assert "# TYPE mlxq:time_to_first_token_seconds histogram" in r.text
+
+
+def test_request_log_lines_are_json_without_prompts(tiny_model_dirs):
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-format", "json") as server:
+        httpx.post(server.url + "/v1/completions", json={"prompt": "SECRET-PROMPT", "max_tokens": 3})
+        server.stop()
+        logs = server.proc.stdout.read()
+    lines = [json.loads(line.split("mlxq.requests: ", 1)[1]) for line in logs.splitlines() if "mlxq.requests" in line]
+    assert len(lines) == 1
+    assert {"id", "lane", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_ms", "decode_tok_s",
+            "finish_reason"} <= set(lines[0])
+    assert "SECRET-PROMPT" not in logs
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-prompts") as server:
+        httpx.post(server.url + "/v1/completions", json={"prompt": "SECRET-PROMPT", "max_tokens": 3})
+        server.stop()
+        assert "SECRET-PROMPT" in server.proc.stdout.read()
+
+
+def test_binding_beyond_loopback_without_a_key_warns(tiny_model_dirs):
+    server = ServerProcess("--model", str(tiny_model_dirs["llama"]), "--host", "0.0.0.0")
+    with server:
+        pass
+    assert "without --api-key" in server.proc.stdout.read()
+
+
+class FatalError(BaseException):
+    """Not an Exception: escapes the per-request handler, as a real fatal fault would."""
+
+
+class FaultyModel:
+    """The real model; prompts holding 9 kill the engine thread, prompts holding 8 stall it for 2 s."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __call__(self, inputs, cache=None, **kw):
+        if inputs.size > 1 and bool(mx.any(inputs == 9).item()):
+            raise FatalError("injected fatal fault")
+        if inputs.size > 1 and bool(mx.any(inputs == 8).item()):
+            time.sleep(2.0)
+        return self._model(inputs, cache=cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def faulty_server(model_dir, stall_timeout: float) -> InProcessServer:
+    def load():
+        loaded = load_model(str(model_dir))
+        loaded.model = FaultyModel(loaded.model)
+        return loaded
+
+    return InProcessServer(ServerState(ServerConfig(stall_timeout_s=stall_timeout), Engine(load, EngineConfig())))
+
+
+def test_health_turns_503_when_the_engine_makes_no_progress(tiny_model_dirs):
+    with faulty_server(tiny_model_dirs["llama"], stall_timeout=0.5) as server:
+        pending = httpx.AsyncClient(timeout=30)
+
+        async def stalled_request_and_probe():
+            request = asyncio.create_task(pending.post(server.url + "/v1/completions",
+                                                       json={"prompt": [1, 8, 2], "max_tokens": 2}))
+            await asyncio.sleep(1.2)
+            async with httpx.AsyncClient() as probe:
+                health = await probe.get(server.url + "/health")
+            response = await request
+            return health, response
+
+        health, response = asyncio.run(stalled_request_and_probe())
+        assert health.status_code == 503 and "no progress" in health.json()["reason"]
+        assert response.status_code == 200
+        assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_health_turns_503_when_the_engine_thread_dies(tiny_model_dirs):
+    with faulty_server(tiny_model_dirs["llama"], stall_timeout=30) as server:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 9, 2], "max_tokens": 2}, timeout=30)
+        assert r.status_code in (500, 503)
+        deadline = time.monotonic() + 5
+        while httpx.get(server.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "injected fatal fault" in httpx.get(server.url + "/health").json()["reason"]
+        assert httpx.get(server.url + "/ready").status_code == 503
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
