@@ -72,6 +72,13 @@ def test_malformed_bodies(llama_server, raw):
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_finite_numbers_are_refused(llama_server, number):
+    raw = b'{"messages": [{"role": "user", "content": "x"}], "temperature": ' + number + b"}"
+    r = httpx.post(llama_server.url + CHAT, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
+
+
 def test_unknown_route_and_method(llama_server):
     r = httpx.get(llama_server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
