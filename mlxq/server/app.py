@@ -22,7 +22,7 @@ from mlxq.server.errors import (
 from mlxq.server.state import ServerState
 
 # Reachable without the API key: load balancers probe them.
-PUBLIC_PATHS = frozenset({"/health", "/ready"})
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/dashboard"})
 
 
 class ApiKeyAuth:
@@ -70,6 +70,7 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             Route("/health", routes.health, methods=["GET"]),
             Route("/ready", routes.ready, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
+            Route("/dashboard", routes.dashboard, methods=["GET"]),
             Route("/stats", routes.stats, methods=["GET"]),
         ],
         middleware=[

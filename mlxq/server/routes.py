@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from importlib import resources
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request as HTTPRequest
@@ -142,6 +143,12 @@ async def ready(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
     ok = state.is_ready()
     return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+
+async def dashboard(http: HTTPRequest):
+    """A static page that polls /stats (public: it holds no data; the key goes in #key=...)."""
+    page = resources.files("mlxq.server").joinpath("static/dashboard.html").read_bytes()
+    return Response(page, media_type="text/html; charset=utf-8")
 
 
 async def metrics(http: HTTPRequest):
