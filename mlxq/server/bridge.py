@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from mlxq.engine.engine import Engine
@@ -46,7 +47,8 @@ class EventDispatcher:
             queue.put_nowait(event)
 
 
-_dispatchers: dict[asyncio.AbstractEventLoop, EventDispatcher] = {}
+# One dispatcher per event loop, forgotten with the loop (tests start and stop many).
+_dispatchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventDispatcher] = weakref.WeakKeyDictionary()
 
 
 def dispatcher_for(loop: asyncio.AbstractEventLoop) -> EventDispatcher:
