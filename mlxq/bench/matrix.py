@@ -65,7 +65,7 @@ def make_cells(requests: int, max_tokens: int, seed: int = 0) -> list[Cell]:
         mixed.append(_chat(_text(rng, 10 + 17 * (i % 5)), max_tokens=max_tokens // 2 + 5 * (i % 5), **extra))
     return [
         Cell("plain-greedy", plain, "reference"),
-        Cell("shared-prefix", prefix, "reference", "long shared system prompt; prompt-cache reuse once it exists"),
+        Cell("shared-prefix", prefix, "reference", "long shared system prompt: prompt-cache reuse"),
         Cell("stop-seeded", stops, "reference", "seeded sampling with stop strings"),
         Cell("quantized-kv", [], "skip", "not available yet (KV quantization)"),
         Cell("logprobs", logprobs, "logprobs", "top_logprobs=3"),

@@ -24,6 +24,7 @@ def serve(
     prompt_concurrency: Annotated[int, typer.Option(help="Batch joiners prefilling at once.")] = 4,
     kv_budget: Annotated[str | None, typer.Option(help="Cap on projected KV bytes of the batch, "
                                                           "e.g. 8GB; over it requests queue.")] = None,
+    prompt_cache: Annotated[str, typer.Option(help="RAM prompt cache size, e.g. 8GB; 0 disables it.")] = "8GB",
     stall_timeout: Annotated[float, typer.Option(help="Seconds without engine progress before /health "
                                                       "reports 503.")] = 120.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
@@ -49,6 +50,7 @@ def serve(
             max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
             max_prompt_tokens=max_prompt_tokens,
             kv_budget_bytes=parse_bytes(kv_budget) if kv_budget else None,
+            prompt_cache_bytes=0 if prompt_cache.strip() in ("0", "0GB", "0B") else parse_bytes(prompt_cache),
         )
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:

@@ -39,6 +39,7 @@ class EngineConfig:
     max_rows: int = 8  # --batch: concurrency cap; 1 = strict serial lane only
     prompt_concurrency: int = 4  # joiners prefilling at once (batch lane)
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
+    prompt_cache_bytes: int = 8 * 10**9  # RAM prompt cache cap; 0 disables it
 
     def __post_init__(self):
         if self.prefill_step_size < 1:
@@ -49,6 +50,8 @@ class EngineConfig:
             raise ValueError("prompt_concurrency must be >= 1")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
             raise ValueError("kv_budget must be > 0")
+        if self.prompt_cache_bytes < 0:
+            raise ValueError("prompt_cache must be >= 0")
 
 
 @dataclass
@@ -89,6 +92,8 @@ class Engine:
         self.gateway: GenerationGateway | None = None
         self.scheduler = None  # BatchScheduler once loaded, when the model can batch
         self.footprint = None  # KvFootprint once loaded
+        self.prompt_cache = None  # store.PromptCache once loaded, when enabled and the model allows it
+        self.prompt_cache_off_reason: str | None = None
         self._inbox: queue.Queue[_Work | None] = queue.Queue()
         self._waiting: collections.deque[_Work] = collections.deque()
         self._serial_running: Request | None = None
@@ -209,6 +214,7 @@ class Engine:
             reason = str(exc)
             log.warning("continuous batching unavailable for this model: %s; every request runs serially", exc)
         self.gateway = GenerationGateway(self.config.max_rows, reason)
+        self._setup_prompt_cache()
         if self.gateway.mode == "batch":
             from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 
@@ -218,7 +224,22 @@ class Engine:
                                 self.config.prefill_step_size, self.config.kv_budget_bytes),
                 on_finish=lambda row: self._done(row.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
+                prompt_cache=self.prompt_cache,
             )
+
+    def _setup_prompt_cache(self) -> None:
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        from mlxq.store.prompt_cache import PromptCache
+
+        if self.config.prompt_cache_bytes == 0:
+            self.prompt_cache_off_reason = "disabled (--prompt-cache 0)"
+        elif not all(type(c) is KVCache for c in make_prompt_cache(self.loaded.model)):
+            # Sliding-window and recurrent caches cannot be trimmed to a shorter prefix;
+            # they need prompt-boundary snapshots, which this version does not take yet.
+            self.prompt_cache_off_reason = "the model has sliding-window or recurrent layers (not cached yet)"
+        else:
+            self.prompt_cache = PromptCache(self.config.prompt_cache_bytes)
 
     def _idle(self) -> bool:
         return not self._waiting and (self.scheduler is None or self.scheduler.is_idle)
@@ -291,6 +312,7 @@ class Engine:
             output = run_serial(
                 self.loaded.model, self.loaded.tokenizer, request, work.emit,
                 prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
+                prompt_cache=self.prompt_cache,
             )
             self._done(request, Lane.SERIAL, output.finished, output.usage())
         except Exception as exc:

@@ -61,8 +61,9 @@ class _Joiner:
 
 class BatchScheduler:
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
-                 on_finish: Callable[[Row], None] = lambda row: None):
+                 on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None):
         self.model = model
+        self.prompt_cache = prompt_cache  # store.PromptCache: joiners take at admission, rows put at finish
         self.tokenizer = tokenizer
         self.footprint = footprint
         self.config = config
@@ -111,7 +112,12 @@ class BatchScheduler:
     # --- intake -------------------------------------------------------------------
     def add(self, request: Request, emit) -> None:
         row = make_row(request, self.tokenizer, emit)
-        self._joiners.append(_Joiner(row, make_prompt_cache(self.model)))
+        caches, cached = None, 0
+        if self.prompt_cache is not None and not row.processors:
+            # Rows with processors prefill everything: their processors must see the whole prompt.
+            caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids)
+        row.output.cached_tokens = cached
+        self._joiners.append(_Joiner(row, caches or make_prompt_cache(self.model), done=cached))
         self.submitted_rows += 1
 
     def fail_all(self, message: str) -> None:
@@ -207,6 +213,8 @@ class BatchScheduler:
             if self._emit(joiner.row, token, logprobs[i]):
                 alive.append(i)
             else:
+                if not batched:
+                    self._put(joiner.row, caches)
                 self._on_finish(joiner.row)  # ended at token 0: never joins the batch
         if not alive:
             return
@@ -234,6 +242,13 @@ class BatchScheduler:
             emitted + [True] * len(rows),
         )
         self._rows += rows
+
+    def _put(self, row: Row, caches: list) -> None:
+        """Store a finished row's prefix: the tokens its caches hold (prompt, then generated)."""
+        if self.prompt_cache is None:
+            return
+        fed = caches[0].offset
+        self.prompt_cache.put(row.request.namespace, (row.request.prompt_ids + row.output.tokens)[:fed], caches)
 
     def _fail_joiners(self, joiners: list[_Joiner], phase: str, exc: Exception) -> None:
         log.error("%s failed for %d joiner(s)", phase, len(joiners), exc_info=True)
@@ -295,6 +310,9 @@ class BatchScheduler:
     def _evict(self, keep: list[int]) -> None:
         for i, row in enumerate(self._rows):
             if i not in keep:
+                if self.prompt_cache is not None:
+                    # A merged row is copied out before the filter drops it; a lone row lends its own.
+                    self._put(row, extract_row(self._caches, i) if self._batched else self._caches)
                 self._on_finish(row)
         tokens, logprobs, emitted = self._pending
         self._rows = [self._rows[i] for i in keep]

@@ -32,13 +32,27 @@ def run_serial(
     *,
     prefill_step_size: int,
     on_step: Callable[[], None] = lambda: None,
+    prompt_cache=None,
 ) -> RequestOutput:
-    """Generate ``request`` to completion (or cancellation), emitting its events."""
-    output = RequestOutput(request, tokenizer, emit)
+    """Generate ``request`` to completion (or cancellation), emitting its events.
+
+    With a ``prompt_cache`` (store.PromptCache), the prefill starts after the
+    longest cached prefix and the caches are stored again when the request
+    ends. Requests with logits processors do not take from it: their
+    processors must see the whole prompt, and mlx-lm's loop only sees what it
+    prefills.
+    """
     if request.params.seed is not None:
         mx.random.seed(request.params.seed)
     sampler = make_request_sampler(request.params, tokenizer)
     processors = make_request_processors(request.params)
+    prompt = request.prompt_ids
+    caches, cached = None, 0
+    if prompt_cache is not None and not processors:
+        caches, cached = prompt_cache.take(request.namespace, prompt)
+    if caches is None:
+        caches = make_prompt_cache(model)
+    output = RequestOutput(request, tokenizer, emit, cached_tokens=cached)
 
     def on_prefill_progress(done: int, total: int) -> None:
         on_step()
@@ -46,12 +60,12 @@ def run_serial(
             raise _Cancelled
 
     steps = generate_step(
-        mx.array(request.prompt_ids),
+        mx.array(prompt[cached:]),
         model,
         max_tokens=request.max_tokens,
         sampler=sampler,
         logits_processors=processors,
-        prompt_cache=make_prompt_cache(model),
+        prompt_cache=caches,
         prefill_step_size=prefill_step_size,
         prompt_progress_callback=on_prefill_progress,
     )
@@ -67,4 +81,7 @@ def run_serial(
         output.finish(FinishReason.CANCELLED)
     finally:
         steps.close()
+    if prompt_cache is not None:
+        # The caches hold every token fed so far: the prompt, then the generated ones.
+        prompt_cache.put(request.namespace, (prompt + output.tokens)[: caches[0].offset], caches)
     return output

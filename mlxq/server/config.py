@@ -17,6 +17,7 @@ class ServerConfig:
     batch: int = 8  # rows decoding together; 1 = the strict serial lane
     prompt_concurrency: int = 4  # batch joiners prefilling at once
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
+    prompt_cache_bytes: int = 8 * 10**9  # RAM prompt cache cap; 0 disables it
     stall_timeout_s: float = 120.0  # /health turns 503 when work is pending and no step ran this long
     log_level: str = "info"
     log_format: str = "plain"  # request log lines: plain or json

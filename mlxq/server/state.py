@@ -104,6 +104,11 @@ class ServerState:
                 **asdict(engine.stats),
             },
             "batch": self._batch_stats(),
+            "prompt_cache": {
+                "enabled": engine.prompt_cache is not None,
+                "off_reason": engine.prompt_cache_off_reason,
+                **(engine.prompt_cache.as_dict() if engine.prompt_cache else {}),
+            },
             "memory": {
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_peak_bytes": mx.get_peak_memory(),

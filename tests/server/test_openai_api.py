@@ -34,7 +34,9 @@ def test_sdk_streams_a_chat_completion(client):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"]
     assert chunks[-1].usage.completion_tokens == 12
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+    usage = chunks[-1].usage
+    # Earlier requests on this shared server leave the chat template's prefix in the prompt cache.
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
     assert content  # some text arrived
     # Streamed and non-streamed greedy outputs are the same text.
     whole = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hello"}], max_tokens=12)

@@ -1,0 +1,61 @@
+"""The RAM prompt cache through real servers: shared prefixes hit, outputs do not change."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from mlxq.golden.cases import LONG
+from tests.conftest import ServerProcess
+
+SYSTEM = LONG + " " + LONG  # a long shared system prompt, as agents send
+
+
+def chat(url: str, question: str, **extra) -> dict:
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            "max_tokens": 16, **extra}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dirs):
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--prompt-cache", "0") as server:
+        yield server
+
+
+@pytest.mark.parametrize("batch", ["8", "1"])
+def test_shared_prefix_hits_and_outputs_equal_an_uncached_server(tiny_model_dirs, reference, batch):
+    questions = ["What is the cache?", "Who wrote this?", "Why is the sky blue?"]
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--batch", batch) as server:
+        results = [chat(server.url, q) for q in questions]
+        multi_turn = chat(server.url, questions[0])  # the same prompt again: all but one token cached
+        stats = httpx.get(server.url + "/stats").json()["prompt_cache"]
+    expected = [chat(reference.url, q) for q in questions]
+    for got, want in zip(results, expected, strict=True):
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results]
+    prompt = results[0]["usage"]["prompt_tokens"]
+    assert cached[0] == 0
+    assert all(c > prompt * 0.8 for c in cached[1:]), cached  # the system prompt came from the cache
+    assert multi_turn["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+    assert multi_turn["choices"][0]["message"]["content"] == results[0]["choices"][0]["message"]["content"]
+    assert stats["enabled"] and stats["hits"] == 3 and stats["entries"] >= 1
+    assert 0 < stats["bytes"] <= stats["max_bytes"]
+
+
+def test_requests_with_penalties_do_not_take_from_the_cache(tiny_model_dirs):
+    with ServerProcess("--model", str(tiny_model_dirs["llama"])) as server:
+        chat(server.url, "first")
+        penalized = chat(server.url, "second", repetition_penalty=1.3)
+    assert penalized["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_untrimmable_models_run_without_a_cache_and_say_why(tiny_model_dirs):
+    with ServerProcess("--model", str(tiny_model_dirs["gemma3_text"])) as server:
+        chat(server.url, "a")
+        second = chat(server.url, "b")
+        stats = httpx.get(server.url + "/stats").json()["prompt_cache"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert stats["enabled"] is False and "sliding-window" in stats["off_reason"]
