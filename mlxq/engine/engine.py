@@ -228,16 +228,16 @@ class Engine:
             )
 
     def _setup_prompt_cache(self) -> None:
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        from mlx_lm.models.cache import make_prompt_cache
 
-        from mlxq.store.prompt_cache import PromptCache
+        from mlxq.store.prompt_cache import PromptCache, can_cache
 
+        caches = make_prompt_cache(self.loaded.model)
         if self.config.prompt_cache_bytes == 0:
             self.prompt_cache_off_reason = "disabled (--prompt-cache 0)"
-        elif not all(type(c) is KVCache for c in make_prompt_cache(self.loaded.model)):
-            # Sliding-window and recurrent caches cannot be trimmed to a shorter prefix;
-            # they need prompt-boundary snapshots, which this version does not take yet.
-            self.prompt_cache_off_reason = "the model has sliding-window or recurrent layers (not cached yet)"
+        elif not can_cache(caches):
+            names = sorted({type(c).__name__ for c in caches})
+            self.prompt_cache_off_reason = f"no prompt-cache support for cache classes {names}"
         else:
             self.prompt_cache = PromptCache(self.config.prompt_cache_bytes)
 

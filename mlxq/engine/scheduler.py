@@ -33,6 +33,7 @@ from mlxq.engine.rows import Row, make_row
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.projection import KvFootprint
+from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS, is_trimmable
 
 log = logging.getLogger("mlxq.scheduler")
 
@@ -164,6 +165,8 @@ class BatchScheduler:
                 except Exception as exc:
                     self._fail_joiners([joiner], "prefill", exc)
                     continue
+                if joiner.is_prefilled:
+                    self._snapshot(joiner)
             if joiner.is_prefilled:
                 self._joiners.remove(joiner)
                 ready.append(joiner)
@@ -243,9 +246,16 @@ class BatchScheduler:
         )
         self._rows += rows
 
+    def _snapshot(self, joiner: _Joiner) -> None:
+        """Sliding-window / recurrent models: store the state at the prompt boundary (all but its last token)."""
+        boundary = len(joiner.row.request.prompt_ids) - 1
+        if self.prompt_cache is None or is_trimmable(joiner.caches) or boundary < MIN_SNAPSHOT_TOKENS:
+            return
+        self.prompt_cache.put(joiner.row.request.namespace, joiner.row.request.prompt_ids[:boundary], joiner.caches)
+
     def _put(self, row: Row, caches: list) -> None:
         """Store a finished row's prefix: the tokens its caches hold (prompt, then generated)."""
-        if self.prompt_cache is None:
+        if self.prompt_cache is None or not is_trimmable(caches):
             return
         fed = caches[0].offset
         self.prompt_cache.put(row.request.namespace, (row.request.prompt_ids + row.output.tokens)[:fed], caches)

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxq.engine.output import EmitFn, RequestOutput
 from mlxq.engine.sampling import make_request_processors, make_request_sampler
 from mlxq.engine.types import FinishReason, Request
+from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS, is_trimmable
 
 
 class _Cancelled(Exception):
@@ -54,10 +55,16 @@ def run_serial(
         caches = make_prompt_cache(model)
     output = RequestOutput(request, tokenizer, emit, cached_tokens=cached)
 
+    snapshot = prompt_cache is not None and not is_trimmable(caches)
+
     def on_prefill_progress(done: int, total: int) -> None:
         on_step()
         if request.cancelled.is_set():
             raise _Cancelled
+        boundary = cached + done
+        if snapshot and done and total - done == 1 and boundary >= MIN_SNAPSHOT_TOKENS:
+            # All but the last prompt token are in: the state the next turn starts from.
+            prompt_cache.put(request.namespace, prompt[:boundary], caches)
 
     steps = generate_step(
         mx.array(prompt[cached:]),
@@ -81,7 +88,7 @@ def run_serial(
         output.finish(FinishReason.CANCELLED)
     finally:
         steps.close()
-    if prompt_cache is not None:
+    if prompt_cache is not None and not snapshot:
         # The caches hold every token fed so far: the prompt, then the generated ones.
         prompt_cache.put(request.namespace, (prompt + output.tokens)[: caches[0].offset], caches)
     return output

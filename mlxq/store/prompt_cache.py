@@ -9,10 +9,14 @@ and many borrowers can share one prefix. ``put`` stores a finished request's
 caches, replacing exact duplicates and dropping entries that are strict
 prefixes of the new one (a longer entry serves every prompt they served).
 
-This slice holds full-attention caches only (``KVCache``: trimmable, so an
-entry can serve any shorter common prefix). Models with sliding-window or
-recurrent layers need prompt-boundary snapshots; the engine leaves the cache
-off for them and says why in /stats.
+Entries of full-attention models (every layer a ``KVCache``) are trimmable:
+one entry serves any shorter common prefix. Sliding-window rings
+(``RotatingKVCache``) and recurrent state (``ArraysCache``) cannot be cut
+back, so their entries serve only prompts they are an exact prefix of; the
+lanes store those as *prompt-boundary snapshots* (the state after a
+prompt's last-but-one token), which is what the next turn of a conversation
+or another agent with the same system prompt starts with. Such an entry
+keeps its shorter ancestors: a longer one cannot serve them.
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 
 @dataclass
 class CacheEntry:
-    tokens: tuple[int, ...]  # the exact prefix whose KV the caches hold
-    caches: list  # one KVCache per layer, holding exactly len(tokens) tokens, compact
+    tokens: tuple[int, ...]  # the exact prefix whose state the caches hold
+    caches: list  # one cache per layer, private to the entry (copied in), never written
     nbytes: int
+    trimmable: bool  # every layer a KVCache: the entry also serves shorter prefixes
 
 
 @dataclass
@@ -48,21 +53,73 @@ def _common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:
     return i
 
 
-def _lend(cache: KVCache, n: int) -> KVCache:
-    # New array handles over the first n tokens, with no spare capacity: the
-    # borrower's first update_and_fetch re-allocates (KVCache grows by concat)
-    # instead of writing into the stored buffer. mlx-lm's KVCache writes in
-    # place through its own handle, so sharing the handle would leak writes.
-    borrowed = KVCache()
-    borrowed.state = (cache.keys[..., :n, :], cache.values[..., :n, :], n)
+def _fresh(x):
+    """A new array handle with the same value. mlx-lm caches write in place through
+    their own handles (``self.keys[...] = ...``); MLX arrays have value semantics,
+    so a write through a new handle never changes what another handle sees."""
+    return None if x is None else x[...]
+
+
+def _lend(cache, n: int):
+    """A borrower's copy-on-write view of a stored cache (the first n tokens of a KVCache)."""
+    if isinstance(cache, KVCache):
+        borrowed = KVCache()
+        # No spare capacity: the borrower's first update re-allocates by concat.
+        borrowed.state = (cache.keys[..., :n, :], cache.values[..., :n, :], n)
+        return borrowed
+    if isinstance(cache, RotatingKVCache):
+        borrowed = RotatingKVCache(cache.max_size, cache.keep)
+        borrowed.keys, borrowed.values = _fresh(cache.keys), _fresh(cache.values)
+        borrowed.offset, borrowed._idx = cache.offset, cache._idx
+        return borrowed
+    borrowed = ArraysCache(len(cache.cache))
+    borrowed.cache = [_fresh(a) for a in cache.cache]
     return borrowed
 
 
-def _compact(cache: KVCache, n: int) -> KVCache:
-    """A KVCache holding exactly the first n tokens in its own buffer (no spare capacity)."""
-    stored = KVCache()
-    stored.state = (mx.contiguous(cache.keys[..., :n, :]), mx.contiguous(cache.values[..., :n, :]), n)
+def _copy_in(cache, n: int):
+    """The entry's own compact copy of ``cache`` (which keeps being written by its row)."""
+    if isinstance(cache, KVCache):
+        stored = KVCache()
+        stored.state = (mx.contiguous(cache.keys[..., :n, :]), mx.contiguous(cache.values[..., :n, :]), n)
+        return stored
+    if isinstance(cache, RotatingKVCache):
+        stored = RotatingKVCache(cache.max_size, cache.keep)
+        stored.keys, stored.values = mx.contiguous(cache.keys), mx.contiguous(cache.values)
+        stored.offset, stored._idx = cache.offset, cache._idx
+        return stored
+    stored = ArraysCache(len(cache.cache))
+    stored.cache = [None if a is None else mx.contiguous(a) for a in cache.cache]
     return stored
+
+
+def _state_arrays(cache) -> list:
+    if isinstance(cache, ArraysCache):
+        return [a for a in cache.cache if a is not None]
+    return [cache.keys, cache.values]
+
+
+def _holds(cache, n: int) -> bool:
+    """Does ``cache`` hold state for exactly (untrimmable) or at least (KVCache) n tokens?"""
+    if isinstance(cache, KVCache):
+        return cache.offset >= n
+    if isinstance(cache, RotatingKVCache):
+        return cache.offset == n
+    return isinstance(cache, ArraysCache)
+
+
+# Snapshot a prompt boundary only when the prefix is worth a lookup.
+MIN_SNAPSHOT_TOKENS = 32
+
+
+def is_trimmable(caches: list) -> bool:
+    """Full-attention only: store at finish (any shorter prefix is servable). Else: snapshots."""
+    return all(isinstance(c, KVCache) for c in caches)
+
+
+def can_cache(caches: list) -> bool:
+    """Cache classes the prompt cache knows how to copy and lend."""
+    return all(type(c) in (KVCache, ArraysCache) or (type(c) is RotatingKVCache and not c.keep) for c in caches)
 
 
 class PromptCache:
@@ -84,6 +141,8 @@ class PromptCache:
             if key[0] != namespace:
                 continue
             n = _common_prefix(entry.tokens, prompt, limit)
+            if not entry.trimmable and n != len(entry.tokens):
+                continue  # a ring or a recurrent state serves only what it is an exact prefix of
             if n > best_len:
                 best_key, best_len = key, n
         if best_key is None:
@@ -95,16 +154,20 @@ class PromptCache:
         return [_lend(c, best_len) for c in entry.caches], best_len
 
     def put(self, namespace: str, tokens: list[int], caches: list) -> None:
-        """Store ``caches`` (which hold at least len(tokens) tokens) under ``tokens``."""
+        """Store a copy of ``caches`` (their state after exactly ``tokens``; KVCaches may hold more)."""
         n = len(tokens)
-        if n == 0 or any(not isinstance(c, KVCache) or c.offset < n for c in caches):
+        if n == 0 or not all(_holds(c, n) for c in caches):
             return
+        trimmable = all(isinstance(c, KVCache) for c in caches)
         key = (namespace, tuple(tokens))
-        for other in [k for k in self._entries if k[0] == namespace and len(k[1]) <= n and key[1][: len(k[1])] == k[1]]:
-            self._remove(other)  # an exact duplicate, or a strict prefix this entry now serves
-        stored = [_compact(c, n) for c in caches]
-        mx.eval([(c.keys, c.values) for c in stored])
-        entry = CacheEntry(key[1], stored, sum(c.nbytes for c in stored))
+        for other, entry in list(self._entries.items()):
+            if other[0] != namespace or len(other[1]) > n or key[1][: len(other[1])] != other[1]:
+                continue
+            if other[1] == key[1] or (trimmable and entry.trimmable):
+                self._remove(other)  # an exact duplicate, or a prefix this entry now serves
+        stored = [_copy_in(c, n) for c in caches]
+        mx.eval([_state_arrays(c) for c in stored])
+        entry = CacheEntry(key[1], stored, sum(c.nbytes for c in stored), trimmable)
         if entry.nbytes > self.max_bytes:
             return
         self._entries[key] = entry

@@ -52,10 +52,30 @@ def test_requests_with_penalties_do_not_take_from_the_cache(tiny_model_dirs):
     assert penalized["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_untrimmable_models_run_without_a_cache_and_say_why(tiny_model_dirs):
-    with ServerProcess("--model", str(tiny_model_dirs["gemma3_text"])) as server:
-        chat(server.url, "a")
-        second = chat(server.url, "b")
+def conversation(url: str) -> tuple[dict, dict]:
+    """Two turns: the second sends the first turn's history back, as chat clients do."""
+    first_messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the cache?"}]
+    first = httpx.post(url + "/v1/chat/completions", json={"messages": first_messages, "max_tokens": 12},
+                       timeout=60).json()
+    answer = first["choices"][0]["message"]["content"]
+    second_messages = first_messages + [{"role": "assistant", "content": answer},
+                                        {"role": "user", "content": "And the disk?"}]
+    second = httpx.post(url + "/v1/chat/completions", json={"messages": second_messages, "max_tokens": 12},
+                        timeout=60).json()
+    return first, second
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("batch", ["8", "1"])
+def test_next_turn_hits_a_boundary_snapshot_on_untrimmable_models(tiny_model_dirs, arch, batch):
+    model = str(tiny_model_dirs[arch])
+    with ServerProcess("--model", model, "--batch", batch) as server:
+        first, second = conversation(server.url)
         stats = httpx.get(server.url + "/stats").json()["prompt_cache"]
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert stats["enabled"] is False and "sliding-window" in stats["off_reason"]
+    with ServerProcess("--model", model, "--prompt-cache", "0") as uncached:
+        want_first, want_second = conversation(uncached.url)
+    assert stats["enabled"] and stats["hits"] >= 1
+    # The sliding window / recurrent state after the first prompt (all but its last token) was reused.
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 2
+    assert first["choices"][0]["message"]["content"] == want_first["choices"][0]["message"]["content"]
+    assert second["choices"][0]["message"]["content"] == want_second["choices"][0]["message"]["content"]

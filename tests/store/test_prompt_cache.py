@@ -75,3 +75,40 @@ def test_byte_cap_evicts_least_recently_used_and_counts_real_bytes():
     assert len(pc) == 2 and pc.bytes <= pc.max_bytes and pc.stats.evictions == 1
     assert pc.take("", list(range(100, 110)) + [1]) == (None, 0)
     assert pc.take("", list(range(10)) + [5])[1] == 10
+
+
+def ring_with(tokens: list[int], window: int = 4) -> list:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    c = RotatingKVCache(max_size=window)
+    for t in tokens:  # one token at a time, as decode writes: the ring wraps in place
+        k = mx.full((1, H, 1, D), float(t))
+        c.update_and_fetch(k, -k)
+    return [c]
+
+
+def test_rings_serve_only_exact_prefixes_and_keep_their_ancestors():
+    pc = PromptCache(1 << 30)
+    pc.put("", [1, 2, 3, 4, 5, 6], ring_with([1, 2, 3, 4, 5, 6]))
+    assert pc.take("", [1, 2, 3, 4, 9, 9])[1] == 0  # sharing 4 tokens is not enough for a ring
+    assert pc.take("", [1, 2, 3, 4, 5, 6, 7])[1] == 6
+    pc.put("", [1, 2, 3, 4, 5, 6, 7, 8], ring_with([1, 2, 3, 4, 5, 6, 7, 8]))
+    assert len(pc) == 2  # the longer ring cannot serve the shorter prompt: both stay
+
+
+def test_lent_rings_and_states_never_change_the_entry():
+    from mlx_lm.models.cache import ArraysCache
+
+    pc = PromptCache(1 << 30)
+    state = ArraysCache(1)
+    state[0] = mx.ones((1, 3))
+    pc.put("", [1, 2, 3], ring_with([1, 2, 3]) + [state])
+    lent, n = pc.take("", [1, 2, 3, 4])
+    assert n == 3
+    for t in (40, 41, 42, 43, 44):  # wrap the borrowed ring, and replace the borrowed state
+        lent[0].update_and_fetch(mx.full((1, H, 1, D), float(t)), mx.zeros((1, H, 1, D)))
+    lent[1][0] = mx.zeros((1, 3))
+    again, _ = pc.take("", [1, 2, 3, 4])
+    keys = again[0].keys[0, 0, :, 0].tolist()
+    assert sorted(int(k) for k in keys[: again[0].offset]) == [1, 2, 3]
+    assert again[1][0].tolist() == [[1.0, 1.0, 1.0]]
