@@ -176,12 +176,18 @@ class BatchScheduler:
         """One chunk of prompt[:-1], at the serial lane's boundaries (mlx-lm generate_step)."""
         prompt, row = joiner.row.request.prompt_ids, joiner.row
         n = min(self.config.prefill_step_size, len(prompt) - 1 - joiner.done)
+        split = self._split_at(joiner)
+        if split is not None:
+            n = min(n, split - joiner.done)
         with mx.stream(generation_stream):
             chunk = mx.array(prompt[joiner.done : joiner.done + n])
             self.model(chunk[None], cache=joiner.caches)
             mx.eval([c.state for c in joiner.caches])
         row.feed_history(chunk)
         joiner.done += n
+        if split is not None and joiner.done == split:
+            # The end of a shared system prompt: other agents start from this entry.
+            self.prompt_cache.put(joiner.row.request.namespace, prompt[:split], joiner.caches)
         if n == self.config.prefill_step_size:
             # A long prompt: release the chunk's transient buffers (the serial lane does
             # the same). Short prompts skip it, so a burst of joiners does not make the
@@ -245,6 +251,15 @@ class BatchScheduler:
             emitted + [True] * len(rows),
         )
         self._rows += rows
+
+    def _split_at(self, joiner: _Joiner) -> int | None:
+        """Where to stop a chunk for a system-prompt snapshot (the serial lane stops at the same place)."""
+        split = joiner.row.request.snapshot_at
+        prompt = joiner.row.request.prompt_ids
+        if (self.prompt_cache is None or split is None or joiner.row.processors or is_trimmable(joiner.caches)
+                or not joiner.done < split < len(prompt) - 1 or split < MIN_SNAPSHOT_TOKENS):
+            return None
+        return split
 
     def _snapshot(self, joiner: _Joiner) -> None:
         """Sliding-window / recurrent models: store the state at the prompt boundary (all but its last token)."""

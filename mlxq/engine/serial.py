@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.output import EmitFn, RequestOutput
@@ -23,6 +23,18 @@ from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS, is_trimmable
 
 class _Cancelled(Exception):
     """Raised from the prefill progress callback to abandon a prompt mid-prefill."""
+
+
+def _prefill(model, caches, tokens: list[int], step: int, on_step, request: Request) -> None:
+    """Feed ``tokens`` into ``caches`` in chunks, as mlx-lm's loop does, checking for cancellation."""
+    with mx.stream(generation_stream):
+        for at in range(0, len(tokens), step):
+            model(mx.array(tokens[at : at + step])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            mx.clear_cache()
+            on_step()
+            if request.cancelled.is_set():
+                raise _Cancelled
 
 
 def run_serial(
@@ -56,18 +68,30 @@ def run_serial(
     output = RequestOutput(request, tokenizer, emit, cached_tokens=cached)
 
     snapshot = prompt_cache is not None and not is_trimmable(caches)
+    start = cached
+    split = request.snapshot_at
+    if snapshot and not processors and split and cached < split < len(prompt) - 1 and split >= MIN_SNAPSHOT_TOKENS:
+        # Prefill up to the end of the shared system prompt first and snapshot it there:
+        # other agents with the same system prompt start from this entry.
+        try:
+            _prefill(model, caches, prompt[cached:split], prefill_step_size, on_step, request)
+        except _Cancelled:
+            output.finish(FinishReason.CANCELLED)
+            return output
+        prompt_cache.put(request.namespace, prompt[:split], caches)
+        start = split
 
     def on_prefill_progress(done: int, total: int) -> None:
         on_step()
         if request.cancelled.is_set():
             raise _Cancelled
-        boundary = cached + done
+        boundary = start + done
         if snapshot and done and total - done == 1 and boundary >= MIN_SNAPSHOT_TOKENS:
             # All but the last prompt token are in: the state the next turn starts from.
             prompt_cache.put(request.namespace, prompt[:boundary], caches)
 
     steps = generate_step(
-        mx.array(prompt[cached:]),
+        mx.array(prompt[start:]),
         model,
         max_tokens=request.max_tokens,
         sampler=sampler,

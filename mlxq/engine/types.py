@@ -57,6 +57,7 @@ class Request:
     top_logprobs: int = 0  # also return this many alternatives per position
     ignore_eos: bool = False  # EOS is an ordinary token: generate exactly max_tokens (benchmarks)
     deterministic: bool = False  # run on the serial lane: output independent of other requests
+    snapshot_at: int | None = None  # a prompt position worth its own prompt-cache entry (end of a system prompt)
     namespace: str = ""  # prompt-cache partition (adapter / KV scheme); "" is the base model
     submitted_at: float = field(default_factory=time.monotonic)
     # Set from any thread; the engine checks it between steps and stops the row.

@@ -56,3 +56,24 @@ def tokenize_completion(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     raise invalid("'prompt' must be a non-empty string or a list of token ids", "prompt")
+
+
+def system_prefix_length(tokenizer, messages, tools, template_kwargs: dict, prompt_ids: list[int]) -> int | None:
+    """Tokens of ``prompt_ids`` that render the leading system message(s): a boundary many
+    agents share, worth its own prompt-cache snapshot. None when there is no system prefix."""
+    leading = 0
+    while leading < len(messages) and messages[leading].get("role") in ("system", "developer"):
+        leading += 1
+    if leading == 0 or leading == len(messages):
+        return None
+    try:
+        head = tokenizer.apply_chat_template(messages[:leading] + [{"role": "user", "content": ""}], tools=tools,
+                                             add_generation_prompt=False, tokenize=True, **template_kwargs)
+    except Exception:  # the template insists on more context: no boundary, no harm
+        return None
+    n = 0
+    for a, b in zip(head, prompt_ids, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n or None

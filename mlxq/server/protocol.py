@@ -12,7 +12,7 @@ from typing import Literal
 
 from mlxq.engine.types import SamplingParams
 from mlxq.server.errors import APIError, invalid
-from mlxq.server.prompts import tokenize_chat, tokenize_completion
+from mlxq.server.prompts import system_prefix_length, tokenize_chat, tokenize_completion
 from mlxq.server.validate import (
     read_bool,
     read_dict,
@@ -42,6 +42,7 @@ class GenerationSpec:
     top_logprobs: int
     ignore_eos: bool  # vLLM's extension: EOS does not end the request
     deterministic: bool  # mlxq's extension: run on the serial lane (bits independent of other requests)
+    snapshot_at: int | None  # end of the shared system prompt: a prompt-cache snapshot point
     tools: list | None  # tool definitions given: parse tool calls out of the output
 
 
@@ -60,7 +61,9 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
     if kind == "chat":
         template_kwargs = read_dict(body, "chat_template_kwargs") or {}
         prompt_ids = tokenize_chat(tokenizer, body.get("messages"), tools or None, template_kwargs)
+        snapshot_at = system_prefix_length(tokenizer, body["messages"], tools or None, template_kwargs, prompt_ids)
     else:
+        snapshot_at = None
         prompt_ids = tokenize_completion(tokenizer, body.get("prompt"))
         if any(not 0 <= t < lm.vocab_size for t in prompt_ids):
             raise invalid(f"'prompt' token ids must be in 0-{lm.vocab_size - 1}", "prompt")
@@ -81,6 +84,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
         top_logprobs=top_logprobs,
         ignore_eos=read_bool(body, "ignore_eos", False),
         deterministic=read_bool(body, "deterministic", False),
+        snapshot_at=snapshot_at,
         tools=tools or None,
     )
 

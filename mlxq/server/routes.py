@@ -67,6 +67,7 @@ def _new_request(spec: GenerationSpec, prefix: str) -> Request:
         top_logprobs=spec.top_logprobs,
         ignore_eos=spec.ignore_eos,
         deterministic=spec.deterministic,
+        snapshot_at=spec.snapshot_at,
     )
 
 

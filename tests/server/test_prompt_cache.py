@@ -79,3 +79,20 @@ def test_next_turn_hits_a_boundary_snapshot_on_untrimmable_models(tiny_model_dir
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 2
     assert first["choices"][0]["message"]["content"] == want_first["choices"][0]["message"]["content"]
     assert second["choices"][0]["message"]["content"] == want_second["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("batch", ["8", "1"])
+def test_agents_sharing_a_system_prompt_hit_its_snapshot_on_untrimmable_models(tiny_model_dirs, arch, batch):
+    model = str(tiny_model_dirs[arch])
+    questions = ["What is the cache?", "Who wrote this?", "Why is the sky blue?"]
+    with ServerProcess("--model", model, "--batch", batch) as server:
+        got = [chat(server.url, q) for q in questions]
+    with ServerProcess("--model", model, "--prompt-cache", "0") as uncached:
+        want = [chat(uncached.url, q) for q in questions]
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in got]
+    prompt = got[0]["usage"]["prompt_tokens"]
+    assert cached[0] == 0
+    assert all(c > prompt * 0.8 for c in cached[1:]), cached  # the system prompt's snapshot
+    for g, w in zip(got, want, strict=True):
+        assert g["choices"][0]["message"]["content"] == w["choices"][0]["message"]["content"]
