@@ -6,6 +6,7 @@ Phases (pick with --phases, default all):
   b1         B=1 decode tok/s: mlx-lm stream_generate, mlxq serial lane, mlxq batch lane
              (one row), and the fraction of the bandwidth roofline
   prefill    prefill tok/s for long prompts through the serial lane
+  restore    TTFT of the same long prompt cold and restored from the RAM prompt cache
   http       concurrency sweep over HTTP: mlxq serve vs mlx_lm.server (bench serving-load)
 
     python scripts/gpu_bench.py --preset llama3-8b --out $OUT
@@ -131,6 +132,32 @@ def phase_prefill(args, results):
     results["prefill"] = out
 
 
+def phase_restore(args, results):
+    """TTFT of a long prompt cold vs restored from the RAM prompt cache (serial lane)."""
+    from mlxq.engine.serial import run_serial
+    from mlxq.engine.types import Request, SamplingParams
+    from mlxq.models.loader import load_model
+    from mlxq.store.prompt_cache import PromptCache
+
+    lm = load_model(str(MODELS / args.preset))
+    out = {}
+    for length in args.restore_lengths:
+        cache = PromptCache(64 * 10**9)
+        prompt = [1000 + (i * 7) % 100000 for i in range(length)]
+
+        def ttft(ids, cache=cache):
+            o = run_serial(lm.model, lm.tokenizer, Request("r", ids, SamplingParams(), 1), lambda e: None,
+                           prefill_step_size=2048, prompt_cache=cache)
+            return o.usage().ttft_s, o.usage().cached_tokens
+
+        cold, _ = ttft(prompt)
+        warm, cached = ttft(prompt + [7])  # the same prompt plus one token: all but one from RAM
+        out[str(length)] = {"cold_ttft_s": cold, "ram_ttft_s": warm, "cached_tokens": cached,
+                            "entry_bytes": cache.bytes}
+        log(f"restore {length}: cold {cold * 1e3:.0f} ms, RAM hit {warm * 1e3:.1f} ms ({cached} cached)")
+    results["restore"] = out
+
+
 def phase_http(args, results):
     from compare_mlx_lm import bench_command, both_servers
 
@@ -155,7 +182,7 @@ def phase_http(args, results):
 
 
 PHASES = {"build": phase_build, "bandwidth": phase_bandwidth, "b1": phase_b1, "prefill": phase_prefill,
-          "http": phase_http}
+          "restore": phase_restore, "http": phase_http}
 
 
 def main() -> None:
@@ -168,6 +195,7 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=130)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--restore-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
