@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mlxq.engine.admission import AdmissionError, check_fits_alone
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
@@ -75,10 +76,6 @@ class _Work:
     placement: Placement
 
 
-class AdmissionError(ValueError):
-    """A request that can never run here (e.g. its KV alone exceeds --kv-budget)."""
-
-
 class Engine:
     """Owns MLX. ``load`` runs first on the engine thread, so even weight loading
     happens where every later MLX call does; ``ready`` is set once it returns."""
@@ -117,14 +114,7 @@ class Engine:
         budget = self.config.kv_budget_bytes
         if budget is None or self.footprint is None or self.gateway is None or self.gateway.mode != "batch":
             return
-        need = self.footprint.row_bytes(num_prompt + max_tokens, num_prompt)
-        if need > budget:
-            fits = _max_tokens_within(self.footprint, budget, num_prompt)
-            hint = f"lower max_tokens to {fits}" if fits > 0 else "shorten the prompt"
-            raise AdmissionError(
-                f"this request needs {need / 2**20:.1f} MiB of KV cache (prompt {num_prompt} + max_tokens "
-                f"{max_tokens} tokens), more than the server's whole --kv-budget of {budget / 2**20:.1f} MiB: {hint}"
-            )
+        check_fits_alone(self.footprint, budget, num_prompt, max_tokens)
 
     def submit(self, request: Request, emit: EmitFn) -> Placement:
         if not self.is_alive or not self.ready.is_set():
@@ -360,14 +350,3 @@ class Engine:
         for work in pending:
             work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.CANCELLED))
 
-
-def _max_tokens_within(footprint, budget: int, num_prompt: int) -> int:
-    """The largest max_tokens whose row alone fits the budget (0 if none)."""
-    lo, hi = 0, 1 << 22
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if footprint.row_bytes(num_prompt + mid, num_prompt) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

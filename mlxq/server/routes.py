@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mlxq.engine.engine import AdmissionError
+from mlxq.engine.admission import AdmissionError
 from mlxq.engine.types import FinishReason, Request
 from mlxq.server.bridge import stream_events
 from mlxq.server.errors import APIError, invalid

@@ -107,7 +107,7 @@ class ServerState:
             "prompt_cache": {
                 "enabled": engine.prompt_cache is not None,
                 "off_reason": engine.prompt_cache_off_reason,
-                **(engine.prompt_cache.as_dict() if engine.prompt_cache else {}),
+                **(engine.prompt_cache.as_dict() if engine.prompt_cache is not None else {}),
             },
             "memory": {
                 "mlx_active_bytes": mx.get_active_memory(),
