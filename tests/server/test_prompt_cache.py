@@ -29,6 +29,8 @@ def reference(tiny_model_dirs):
 def test_shared_prefix_hits_and_outputs_equal_an_uncached_server(tiny_model_dirs, reference, batch):
     questions = ["What is the cache?", "Who wrote this?", "Why is the sky blue?"]
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--batch", batch) as server:
+        fresh = httpx.get(server.url + "/stats").json()["prompt_cache"]
+        assert fresh["enabled"] and fresh["entries"] == 0 and fresh["queries"] == 0  # an empty cache still reports
         results = [chat(server.url, q) for q in questions]
         multi_turn = chat(server.url, questions[0])  # the same prompt again: all but one token cached
         stats = httpx.get(server.url + "/stats").json()["prompt_cache"]
