@@ -64,3 +64,13 @@ def test_golden_gen_writes_tokens(tmp_path):
 def test_version_names_the_blas():
     result = runner.invoke(app, ["version"])
     assert result.exit_code == 0 and "BLAS:" in result.output
+
+
+def test_serve_exits_1_when_the_model_fails_to_load(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    proc = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--model", str(broken), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "model failed to load" in proc.stderr
