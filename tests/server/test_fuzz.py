@@ -39,7 +39,7 @@ def fuzz_server(tiny_model_dirs):
         yield server
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
 def test_generated_bodies_never_5xx(fuzz_server, body, path):
     try:
