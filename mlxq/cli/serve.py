@@ -27,6 +27,8 @@ def serve(
     prompt_cache: Annotated[str, typer.Option(help="RAM prompt cache size, e.g. 8GB; 0 disables it.")] = "8GB",
     stall_timeout: Annotated[float, typer.Option(help="Seconds without engine progress before /health "
                                                       "reports 503.")] = 120.0,
+    shutdown_timeout: Annotated[float, typer.Option(help="On SIGINT/SIGTERM, seconds in-flight requests may "
+                                                         "take to finish before they are cut.")] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     log_format: Annotated[str, typer.Option(help="Request log lines: plain or json.")] = "plain",
     log_prompts: Annotated[bool, typer.Option(help="Include prompt text in request log lines.")] = False,
@@ -46,6 +48,7 @@ def serve(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
             allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
             prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=log_level,
+            shutdown_timeout_s=shutdown_timeout,
             batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
             max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
             max_prompt_tokens=max_prompt_tokens,

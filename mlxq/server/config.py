@@ -19,6 +19,7 @@ class ServerConfig:
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     prompt_cache_bytes: int = 8 * 10**9  # RAM prompt cache cap; 0 disables it
     stall_timeout_s: float = 120.0  # /health turns 503 when work is pending and no step ran this long
+    shutdown_timeout_s: float = 30.0  # on SIGINT/SIGTERM: how long in-flight requests may take to finish
     log_level: str = "info"
     log_format: str = "plain"  # request log lines: plain or json
     log_prompts: bool = False  # include prompt text in request log lines (user data: off by default)
@@ -38,6 +39,8 @@ class ServerConfig:
             raise ValueError("kv_budget must be > 0")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be > 0")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must be >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.log_format not in ("plain", "json"):

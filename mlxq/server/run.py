@@ -70,7 +70,7 @@ def serve(config: ServerConfig) -> None:
     state = make_state(config)
     app = build_app(state)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                           log_level=config.log_level, timeout_graceful_shutdown=30))
+                                           log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout_s))
     threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
     server.run()

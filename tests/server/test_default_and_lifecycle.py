@@ -28,3 +28,32 @@ def test_sdk_streams_from_serve_with_no_arguments(tmp_path):
     assert "embedded default model" in log
     assert "BLAS:" in log
     assert (tmp_path / "models").is_dir()
+
+
+def test_sigterm_lets_in_flight_streams_finish_then_exits_0(tiny_model_dirs):
+    import threading
+
+    server = ServerProcess("--model", str(tiny_model_dirs["llama"]), "--shutdown-timeout", "30")
+    with server:
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream():
+            body = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert started.wait(30)
+        server.proc.send_signal(signal.SIGTERM)
+        client.join(60)
+        assert server.proc.wait(60) == 0
+    # The request that was running when the signal came completed in full.
+    assert lines[-1] == "data: [DONE]"
+    assert '"completion_tokens": 1500' in lines[-2]  # the usage chunk
+    assert '"finish_reason": "length"' in lines[-3]
