@@ -69,8 +69,8 @@ def serve(config: ServerConfig) -> None:
                     "and read /stats; set --api-key (or MLXQ_API_KEY) or bind to 127.0.0.1", config.host)
     state = make_state(config)
     app = build_app(state)
-    server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                           log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout_s))
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                    timeout_graceful_shutdown=config.shutdown_timeout_s))
     threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
     server.run()
