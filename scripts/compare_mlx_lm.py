@@ -19,26 +19,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from mlxq.bench.servers import free_port
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
+from mlxq.bench.servers import free_port, wait_healthy
 
 
 @contextlib.contextmanager
@@ -56,8 +39,8 @@ def both_servers(model: str, batch: int, max_tokens: int, out: Path, mlxq_args=(
              for cmd, log in zip((mlxq_cmd, mlx_lm_cmd), logs, strict=True)]
     try:
         a, b = f"http://127.0.0.1:{mlxq_port}", f"http://127.0.0.1:{mlx_lm_port}"
-        wait_ready(a, procs[0])
-        wait_ready(b, procs[1])
+        wait_healthy(a, procs[0])
+        wait_healthy(b, procs[1])
         yield a, b
     finally:
         for proc in procs:

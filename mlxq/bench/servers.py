@@ -16,6 +16,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Wait until ``url``/health answers 200; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s}s")
+
+
 class ServeProcess:
     """`mlxq serve ARGS` on a free loopback port; a context manager that waits for /health."""
 
@@ -29,18 +44,12 @@ class ServeProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> ServeProcess:
-        deadline = time.monotonic() + self._timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlxq serve exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.__exit__()
-        raise TimeoutError(f"mlxq serve on {self.url} not healthy after {self._timeout}s")
+        try:
+            wait_healthy(self.url, self.proc, self._timeout)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()

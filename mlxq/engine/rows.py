@@ -11,7 +11,7 @@ neighbours do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -28,8 +28,6 @@ class Row:
     processors: list  # mlx-lm logits processors
     key: mx.array | None  # this row's PRNG state (seeded rows only)
     history: mx.array | None = None  # tokens the processors see; None when there are none
-    fed: int = 0  # tokens whose KV is in the cache (prompt + generated inputs)
-    extra: dict = field(default_factory=dict)
 
     @property
     def is_plain_greedy(self) -> bool:

@@ -218,7 +218,6 @@ class BatchScheduler:
             return
         alive = []
         for i, (joiner, token) in enumerate(zip(ready, tokens.tolist(), strict=True)):
-            joiner.row.fed = len(joiner.row.request.prompt_ids)
             if self._emit(joiner.row, token, logprobs[i]):
                 alive.append(i)
             else:
@@ -289,8 +288,6 @@ class BatchScheduler:
             logits = self.model(inputs[:, None], cache=self._caches)[:, -1, :]
             next_tokens, next_logprobs = self._sample(logits, inputs)
         mx.async_eval(next_tokens, next_logprobs)
-        for row in self._rows:
-            row.fed += 1
         # Read step n while step n+1 runs: one transfer for every row's token.
         tokens = inputs.tolist()
         keep = []

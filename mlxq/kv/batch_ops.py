@@ -30,11 +30,6 @@ def merge_solo_rows(rows: list[list]) -> list:
     return merged
 
 
-def append_rows(batch: list, solo_rows: list[list]) -> list:
-    """``batch`` (already batched) extended in place with new solo rows."""
-    return extend_batch(batch, merge_solo_rows(solo_rows))
-
-
 def extend_batch(batch: list, joiners: list) -> list:
     """``batch`` extended in place with the rows of another batched cache list (right-aligned)."""
     for layer, (running, joining) in enumerate(zip(batch, joiners, strict=True)):

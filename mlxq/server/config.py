@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,6 @@ class ServerConfig:
     max_request_bytes: int = 16 * 2**20  # larger bodies get 413 before parsing
     max_tokens_limit: int | None = None  # server-wide cap on max_tokens (None: the model's context)
     max_prompt_tokens: int | None = None  # per-request prompt length cap (None: the model's context)
-    extra: dict = field(default_factory=dict)  # reserved for later sections; never read by the engine
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

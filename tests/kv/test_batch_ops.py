@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
-from mlxq.kv.batch_ops import append_rows, extract_row, keep_rows, merge_solo_rows
+from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.capabilities import CacheKind, UnknownCacheKind, cache_kind
 from mlxq.kv.projection import GROWTH_STEP, KvFootprint, LayerFootprint
 
@@ -46,7 +46,7 @@ def test_merge_append_keep_extract_roundtrip(kind, lengths):
     solos = [make(kind, n, seed=i) for i, n in enumerate(lengths)]
     expected = [temporal(make(kind, n, seed=i)) for i, n in enumerate(lengths)]
     batch = merge_solo_rows([[solos[0]], [solos[1]]])
-    append_rows(batch, [[solos[2]]])
+    extend_batch(batch, merge_solo_rows([[solos[2]]]))
     for row in range(3):
         assert mx.array_equal(temporal(extract_row(batch, row)[0]), expected[row]), row
     keep_rows(batch, [0, 2])
@@ -62,7 +62,7 @@ def test_recurrent_state_rows_survive_surgery():
         return c
 
     batch = merge_solo_rows([[state(0)], [state(1)]])
-    append_rows(batch, [[state(2)]])
+    extend_batch(batch, merge_solo_rows([[state(2)]]))
     keep_rows(batch, [0, 2])
     for row, seed in ((0, 0), (1, 2)):
         solo = extract_row(batch, row)[0]
