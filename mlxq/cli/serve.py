@@ -25,6 +25,14 @@ def serve(
     kv_budget: Annotated[str | None, typer.Option(help="Cap on projected KV bytes of the batch, "
                                                           "e.g. 8GB; over it requests queue.")] = None,
     prompt_cache: Annotated[str, typer.Option(help="RAM prompt cache size, e.g. 8GB; 0 disables it.")] = "8GB",
+    ssd_cache: Annotated[str | None, typer.Option(help="Directory of the SSD cold tier (.mlxkv files); "
+                                                       "prompt-cache entries survive restarts.")] = None,
+    ssd_cache_max: Annotated[str | None, typer.Option(help="Byte cap of the SSD tier, e.g. 100GB "
+                                                           "(default: unlimited).")] = None,
+    ssd_cache_verify: Annotated[bool, typer.Option(help="Check every tensor checksum of every file at "
+                                                        "start-up (restores always check).")] = False,
+    ssd_demote_idle: Annotated[float, typer.Option(help="Release RAM entries idle this many seconds once "
+                                                        "they are on disk; 0 never.")] = 300.0,
     stall_timeout: Annotated[float, typer.Option(help="Seconds without engine progress before /health "
                                                       "reports 503.")] = 120.0,
     shutdown_timeout: Annotated[float, typer.Option(help="On SIGINT/SIGTERM, seconds in-flight requests may "
@@ -44,6 +52,7 @@ def serve(
     from mlxq.server.run import serve as run_server
 
     try:
+        ssd = _ssd_config(ssd_cache, ssd_cache_max, ssd_cache_verify, ssd_demote_idle)
         config = ServerConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
             allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
@@ -54,8 +63,27 @@ def serve(
             max_prompt_tokens=max_prompt_tokens,
             kv_budget_bytes=parse_bytes(kv_budget) if kv_budget else None,
             prompt_cache_bytes=0 if prompt_cache.strip() in ("0", "0GB", "0B") else parse_bytes(prompt_cache),
+            ssd=ssd,
         )
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demote_idle: float):
+    """The SSD tier's settings; sub-flags without --ssd-cache are reported and ignored."""
+    import os
+
+    from mlxq.cli.units import parse_bytes
+    from mlxq.store.ssd_config import SsdConfig
+
+    if directory is None:
+        if max_bytes is not None or verify:
+            typer.echo("warning: --ssd-cache-max / --ssd-cache-verify do nothing without --ssd-cache DIR", err=True)
+        return None
+    extra = {}
+    if "MLXQ_SSD_SPILL_QUEUE" in os.environ:
+        extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
+    return SsdConfig(directory, parse_bytes(max_bytes) if max_bytes else None, verify, demote_idle,
+                     write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)

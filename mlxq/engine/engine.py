@@ -28,6 +28,8 @@ from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
+from mlxq.store.cold_tier import FlushResult
+from mlxq.store.ssd_config import SsdConfig
 
 log = logging.getLogger("mlxq.engine")
 
@@ -41,6 +43,7 @@ class EngineConfig:
     prompt_concurrency: int = 4  # joiners prefilling at once (batch lane)
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     prompt_cache_bytes: int = 8 * 10**9  # RAM prompt cache cap; 0 disables it
+    ssd: SsdConfig | None = None  # the SSD cold tier behind the prompt cache
 
     def __post_init__(self):
         if self.prefill_step_size < 1:
@@ -53,6 +56,8 @@ class EngineConfig:
             raise ValueError("kv_budget must be > 0")
         if self.prompt_cache_bytes < 0:
             raise ValueError("prompt_cache must be >= 0")
+        if self.ssd is not None and self.prompt_cache_bytes == 0:
+            raise ValueError("--ssd-cache needs the RAM prompt cache (--prompt-cache > 0): restores land there")
 
 
 @dataclass
@@ -76,6 +81,14 @@ class _Work:
     placement: Placement
 
 
+@dataclass
+class _Flush:
+    """A caller waiting until every dirty prompt-cache entry is on disk."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    result: FlushResult | None = None
+
+
 class Engine:
     """Owns MLX. ``load`` runs first on the engine thread, so even weight loading
     happens where every later MLX call does; ``ready`` is set once it returns."""
@@ -91,7 +104,10 @@ class Engine:
         self.footprint = None  # KvFootprint once loaded
         self.prompt_cache = None  # store.PromptCache once loaded, when enabled and the model allows it
         self.prompt_cache_off_reason: str | None = None
-        self._inbox: queue.Queue[_Work | None] = queue.Queue()
+        self.cold = None  # store.ColdTier once loaded, with --ssd-cache
+        self.cold_off_reason: str | None = None
+        self._flushes: list[_Flush] = []
+        self._inbox: queue.Queue[_Work | _Flush | None] = queue.Queue()
         self._waiting: collections.deque[_Work] = collections.deque()
         self._serial_running: Request | None = None
         self._stopping = threading.Event()
@@ -123,6 +139,21 @@ class Engine:
         self._inbox.put(_Work(request, emit, placement))
         return placement
 
+    def flush_cache(self, timeout: float) -> FlushResult | None:
+        """Block until every dirty prompt-cache entry is on disk (or ``timeout``); None without an SSD tier.
+
+        Any thread. The engine writes between its steps, so requests keep running meanwhile.
+        """
+        if self.cold is None:
+            return None
+        if not self.is_alive:
+            return self.cold.flush_result(timed_out=True, report=False)
+        flush = _Flush()
+        self._inbox.put(flush)
+        if flush.done.wait(timeout) and flush.result is not None:
+            return flush.result
+        return self.cold.flush_result(timed_out=True, report=False)
+
     def stop(self, timeout: float | None = None) -> None:
         """Stop after the current step; queued and running requests are cancelled."""
         self._stopping.set()
@@ -151,9 +182,11 @@ class Engine:
             log.info("model ready: %s (batch mode: %s)", self.loaded.description, self.gateway.mode)
             while not self._stopping.is_set():
                 self._beat()
-                if not self._intake(block=self._idle()):
+                background = self.cold is not None and self.cold.has_work(flushing=bool(self._flushes))
+                if not self._intake(block=self._idle() and not background):
                     break
                 self._schedule()
+                self._persist()
         except BaseException as exc:  # the thread must not die silently: /health reports it
             self.fatal_error = f"{type(exc).__name__}: {exc}"
             log.critical("engine thread died: %s", self.fatal_error, exc_info=True)
@@ -230,6 +263,36 @@ class Engine:
             self.prompt_cache_off_reason = f"no prompt-cache support for cache classes {names}"
         else:
             self.prompt_cache = PromptCache(self.config.prompt_cache_bytes)
+        if self.config.ssd is None:
+            self.cold_off_reason = "off (start with --ssd-cache DIR)"
+        elif self.prompt_cache is None:
+            self.cold_off_reason = f"needs the RAM prompt cache, which is {self.prompt_cache_off_reason}"
+            log.warning("SSD cache off: %s", self.cold_off_reason)
+        else:
+            from mlxq.store.cold_tier import open_cold_tier
+
+            self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name)
+
+    def _persist(self) -> None:
+        """SSD work: one tensor per iteration, only when idle unless a flush is waiting."""
+        cold = self.cold
+        if cold is None:
+            return
+        if self._flushes:
+            if cold.flush_pending():
+                cold.step()
+                return
+            result = cold.flush_result()
+            for flush in self._flushes:
+                flush.result = result
+                flush.done.set()
+            self._flushes.clear()
+            return
+        if self._idle() and self._serial_running is None:
+            if cold.has_work():
+                cold.step()
+            else:
+                cold.housekeep()
 
     def _idle(self) -> bool:
         return not self._waiting and (self.scheduler is None or self.scheduler.is_idle)
@@ -243,15 +306,22 @@ class Engine:
         while True:
             if work is None:
                 return False
-            self._waiting.append(work)
-            lane = work.placement.lane.value
-            self.stats.lanes[lane] += 1
-            reasons = self.stats.placement_reasons
-            reasons[work.placement.reason] = reasons.get(work.placement.reason, 0) + 1
+            if isinstance(work, _Flush):
+                if not self._flushes:
+                    self.cold.begin_flush()
+                self._flushes.append(work)
+            else:
+                self._admit_to_fifo(work)
             try:
                 work = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _admit_to_fifo(self, work: _Work) -> None:
+        self._waiting.append(work)
+        self.stats.lanes[work.placement.lane.value] += 1
+        reasons = self.stats.placement_reasons
+        reasons[work.placement.reason] = reasons.get(work.placement.reason, 0) + 1
 
     def _schedule(self) -> None:
         self._drop_cancelled_waiting()
@@ -345,8 +415,12 @@ class Engine:
                 work = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if work is not None:
+            if isinstance(work, _Flush):
+                self._flushes.append(work)
+            elif work is not None:
                 pending.append(work)
         for work in pending:
             work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.CANCELLED))
+        for flush in self._flushes:  # their callers time out and read the state themselves
+            flush.done.set()
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from mlxq.server import routes
+from mlxq.server import admin, routes
 from mlxq.server.errors import (
     APIError,
     error_response,
@@ -20,6 +22,8 @@ from mlxq.server.errors import (
     handle_unexpected,
 )
 from mlxq.server.state import ServerState
+
+log = logging.getLogger("mlxq.server")
 
 # Reachable without the API key: load balancers probe them.
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/dashboard"})
@@ -49,6 +53,19 @@ class ApiKeyAuth:
         return await self.app(scope, receive, send)
 
 
+async def _flush_before_exit(state: ServerState) -> None:
+    """Graceful shutdown: in-flight requests have finished; make the SSD tier durable (bounded)."""
+    engine = state.engine
+    if engine.cold is None or not engine.is_alive:
+        return
+    result = await run_in_threadpool(engine.flush_cache, state.config.shutdown_timeout_s)
+    if result.durable:
+        log.info("SSD cache durable at shutdown: %d entries, longest prefix %d tokens",
+                 result.entries, result.longest_durable_prefix_tokens)
+    else:
+        log.warning("SSD cache NOT durable at shutdown: %s", result.as_dict())
+
+
 def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -58,6 +75,7 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             yield
         finally:
             if manage_engine:
+                await _flush_before_exit(state)
                 state.engine.stop(timeout=10)
 
     app = Starlette(
@@ -72,6 +90,7 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/dashboard", routes.dashboard, methods=["GET"]),
             Route("/stats", routes.stats, methods=["GET"]),
+            Route("/admin/cache/flush", admin.flush_cache, methods=["POST"]),
         ],
         middleware=[
             Middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxq.store.ssd_config import SsdConfig
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -18,6 +20,7 @@ class ServerConfig:
     prompt_concurrency: int = 4  # batch joiners prefilling at once
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     prompt_cache_bytes: int = 8 * 10**9  # RAM prompt cache cap; 0 disables it
+    ssd: SsdConfig | None = None  # --ssd-cache DIR and its sub-flags
     stall_timeout_s: float = 120.0  # /health turns 503 when work is pending and no step ran this long
     shutdown_timeout_s: float = 30.0  # on SIGINT/SIGTERM: how long in-flight requests may take to finish
     log_level: str = "info"
@@ -36,6 +39,8 @@ class ServerConfig:
             raise ValueError("batch and prompt_concurrency must be >= 1")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
             raise ValueError("kv_budget must be > 0")
+        if self.ssd is not None and self.prompt_cache_bytes == 0:
+            raise ValueError("--ssd-cache needs the RAM prompt cache (--prompt-cache > 0): restores land there")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be > 0")
         if self.shutdown_timeout_s < 0:

@@ -50,7 +50,7 @@ def make_state(config: ServerConfig) -> ServerState:
                     EngineConfig(prefill_step_size=config.prefill_step_size, max_rows=config.batch,
                                  prompt_concurrency=config.prompt_concurrency,
                                  kv_budget_bytes=config.kv_budget_bytes,
-                                 prompt_cache_bytes=config.prompt_cache_bytes))
+                                 prompt_cache_bytes=config.prompt_cache_bytes, ssd=config.ssd))
     return ServerState(config=config, engine=engine)
 
 

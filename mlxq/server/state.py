@@ -109,6 +109,8 @@ class ServerState:
                 "off_reason": engine.prompt_cache_off_reason,
                 **(engine.prompt_cache.as_dict() if engine.prompt_cache is not None else {}),
             },
+            "ssd_cache": engine.cold.as_dict() if engine.cold is not None else {
+                "enabled": False, "off_reason": engine.cold_off_reason},
             "memory": {
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_peak_bytes": mx.get_peak_memory(),

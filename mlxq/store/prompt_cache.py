@@ -17,12 +17,18 @@ lanes store those as *prompt-boundary snapshots* (the state after a
 prompt's last-but-one token), which is what the next turn of a conversation
 or another agent with the same system prompt starts with. Such an entry
 keeps its shorter ancestors: a longer one cannot serve them.
+
+With a cold tier attached (store.cold_tier), every put is reported to it
+(write-behind to SSD), every removal says why (an evicted entry that is not
+yet on disk is spilled), and ``take`` asks it for a strictly longer usable
+prefix than RAM holds, which it restores into RAM before lending.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
@@ -34,6 +40,8 @@ class CacheEntry:
     caches: list  # one cache per layer, private to the entry (copied in), never written
     nbytes: int
     trimmable: bool  # every layer a KVCache: the entry also serves shorter prefixes
+    namespace: str = ""
+    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -122,12 +130,16 @@ def can_cache(caches: list) -> bool:
     return all(type(c) in (KVCache, ArraysCache) or (type(c) is RotatingKVCache and not c.keep) for c in caches)
 
 
+Key = tuple[str, tuple[int, ...]]  # (namespace, exact tokens)
+
+
 class PromptCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[str, tuple[int, ...]], CacheEntry] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[Key, CacheEntry] = OrderedDict()  # LRU first
         self.bytes = 0
         self.stats = PromptCacheStats()
+        self.cold = None  # store.cold_tier.ColdTier, when an SSD tier is configured
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -145,10 +157,20 @@ class PromptCache:
                 continue  # a ring or a recurrent state serves only what it is an exact prefix of
             if n > best_len:
                 best_key, best_len = key, n
+        if self.cold is not None:
+            restored = self.cold.restore(namespace, prompt, better_than=best_len)
+            if restored is not None:
+                entry, best_len = restored
+                best_key = self._insert((namespace, entry.tokens), entry, durable=True)
+                if best_key is None:  # larger than the whole RAM tier: lend it once, keep nothing
+                    self.stats.hits += 1
+                    self.stats.hit_tokens += best_len
+                    return [_lend(c, best_len) for c in entry.caches], best_len
         if best_key is None:
             return None, 0
         self._entries.move_to_end(best_key)
         entry = self._entries[best_key]
+        entry.last_used = time.monotonic()
         self.stats.hits += 1
         self.stats.hit_tokens += best_len
         return [_lend(c, best_len) for c in entry.caches], best_len
@@ -164,22 +186,42 @@ class PromptCache:
             if other[0] != namespace or len(other[1]) > n or key[1][: len(other[1])] != other[1]:
                 continue
             if other[1] == key[1] or (trimmable and entry.trimmable):
-                self._remove(other)  # an exact duplicate, or a prefix this entry now serves
+                self._remove(other, "superseded")  # an exact duplicate, or a prefix this entry now serves
         stored = [_copy_in(c, n) for c in caches]
         mx.eval([_state_arrays(c) for c in stored])
-        entry = CacheEntry(key[1], stored, sum(c.nbytes for c in stored), trimmable)
+        entry = CacheEntry(key[1], stored, sum(c.nbytes for c in stored), trimmable, namespace)
+        if self._insert(key, entry, durable=False) is not None:
+            self.stats.puts += 1
+
+    def _insert(self, key: Key, entry: CacheEntry, *, durable: bool) -> Key | None:
+        """Hold ``entry`` (evicting LRU entries to fit); None when it is larger than the whole tier."""
         if entry.nbytes > self.max_bytes:
-            return
+            return None
+        if key in self._entries:
+            self._remove(key, "superseded")
         self._entries[key] = entry
         self.bytes += entry.nbytes
-        self.stats.puts += 1
+        if self.cold is not None and not durable:
+            self.cold.on_put(key, entry)
         while self.bytes > self.max_bytes:
-            self._remove(next(iter(self._entries)))
+            self._remove(next(iter(self._entries)), "evicted")
             self.stats.evictions += 1
+        return key
 
-    def _remove(self, key) -> None:
+    def _remove(self, key: Key, reason: str) -> None:
         entry = self._entries.pop(key)
         self.bytes -= entry.nbytes
+        if self.cold is not None:
+            self.cold.on_removed(key, entry, reason)
+
+    def drop(self, key: Key) -> None:
+        """Let go of an entry that is safe on SSD (idle demotion)."""
+        if key in self._entries:
+            self._remove(key, "demoted")
+
+    def idle_keys(self, older_than: float) -> list[Key]:
+        """Keys of entries not taken or put since the monotonic time ``older_than``."""
+        return [k for k, e in self._entries.items() if e.last_used < older_than]
 
     def as_dict(self) -> dict:
         s = self.stats

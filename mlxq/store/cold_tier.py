@@ -1,0 +1,239 @@
+"""The SSD cold tier behind the RAM prompt cache: write-behind, spills, demotion, durability.
+
+State, per prompt-cache key (namespace, tokens):
+
+- *dirty*: in RAM, not yet on disk. Every RAM put makes its key dirty;
+  write-behind persists dirty entries, oldest first, while the engine is idle.
+- *spilled*: evicted from RAM while dirty. The entry's arrays stay pinned in
+  a bounded queue (``spill_queue_bytes``) until written; over the cap the
+  oldest spill is dropped (a future cache miss, never a wrong result) and
+  counted as *lost* until the next flush reports it.
+- *failed*: a write the disk refused. Not retried in the background (a full
+  disk must not turn into a busy loop); the next flush retries it once.
+
+All of it runs on the engine thread, one tensor per ``step()``: a request
+that arrives mid-write waits at most one tensor's write, and write-behind
+never runs between decode steps. A flush runs steps even while requests are
+running (one tensor per engine iteration) until nothing is pending.
+
+Entries in RAM are immutable (the prompt cache copies in and lends views),
+so persisting one needs no clone: the job holds a reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mlxq.store.fingerprint import model_fingerprint
+from mlxq.store.mlxkv import Identity
+from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
+from mlxq.store.ssd_config import SsdConfig
+from mlxq.store.ssd_store import SsdStore
+
+log = logging.getLogger("mlxq.ssd")
+
+DEMOTE_CHECK_EVERY_S = 1.0
+
+
+def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_name: str,
+                   kv_scheme: str = "native") -> ColdTier:
+    """Fingerprint the model, scan its directory, and bind the tier to ``ram`` (engine thread)."""
+    identity = Identity(model_fingerprint(model_dir), kv_scheme, "")
+    store = SsdStore(Path(config.directory).expanduser(), identity, config.max_bytes, model_name)
+    try:
+        store.scan(verify=config.verify)
+    except OSError as exc:
+        log.warning("SSD cache %s cannot be read (%s); starting empty", store.directory, exc)
+    return ColdTier(store, ram, config.spill_queue_bytes, config.demote_idle_s, config.write_behind)
+
+
+@dataclass
+class _Job:
+    key: Key
+    entry: CacheEntry
+    steps: Iterator[None]
+
+
+@dataclass
+class ColdTierCounters:
+    spills: int = 0  # dirty entries evicted from RAM and queued for disk
+    demotions: int = 0  # idle RAM entries released because they are on disk
+    dropped: int = 0  # spills dropped over the queue cap (their prefixes are lost)
+    failed: int = 0  # writes the disk refused
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    durable: bool
+    pending: int  # entries still not on disk
+    dropped: int  # spills dropped since the last flush
+    failed: int  # writes that failed during this flush
+    entries: int  # files in the SSD tier
+    longest_durable_prefix_tokens: int
+    elapsed_s: float = 0.0
+    timed_out: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ColdTier:
+    store: SsdStore
+    ram: PromptCache
+    spill_queue_bytes: int = 2 * 2**30
+    demote_idle_s: float = 300.0  # 0 disables idle demotion
+    write_behind: bool = True  # False: persist only on flush, shutdown, and eviction
+    counters: ColdTierCounters = field(default_factory=ColdTierCounters)
+    _dirty: OrderedDict = field(default_factory=OrderedDict)  # Key -> CacheEntry, oldest first
+    _spills: OrderedDict = field(default_factory=OrderedDict)  # Key -> CacheEntry (pinned)
+    _failed: set = field(default_factory=set)  # keys whose last write failed
+    _lost: int = 0  # spills dropped since the last flush
+    _job: _Job | None = None
+    _last_demote_check: float = 0.0
+    _flush_failures_at: int = 0
+    _flush_started: float = 0.0
+
+    def __post_init__(self):
+        self.ram.cold = self
+
+    # --- hooks from the prompt cache (engine thread) ----------------------------------
+    def on_put(self, key: Key, entry: CacheEntry) -> None:
+        self._dirty[key] = entry
+        self._dirty.move_to_end(key)
+        self._failed.discard(key)
+        self._spills.pop(key, None)  # a newer copy of the same prefix is in RAM again
+
+    def on_removed(self, key: Key, entry: CacheEntry, reason: str) -> None:
+        if self._dirty.get(key) is not entry:
+            return  # already durable (or replaced): nothing to do
+        del self._dirty[key]
+        if reason != "evicted":
+            return  # superseded: the entry that replaced it is dirty and covers it
+        self._spills[key] = entry
+        self.counters.spills += 1
+        while self.pending_spill_bytes > self.spill_queue_bytes and len(self._spills) > 1:
+            victim = next(k for k in self._spills if self._job is None or k != self._job.key)
+            if victim == key:
+                break  # the newest spill is never its own victim
+            del self._spills[victim]
+            self._failed.discard(victim)
+            self.counters.dropped += 1
+            self._lost += 1
+
+    def restore(self, namespace: str, prompt: list[int], better_than: int) -> tuple[CacheEntry, int] | None:
+        """A strictly longer usable prefix than RAM has, read from disk; None when there is none."""
+        found = self.store.find(namespace, prompt, better_than)
+        while found is not None:
+            index_entry, n = found
+            caches = self.store.load(index_entry)
+            if caches is not None:
+                entry = CacheEntry(index_entry.tokens, caches, sum(c.nbytes for c in caches),
+                                   index_entry.trimmable, namespace)
+                return entry, n
+            found = self.store.find(namespace, prompt, better_than)  # that file was bad: try the next one
+        return None
+
+    # --- background work (engine thread) ------------------------------------------------
+    @property
+    def pending_spill_bytes(self) -> int:
+        return sum(e.nbytes for e in list(self._spills.values()))
+
+    def has_work(self, *, flushing: bool = False) -> bool:
+        if self._job is not None or self._spills:
+            return True
+        if not (self.write_behind or flushing):
+            return False
+        return any(k not in self._failed for k in self._dirty)
+
+    def step(self) -> None:
+        """Advance the current write by one tensor (starting the next one if needed)."""
+        if self._job is None:
+            self._job = self._next_job()
+            if self._job is None:
+                return
+        job = self._job
+        try:
+            next(job.steps)
+            return
+        except StopIteration:
+            self._settle(job.key, job.entry)
+        except Exception as exc:  # OSError from the disk; anything else is logged the same way
+            if not isinstance(exc, OSError):
+                log.exception("SSD cache write failed")
+            self.counters.failed += 1
+            self._failed.add(job.key)
+            if self._spills.pop(job.key, None) is not None:
+                self._lost += 1  # a spilled entry's only copy is gone
+        self._job = None
+
+    def _next_job(self) -> _Job | None:
+        for source in (self._spills, self._dirty):
+            for key, entry in source.items():
+                if key not in self._failed:
+                    steps = self.store.write_steps(key[0], key[1], entry.caches, entry.trimmable)
+                    return _Job(key, entry, steps)
+        return None
+
+    def _settle(self, key: Key, entry: CacheEntry) -> None:
+        if self._dirty.get(key) is entry:
+            del self._dirty[key]
+        if self._spills.get(key) is entry:
+            del self._spills[key]
+
+    def housekeep(self, now: float | None = None) -> None:
+        """Release RAM entries idle longer than ``demote_idle_s`` once they are on disk."""
+        now = time.monotonic() if now is None else now
+        if self.demote_idle_s <= 0 or now - self._last_demote_check < DEMOTE_CHECK_EVERY_S:
+            return
+        self._last_demote_check = now
+        for key in self.ram.idle_keys(now - self.demote_idle_s):
+            if key not in self._dirty and self.store.covers(key[0], key[1]):
+                self.ram.drop(key)
+                self.counters.demotions += 1
+
+    # --- durability -------------------------------------------------------------------
+    def begin_flush(self) -> None:
+        self._failed.clear()  # retry what failed before, once
+        self._flush_failures_at = self.counters.failed
+        self._flush_started = time.monotonic()
+
+    def flush_pending(self) -> bool:
+        return self.has_work(flushing=True)
+
+    def flush_result(self, *, timed_out: bool = False, report: bool = True) -> FlushResult:
+        """The state of durability now; ``report`` also resets the lost-since-last-flush count."""
+        pending = len(self._dirty) + len(self._spills)
+        failed = self.counters.failed - self._flush_failures_at
+        lost = self._lost
+        if report:
+            self._lost = 0
+        return FlushResult(
+            durable=not timed_out and pending == 0 and lost == 0 and failed == 0 and self._job is None,
+            pending=pending, dropped=lost, failed=failed, entries=len(self.store.index),
+            longest_durable_prefix_tokens=self.store.longest_prefix,
+            elapsed_s=round(time.monotonic() - self._flush_started, 3), timed_out=timed_out,
+        )
+
+    def as_dict(self) -> dict:
+        store = self.store
+        return {
+            "enabled": True,
+            "directory": str(store.directory),
+            "fingerprint": store.identity.fingerprint,
+            "entries": len(store.index),
+            "bytes": store.bytes,
+            "max_bytes": store.max_bytes,
+            "write_behind": self.write_behind,
+            "pending": len(self._dirty) + len(self._spills),
+            "pending_spills": len(self._spills),
+            "pending_spill_bytes": self.pending_spill_bytes,
+            "longest_durable_prefix_tokens": store.longest_prefix,
+            **asdict(self.counters),
+            **asdict(store.stats),
+        }

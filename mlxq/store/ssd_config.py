@@ -1,0 +1,23 @@
+"""The SSD tier's settings (no MLX import: the server's config is built before MLX loads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SsdConfig:
+    """--ssd-cache and its sub-flags."""
+
+    directory: str
+    max_bytes: int | None = None  # None: unlimited
+    verify: bool = False  # check every tensor checksum at start-up (restores always check)
+    demote_idle_s: float = 300.0
+    spill_queue_bytes: int = 2 * 2**30
+    write_behind: bool = True
+
+    def __post_init__(self):
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise ValueError("ssd_cache_max must be > 0")
+        if self.demote_idle_s < 0:
+            raise ValueError("ssd_demote_idle must be >= 0")

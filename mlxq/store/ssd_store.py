@@ -1,0 +1,220 @@
+"""The SSD tier's files: ``DIR/<fingerprint>/<namespace-hash>/<id>.mlxkv``.
+
+Files are the database. At start-up the store reads the headers (only) of
+its own fingerprint directory into an in-memory index; other fingerprints'
+directories belong to other models or runtimes and are never touched.
+Leftover ``.tmp`` files (a write cut by a crash) are removed; a file whose
+header is corrupt or does not match this model is unlinked with a log line.
+Every tensor carries an xxh3-128 checksum that is checked on every restore
+(xxh3 runs at memory speed, so this costs little next to the read), so a
+file with flipped bytes is never served: the restore fails, the file is
+unlinked, and the request falls back to a shorter prefix or a cold prefill.
+
+LRU is the file mtime (touched on every restore); the byte cap is enforced
+after each write by removing the oldest files. Every failure degrades to
+"not stored" or "no hit"; the tier never takes serving down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxq.store.fingerprint import namespace_dir
+from mlxq.store.mlxkv import EntryHeader, Identity, MlxkvError, encode_layer, read_caches, read_header, verify_file
+from mlxq.store.mlxkv import write_steps as mlxkv_write_steps
+
+log = logging.getLogger("mlxq.ssd")
+
+
+@dataclass
+class IndexEntry:
+    path: Path
+    namespace: str
+    tokens: tuple[int, ...]
+    nbytes: int  # file size
+    mtime: float
+    trimmable: bool
+
+
+@dataclass
+class SsdStats:
+    restores: int = 0
+    restored_tokens: int = 0
+    restore_ms_last: float = 0.0
+    writes: int = 0
+    written_bytes: int = 0
+    write_failures: int = 0
+    corrupt_removed: int = 0  # files unlinked at scan or restore because they failed a check
+    evicted_files: int = 0  # removed to stay under the byte cap or superseded by a longer entry
+    reaped_tmp: int = 0
+
+
+@dataclass
+class SsdStore:
+    root: Path
+    identity: Identity  # fingerprint + kv scheme; namespace varies per entry
+    max_bytes: int | None = None  # None: unlimited
+    model_name: str = ""
+    index: dict[Path, IndexEntry] = field(default_factory=dict)
+    stats: SsdStats = field(default_factory=SsdStats)
+    _warned_write: bool = False
+
+    @property
+    def directory(self) -> Path:
+        return self.root / self.identity.fingerprint
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.nbytes for e in list(self.index.values()))
+
+    @property
+    def longest_prefix(self) -> int:
+        return max((len(e.tokens) for e in list(self.index.values())), default=0)
+
+    # --- start-up ---------------------------------------------------------------------
+    def scan(self, *, verify: bool = False) -> None:
+        """Index this fingerprint's files (headers only, or every tensor when ``verify``)."""
+        self.index.clear()
+        if not self.directory.is_dir():
+            return
+        for path in sorted(self.directory.glob("*/*")):
+            if path.name.endswith(".tmp"):
+                self._unlink(path, "a write that never finished")
+                self.stats.reaped_tmp += 1
+            elif path.suffix == ".mlxkv":
+                try:
+                    header = verify_file(path) if verify else read_header(path)
+                    self._check_identity(header)
+                except (MlxkvError, OSError) as exc:
+                    self._discard(path, exc)
+                    continue
+                self._add(path, header)
+        log.info("SSD cache %s: %d entries, %.1f MB", self.directory, len(self.index), self.bytes / 1e6)
+
+    def _check_identity(self, header: EntryHeader) -> None:
+        ours = self.identity
+        if (header.identity.fingerprint, header.identity.kv_scheme) != (ours.fingerprint, ours.kv_scheme):
+            raise MlxkvError(f"written for {header.identity.fingerprint}/{header.identity.kv_scheme}, "
+                             f"not {ours.fingerprint}/{ours.kv_scheme}")
+
+    def _add(self, path: Path, header: EntryHeader) -> IndexEntry:
+        st = path.stat()
+        entry = IndexEntry(path, header.identity.namespace, header.tokens, st.st_size, st.st_mtime, header.trimmable)
+        self.index[path] = entry
+        return entry
+
+    # --- lookup and restore -----------------------------------------------------------
+    def find(self, namespace: str, prompt: list[int], better_than: int) -> tuple[IndexEntry, int] | None:
+        """The entry with the longest usable prefix of ``prompt``, if longer than ``better_than``."""
+        limit = len(prompt) - 1
+        best, best_len = None, better_than
+        for entry in self.index.values():
+            if entry.namespace != namespace or len(entry.tokens) <= best_len:
+                continue
+            n = 0
+            top = min(len(entry.tokens), limit)
+            while n < top and entry.tokens[n] == prompt[n]:
+                n += 1
+            if not entry.trimmable and n != len(entry.tokens):
+                continue
+            if n > best_len:
+                best, best_len = entry, n
+        return None if best is None else (best, best_len)
+
+    def load(self, entry: IndexEntry) -> list | None:
+        """The entry's caches (every tensor checksum verified), or None after removing a bad file."""
+        started = time.perf_counter()
+        try:
+            header = read_header(entry.path)
+            self._check_identity(header)
+            if header.tokens != entry.tokens:
+                raise MlxkvError("the file changed since it was indexed")
+            caches = read_caches(entry.path, header)
+        except (MlxkvError, OSError) as exc:
+            self._discard(entry.path, exc)
+            return None
+        now = time.time()
+        try:
+            os.utime(entry.path, (now, now))
+            entry.mtime = now
+        except OSError:
+            pass
+        self.stats.restores += 1
+        self.stats.restored_tokens += len(entry.tokens)
+        self.stats.restore_ms_last = round((time.perf_counter() - started) * 1000, 3)
+        return caches
+
+    def covers(self, namespace: str, tokens: tuple[int, ...]) -> bool:
+        """Is the state after ``tokens`` durable: an exact file, or a trimmable file extending it?"""
+        n = len(tokens)
+        return any(e.namespace == namespace and (e.tokens == tokens or (e.trimmable and e.tokens[:n] == tokens))
+                   for e in self.index.values())
+
+    # --- writing ----------------------------------------------------------------------
+    def write_steps(self, namespace: str, tokens: tuple[int, ...], caches: list, trimmable: bool) -> Iterator[None]:
+        """Write one entry, one tensor per step; then index it, supersede its ancestors, enforce the cap.
+
+        Raises OSError when the disk refuses (counted; the entry is simply not stored).
+        """
+        layers = [encode_layer(c) for c in caches]
+        nbytes = sum(a.nbytes for _, _, named in layers for _, a in named)
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise OSError(f"entry of {nbytes} bytes exceeds --ssd-cache-max ({self.max_bytes} bytes)")
+        directory = self.directory / namespace_dir(namespace)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"{uuid.uuid4().hex}.mlxkv"
+            header = {"fingerprint": self.identity.fingerprint, "kv_scheme": self.identity.kv_scheme,
+                      "namespace": namespace, "tokens": list(tokens), "trimmable": trimmable,
+                      "created": time.time(), "model": self.model_name}
+            yield from mlxkv_write_steps(path, header, layers)
+        except OSError as exc:
+            self.stats.write_failures += 1
+            if not self._warned_write:
+                self._warned_write = True
+                log.warning("SSD cache write failed (%s); entries are not stored until writes succeed "
+                            "(this warning is shown once; /stats.ssd_cache counts failures)", exc)
+            raise
+        entry = self._add(path, read_header(path))
+        self.stats.writes += 1
+        self.stats.written_bytes += entry.nbytes
+        for other in list(self.index.values()):
+            if other is entry or other.namespace != namespace or len(other.tokens) > len(tokens):
+                continue
+            same = other.tokens == tokens
+            if same or (trimmable and other.trimmable and tokens[: len(other.tokens)] == other.tokens):
+                self._remove(other)
+        self._enforce_cap(keep=entry)
+
+    def _enforce_cap(self, keep: IndexEntry) -> None:
+        if self.max_bytes is None:
+            return
+        for victim in sorted(self.index.values(), key=lambda e: e.mtime):
+            if self.bytes <= self.max_bytes:
+                break
+            if victim is not keep:
+                self._remove(victim)
+
+    def _remove(self, entry: IndexEntry) -> None:
+        self.index.pop(entry.path, None)
+        self.stats.evicted_files += 1
+        entry.path.unlink(missing_ok=True)
+
+    def _discard(self, path: Path, why: Exception) -> None:
+        self.index.pop(path, None)
+        self.stats.corrupt_removed += 1
+        self._unlink(path, f"not usable: {why}")
+
+    @staticmethod
+    def _unlink(path: Path, why: str) -> None:
+        log.warning("SSD cache: removing %s (%s)", path, why)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("SSD cache: could not remove %s: %s", path, exc)
