@@ -5,13 +5,14 @@ from __future__ import annotations
 import typer
 
 from mlxq import __version__
-from mlxq.cli import bench, golden, model, serve
+from mlxq.cli import bench, cache, golden, model, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Serve MLX language models.")
 app.command("serve")(serve.serve)
 app.add_typer(model.app, name="model")
 app.add_typer(golden.app, name="golden")
 app.add_typer(bench.app, name="bench")
+app.add_typer(cache.app, name="cache")
 
 
 @app.command("version")

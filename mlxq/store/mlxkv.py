@@ -126,14 +126,15 @@ def write_steps(path: Path, header: dict, layers: list) -> Iterator[None]:
     ``.tmp`` behind. The file exists under ``path`` only after the last step.
     """
     records, arrays = [], []
-    offset = 0
+    offset = end = 0
     for kind, meta, named in layers:
         tensors = []
         for name, array in named:
             tensors.append({"name": name, "offset": offset, "nbytes": array.nbytes, "shape": list(array.shape),
                             "dtype": _DTYPE_NAMES[array.dtype], "xxh3": _HASH_PLACEHOLDER})
             arrays.append(array)
-            offset = _align(offset + array.nbytes)
+            end = offset + array.nbytes
+            offset = _align(end)
         records.append({"kind": kind, "meta": meta, "tensors": tensors})
     full = dict(header, layers=records)
     header_len = len(_encode_header(full))
@@ -149,7 +150,7 @@ def write_steps(path: Path, header: dict, layers: list) -> Iterator[None]:
                 f.write(data)
                 del data
                 yield
-            f.truncate(data_start + offset)
+            f.truncate(data_start + end)  # no padding after the last tensor
             body = _encode_header(full)
             assert len(body) == header_len, "the header changed length"
             f.seek(0)

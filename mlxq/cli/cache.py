@@ -1,0 +1,191 @@
+"""`mlxq cache ls|verify|prune|flush`: the SSD tier's files, offline; durability, online."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Inspect, verify and prune .mlxkv files; flush a live server.")
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+@dataclass
+class _File:
+    path: Path
+    fingerprint: str
+    bytes: int
+    mtime: float
+    header: object | None = None  # mlxkv.EntryHeader when readable
+    problem: str | None = None
+
+
+def _scan(directory: Path, *, verify: bool = False) -> list[_File]:
+    from mlxq.store.mlxkv import MlxkvError, read_header, verify_file
+
+    if not directory.is_dir():
+        typer.echo(f"error: {directory} is not a directory", err=True)
+        raise typer.Exit(2)
+    files = []
+    for path in sorted(directory.glob("*/*/*")):
+        if not (path.name.endswith(".mlxkv") or path.name.endswith(".mlxkv.tmp")):
+            continue
+        st = path.stat()
+        item = _File(path, path.parent.parent.name, st.st_size, st.st_mtime)
+        if path.name.endswith(".tmp"):
+            item.problem = "unfinished write (.tmp)"
+        else:
+            try:
+                item.header = verify_file(path) if verify else read_header(path)
+                if item.header.identity.fingerprint != item.fingerprint:
+                    item.problem = f"header fingerprint {item.header.identity.fingerprint} is not its directory's"
+            except (MlxkvError, OSError) as exc:
+                item.problem = str(exc)
+        files.append(item)
+    return files
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _row(item: _File, root: Path, now: float) -> dict:
+    h = item.header
+    return {
+        "file": str(item.path.relative_to(root)), "fingerprint": item.fingerprint,
+        "namespace": h.identity.namespace if h else None, "model": h.model if h else None,
+        "kv_scheme": h.identity.kv_scheme if h else None, "tokens": len(h.tokens) if h else None,
+        "trimmable": h.trimmable if h else None, "bytes": item.bytes,
+        "age_s": round(now - item.mtime, 1), "problem": item.problem,
+    }
+
+
+@app.command("ls")
+def ls(
+    directory: Annotated[Path, typer.Argument(help="The --ssd-cache directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per file, as a list.")] = False,
+) -> None:
+    """List every entry: file, fingerprint, namespace, tokens, bytes, age (headers only)."""
+    now = time.time()
+    rows = [_row(f, directory, now) for f in _scan(directory)]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{directory}: {len(rows)} files, {sum(r['bytes'] for r in rows) / 1e6:.1f} MB")
+    for column in ("file", "fingerprint", "namespace", "model", "tokens", "MB", "age"):
+        table.add_column(column, justify="right" if column in ("tokens", "MB", "age") else "left",
+                         overflow="fold")
+    for r in rows:
+        table.add_row(r["file"], r["fingerprint"], r["namespace"] or "", r["model"] or f"[red]{r['problem']}[/]",
+                      str(r["tokens"] or ""), f"{r['bytes'] / 1e6:.2f}", _age(r["age_s"]))
+    Console().print(table)
+
+
+@app.command("verify")
+def verify(
+    directory: Annotated[Path, typer.Argument(help="The --ssd-cache directory.")],
+    delete_bad: Annotated[bool, typer.Option(help="Remove each bad file.")] = False,
+) -> None:
+    """Check every header and every tensor checksum. Exit 1 and name each bad file if any."""
+    files = _scan(directory, verify=True)
+    bad = [f for f in files if f.problem]
+    for item in bad:
+        typer.echo(f"BAD {item.path}: {item.problem}")
+        if delete_bad:
+            item.path.unlink(missing_ok=True)
+            typer.echo(f"    removed {item.path}")
+    typer.echo(f"{len(files) - len(bad)} ok, {len(bad)} bad" + (" (removed)" if bad and delete_bad else ""))
+    if bad:
+        raise typer.Exit(1)
+
+
+def parse_duration(text: str) -> float:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhdw]?)\s*", text.lower())
+    if not match:
+        raise typer.BadParameter(f"not a duration: {text!r} (examples: 90s, 30m, 12h, 7d)")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+@app.command("prune")
+def prune(
+    directory: Annotated[Path, typer.Argument(help="The --ssd-cache directory.")],
+    max_bytes: Annotated[str | None, typer.Option(help="Remove the least recently used files until the "
+                                                       "directory holds at most this, e.g. 50GB.")] = None,
+    older_than: Annotated[str | None, typer.Option(help="Remove files not used for this long, "
+                                                        "e.g. 7d, 12h.")] = None,
+    fingerprint: Annotated[str | None, typer.Option(help="Only this model fingerprint's files (alone: all "
+                                                         "of them).")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Print what would be removed; remove nothing.")] = False,
+) -> None:
+    """Remove entries by age, total size or model fingerprint (least recently used first)."""
+    from mlxq.cli.units import parse_bytes
+
+    if max_bytes is None and older_than is None and fingerprint is None:
+        typer.echo("error: say what to prune: --max-bytes, --older-than and/or --fingerprint", err=True)
+        raise typer.Exit(2)
+    try:
+        cap = parse_bytes(max_bytes) if max_bytes else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    now = time.time()
+    files = sorted(_scan(directory), key=lambda f: f.mtime)  # least recently used first
+    candidates = [f for f in files if fingerprint is None or f.fingerprint == fingerprint]
+    doomed: list[_File] = []
+    if older_than is not None:
+        limit = parse_duration(older_than)
+        doomed += [f for f in candidates if now - f.mtime > limit]
+    elif cap is None:
+        doomed += candidates  # --fingerprint alone: all of that model's files
+    if cap is not None:
+        total = sum(f.bytes for f in files) - sum(f.bytes for f in doomed)
+        for f in candidates:
+            if total <= cap:
+                break
+            if f not in doomed:
+                doomed.append(f)
+                total -= f.bytes
+    for f in doomed:
+        typer.echo(f"{'would remove' if dry_run else 'removed'} {f.path} ({f.bytes / 1e6:.2f} MB, "
+                   f"unused {_age(now - f.mtime)})")
+        if not dry_run:
+            f.path.unlink(missing_ok=True)
+    freed = sum(f.bytes for f in doomed)
+    typer.echo(f"{len(doomed)} files, {freed / 1e6:.1f} MB {'would be freed' if dry_run else 'freed'}")
+
+
+@app.command("flush")
+def flush(
+    url: Annotated[str, typer.Option(help="The server, e.g. http://127.0.0.1:8080.")] = "http://127.0.0.1:8080",
+    api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY", help="The server's --api-key.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for durability.")] = 300.0,
+) -> None:
+    """Ask a live server to put every dirty prefix on disk. Exit 0 when durable, 1 when not, 2 on error."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/admin/cache/flush", params={"timeout": timeout}, headers=headers,
+                       timeout=timeout + 10)
+    except httpx.HTTPError as exc:
+        typer.echo(f"error: could not reach {url}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"error": r.text}
+    typer.echo(json.dumps(body, indent=2))
+    if r.status_code == 200 and body.get("durable"):
+        return
+    raise typer.Exit(1 if r.status_code == 503 else 2)

@@ -1,0 +1,70 @@
+"""`mlxq cache ls|verify|prune` on real .mlxkv files written by the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from typer.testing import CliRunner
+
+from mlxq.cli.main import app
+from mlxq.store.mlxkv import Identity
+from mlxq.store.ssd_store import SsdStore
+from tests.store.test_prompt_cache import cache_with
+
+runner = CliRunner()
+
+
+def populate(root, fingerprint: str, prompts: list[list[int]], namespace: str = "") -> list:
+    store = SsdStore(root, Identity(fingerprint, "native", ""), model_name=f"model-{fingerprint[0]}")
+    for tokens in prompts:
+        for _ in store.write_steps(namespace, tuple(tokens), cache_with(tokens), True):
+            pass
+    return sorted(store.index.values(), key=lambda e: len(e.tokens))
+
+
+def test_ls_lists_every_entry_with_its_identity(tmp_path):
+    populate(tmp_path, "a" * 16, [[1, 2, 3], [7, 8, 9, 10]], namespace="adapter-1")
+    populate(tmp_path, "b" * 16, [[5] * 40])
+    result = runner.invoke(app, ["cache", "ls", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["tokens"]: r for r in json.loads(result.output)}
+    assert set(rows) == {3, 4, 40}
+    assert rows[3]["namespace"] == "adapter-1" and rows[3]["fingerprint"] == "a" * 16
+    assert rows[40]["model"] == "model-b" and rows[40]["bytes"] > 0 and rows[40]["problem"] is None
+    table = runner.invoke(app, ["cache", "ls", str(tmp_path)])
+    assert table.exit_code == 0 and "3 files" in table.output
+    assert runner.invoke(app, ["cache", "ls", str(tmp_path / "nope")]).exit_code == 2
+
+
+def test_verify_names_bad_files_and_can_delete_them(tmp_path):
+    good, bad = populate(tmp_path, "a" * 16, [[1, 2, 3], [4, 5, 6, 7]])
+    data = bytearray(bad.path.read_bytes())
+    data[-3] ^= 0xFF
+    bad.path.write_bytes(bytes(data))
+    result = runner.invoke(app, ["cache", "verify", str(tmp_path)])
+    assert result.exit_code == 1 and str(bad.path) in result.output and str(good.path) not in result.output
+    assert "1 ok, 1 bad" in result.output
+    result = runner.invoke(app, ["cache", "verify", str(tmp_path), "--delete-bad"])
+    assert result.exit_code == 1 and not bad.path.exists() and good.path.exists()
+    assert runner.invoke(app, ["cache", "verify", str(tmp_path)]).exit_code == 0
+
+
+def test_prune_by_age_size_and_fingerprint(tmp_path):
+    old, new = populate(tmp_path, "a" * 16, [[1, 2, 3], [4, 5, 6, 7]])
+    (other,) = populate(tmp_path, "b" * 16, [[9] * 8])
+    week_ago = time.time() - 8 * 86400
+    os.utime(old.path, (week_ago, week_ago))
+    dry = runner.invoke(app, ["cache", "prune", str(tmp_path), "--older-than", "7d", "--dry-run"])
+    assert dry.exit_code == 0 and f"would remove {old.path}" in dry.output and old.path.exists()
+    assert runner.invoke(app, ["cache", "prune", str(tmp_path), "--older-than", "7d"]).exit_code == 0
+    assert not old.path.exists() and new.path.exists() and other.path.exists()
+    removed = runner.invoke(app, ["cache", "prune", str(tmp_path), "--fingerprint", "b" * 16])
+    assert removed.exit_code == 0 and not other.path.exists() and new.path.exists()
+    (newest,) = populate(tmp_path, "a" * 16, [[3] * 5])
+    capped = runner.invoke(app, ["cache", "prune", str(tmp_path), "--max-bytes", str(newest.nbytes)])
+    assert capped.exit_code == 0 and not new.path.exists()  # the least recently used goes first
+    assert len(list(tmp_path.rglob("*.mlxkv"))) == 1
+    assert runner.invoke(app, ["cache", "prune", str(tmp_path)]).exit_code == 2  # nothing said
+    assert runner.invoke(app, ["cache", "prune", str(tmp_path), "--older-than", "soon"]).exit_code == 2
