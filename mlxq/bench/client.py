@@ -147,9 +147,10 @@ async def run_load(
         async def converse(conv: Conversation, offset: float) -> None:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             conv.history = []
-            for user in conv.turns:
+            for turn, user in enumerate(conv.turns):
                 async with gate:
                     record = await send_one(client, cfg, conv, user)
+                record.turn = turn
                 records.append(record)
                 on_done(record)
                 if not record.ok:

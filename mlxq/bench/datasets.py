@@ -57,4 +57,11 @@ def make_workload(
                          f"conv-{c}")
             for c in range(num_conversations)
         ]
-    raise ValueError(f"unknown dataset {dataset!r}: random, shared-prefix or multi-turn")
+    if dataset == "agents":
+        # One person's agents: one long shared system prompt, many conversations of short turns.
+        system = "You are one of several agents. " + _text(rng, words, prompt_len)
+        return [
+            Conversation(system, [_text(rng, words, question_len) for _ in range(turns)], f"agent-{c}")
+            for c in range(max(1, num_requests // turns))
+        ]
+    raise ValueError(f"unknown dataset {dataset!r}: random, shared-prefix, multi-turn or agents")

@@ -29,7 +29,8 @@ class RequestRecord:
     logprobs: list = field(default_factory=list)  # chat logprob entries, when the request asked for them
     finish_reason: str | None = None
     error: str | None = None
-    tag: str = ""  # workload label (dataset group, conversation turn)
+    tag: str = ""  # workload label (dataset group, conversation)
+    turn: int = 0  # index of the turn within its conversation
 
     @property
     def ok(self) -> bool:
@@ -100,4 +101,15 @@ def summarize(records: list[RequestRecord]) -> dict:
         "itl_ms": distribution_ms([gap for r in done for gap in r.itls()]),
         "tpot_ms": distribution_ms([r.tpot for r in done if r.tpot is not None]),
         "e2el_ms": distribution_ms([r.e2el for r in done]),
+        **_by_turn(done),
     }
+
+
+def _by_turn(done: list[RequestRecord]) -> dict:
+    """Multi-turn workloads: TTFT of first turns vs later turns (which can reuse the history's KV)."""
+    if not any(r.turn for r in done):
+        return {}
+    return {"ttft_by_turn_ms": {
+        "first": distribution_ms([r.ttft for r in done if r.turn == 0 and r.ttft is not None]),
+        "later": distribution_ms([r.ttft for r in done if r.turn > 0 and r.ttft is not None]),
+    }}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -34,14 +35,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> No
 class ServeProcess:
     """`mlxq serve ARGS` on a free loopback port; a context manager that waits for /health."""
 
-    def __init__(self, *args: str, log_path: str | None = None, timeout_s: float = 300):
+    def __init__(self, *args: str, log_path: str | None = None, timeout_s: float = 300, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self._timeout = timeout_s
         cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(self.port), "--log-level", "warning",
                *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=None if env is None else {**os.environ, **env})
 
     def __enter__(self) -> ServeProcess:
         try:

@@ -33,11 +33,12 @@ def serving_load(
     request_rate: Annotated[float, typer.Option(help="Requests/s (Poisson or gamma); inf = all at once.")]
     = math.inf,
     burstiness: Annotated[float, typer.Option(help="Gamma shape of inter-arrivals; 1 = Poisson.")] = 1.0,
-    dataset: Annotated[str, typer.Option(help="random, shared-prefix or multi-turn.")] = "random",
+    dataset: Annotated[str, typer.Option(help="random, shared-prefix, multi-turn or agents "
+                                                     "(shared system prompt + multi-turn).")] = "random",
     prompt_len: Annotated[int, typer.Option(help="Prompt length in words (shared prefix length).")] = 150,
     max_tokens: Annotated[int, typer.Option(help="max_tokens per request.")] = 64,
     num_groups: Annotated[int, typer.Option(help="shared-prefix: agent groups.")] = 4,
-    turns: Annotated[int, typer.Option(help="multi-turn: turns per conversation.")] = 3,
+    turns: Annotated[int, typer.Option(help="multi-turn, agents: turns per conversation.")] = 3,
     ignore_eos: Annotated[bool, typer.Option(help="Ask for exactly max_tokens tokens.")] = False,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     warmup: Annotated[int, typer.Option(help="Unrecorded warm-up requests per measurement.")] = 1,
@@ -62,7 +63,7 @@ def serving_load(
         other = None if compare is None else LoadConfig(**{**cfg.__dict__, "url": compare,
                                                             "model": compare_model or model})
         work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup)
-        if dataset not in ("random", "shared-prefix", "multi-turn"):
+        if dataset not in ("random", "shared-prefix", "multi-turn", "agents"):
             raise ValueError(f"unknown dataset {dataset!r}")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

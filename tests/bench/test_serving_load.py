@@ -121,6 +121,8 @@ def test_datasets_shapes():
     multi = make_workload("multi-turn", 9, 20, turns=3)
     assert len(multi) == 3 and all(len(c.turns) == 3 for c in multi)
     assert make_workload("random", 3, 5, seed=1)[0].turns == make_workload("random", 3, 5, seed=1)[0].turns
+    agents = make_workload("agents", 10, 30, turns=5)
+    assert len(agents) == 2 and len({c.system for c in agents}) == 1 and all(len(c.turns) == 5 for c in agents)
 
 
 def test_cli_against_real_mlxq(llama_server, tmp_path):
@@ -142,6 +144,8 @@ def test_cli_against_real_mlxq(llama_server, tmp_path):
         for rec in sorted(run["records"], key=lambda r: r["sent_at"]):
             by_tag.setdefault(rec["tag"], []).append(rec["prompt_tokens"])
         assert all(p[1] > p[0] for p in by_tag.values())
+        assert sorted(rec["turn"] for rec in run["records"]) == [0, 0, 1, 1]
+        assert run["ttft_by_turn_ms"]["first"]["count"] == 2 and run["ttft_by_turn_ms"]["later"]["count"] == 2
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
