@@ -19,7 +19,7 @@ _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400
 @dataclass
 class _File:
     path: Path
-    fingerprint: str
+    fingerprint: str  # the directory name: <model fingerprint>-<kv scheme>
     bytes: int
     mtime: float
     header: object | None = None  # mlxkv.EntryHeader when readable
@@ -43,8 +43,8 @@ def _scan(directory: Path, *, verify: bool = False) -> list[_File]:
         else:
             try:
                 item.header = verify_file(path) if verify else read_header(path)
-                if item.header.identity.fingerprint != item.fingerprint:
-                    item.problem = f"header fingerprint {item.header.identity.fingerprint} is not its directory's"
+                if item.header.identity.directory != item.fingerprint:
+                    item.problem = f"header identity {item.header.identity.directory} is not its directory's"
             except (MlxkvError, OSError) as exc:
                 item.problem = str(exc)
         files.append(item)
@@ -141,7 +141,8 @@ def prune(
         raise typer.BadParameter(str(exc)) from None
     now = time.time()
     files = sorted(_scan(directory), key=lambda f: f.mtime)  # least recently used first
-    candidates = [f for f in files if fingerprint is None or f.fingerprint == fingerprint]
+    candidates = [f for f in files if fingerprint is None or f.fingerprint.split("-")[0] == fingerprint
+                  or f.fingerprint == fingerprint]
     doomed: list[_File] = []
     if older_than is not None:
         limit = parse_duration(older_than)

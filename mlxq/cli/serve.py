@@ -25,6 +25,10 @@ def serve(
     kv_budget: Annotated[str | None, typer.Option(help="Cap on projected KV bytes of the batch, "
                                                           "e.g. 8GB; over it requests queue.")] = None,
     prompt_cache: Annotated[str, typer.Option(help="RAM prompt cache size, e.g. 8GB; 0 disables it.")] = "8GB",
+    kv_quant: Annotated[str, typer.Option(help="KV cache representation: off, 8, 4 (also 2, 3, 5, 6) bits, "
+                                               "or config (per-layer bits from kv_config.json beside the "
+                                               "model).")] = "off",
+    kv_group_size: Annotated[int, typer.Option(help="Quantization group along head_dim: 32, 64 or 128.")] = 64,
     ssd_cache: Annotated[str | None, typer.Option(help="Directory of the SSD cold tier (.mlxkv files); "
                                                        "prompt-cache entries survive restarts.")] = None,
     ssd_cache_max: Annotated[str | None, typer.Option(help="Byte cap of the SSD tier, e.g. 100GB "
@@ -63,7 +67,7 @@ def serve(
             max_prompt_tokens=max_prompt_tokens,
             kv_budget_bytes=parse_bytes(kv_budget) if kv_budget else None,
             prompt_cache_bytes=0 if prompt_cache.strip() in ("0", "0GB", "0B") else parse_bytes(prompt_cache),
-            ssd=ssd,
+            ssd=ssd, kv_quant=kv_quant.strip().lower(), kv_group_size=kv_group_size,
         )
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:

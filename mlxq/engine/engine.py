@@ -44,6 +44,8 @@ class EngineConfig:
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     prompt_cache_bytes: int = 8 * 10**9  # RAM prompt cache cap; 0 disables it
     ssd: SsdConfig | None = None  # the SSD cold tier behind the prompt cache
+    kv_quant: str = "off"  # --kv-quant: off, a bit width, or config (kv.scheme)
+    kv_group_size: int = 64
 
     def __post_init__(self):
         if self.prefill_step_size < 1:
@@ -102,6 +104,8 @@ class Engine:
         self.gateway: GenerationGateway | None = None
         self.scheduler = None  # BatchScheduler once loaded, when the model can batch
         self.footprint = None  # KvFootprint once loaded
+        self.scheme = None  # kv.scheme.KvScheme once loaded
+        self._prototype: list = []  # one populated, converted cache list: what every request's caches look like
         self.prompt_cache = None  # store.PromptCache once loaded, when enabled and the model allows it
         self.prompt_cache_off_reason: str | None = None
         self.cold = None  # store.ColdTier once loaded, with --ssd-cache
@@ -224,15 +228,21 @@ class Engine:
             log.debug("synchronize at shutdown failed", exc_info=True)
 
     def _setup_lanes(self) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
-
         from mlxq.kv.capabilities import UnknownCacheKind, model_cache_kinds
         from mlxq.kv.projection import measure_footprint
+        from mlxq.kv.scheme import head_dims, probe_caches, resolve_scheme
 
+        probe = probe_caches(self.loaded.model)
+        self.scheme = resolve_scheme(self.config.kv_quant, self.config.kv_group_size, self.loaded.path, probe,
+                                     head_dims(probe))
+        self.scheme.convert(probe)  # the representation every request's caches end up in
+        self._prototype = probe
+        if self.scheme.quantized:
+            log.info("KV scheme %s: bits per layer %s", self.scheme.key, list(self.scheme.layer_bits))
         reason = None
         try:
-            model_cache_kinds(make_prompt_cache(self.loaded.model))
-            self.footprint = measure_footprint(self.loaded.model, self.config.prefill_step_size)
+            model_cache_kinds(probe)
+            self.footprint = measure_footprint(self.loaded.model, self.config.prefill_step_size, self.scheme)
         except UnknownCacheKind as exc:
             reason = str(exc)
             log.warning("continuous batching unavailable for this model: %s; every request runs serially", exc)
@@ -247,15 +257,13 @@ class Engine:
                                 self.config.prefill_step_size, self.config.kv_budget_bytes),
                 on_finish=lambda row: self._done(row.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
-                prompt_cache=self.prompt_cache,
+                prompt_cache=self.prompt_cache, scheme=self.scheme,
             )
 
     def _setup_prompt_cache(self) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
-
         from mlxq.store.prompt_cache import PromptCache, can_cache
 
-        caches = make_prompt_cache(self.loaded.model)
+        caches = self._prototype
         if self.config.prompt_cache_bytes == 0:
             self.prompt_cache_off_reason = "disabled (--prompt-cache 0)"
         elif not can_cache(caches):
@@ -271,7 +279,8 @@ class Engine:
         else:
             from mlxq.store.cold_tier import open_cold_tier
 
-            self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name)
+            self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name,
+                                       kv_scheme=self.scheme.key)
 
     def _persist(self) -> None:
         """SSD work: one tensor per iteration, only when idle unless a flush is waiting."""
@@ -372,7 +381,7 @@ class Engine:
             output = run_serial(
                 self.loaded.model, self.loaded.tokenizer, request, work.emit,
                 prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
-                prompt_cache=self.prompt_cache,
+                prompt_cache=self.prompt_cache, scheme=self.scheme,
             )
             self._done(request, Lane.SERIAL, output.finished, output.usage())
         except Exception as exc:

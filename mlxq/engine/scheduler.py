@@ -33,6 +33,7 @@ from mlxq.engine.rows import Row, make_row
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.projection import KvFootprint
+from mlxq.kv.scheme import NATIVE, KvScheme
 from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS, is_trimmable
 
 log = logging.getLogger("mlxq.scheduler")
@@ -62,8 +63,10 @@ class _Joiner:
 
 class BatchScheduler:
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
-                 on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None):
+                 on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
+                 scheme: KvScheme = NATIVE):
         self.model = model
+        self.scheme = scheme  # KV representation: joiners convert where the serial lane does
         self.prompt_cache = prompt_cache  # store.PromptCache: joiners take at admission, rows put at finish
         self.tokenizer = tokenizer
         self.footprint = footprint
@@ -182,6 +185,7 @@ class BatchScheduler:
         with mx.stream(generation_stream):
             chunk = mx.array(prompt[joiner.done : joiner.done + n])
             self.model(chunk[None], cache=joiner.caches)
+            self.scheme.convert(joiner.caches)  # the serial lane's (mlx-lm's) conversion point
             mx.eval([c.state for c in joiner.caches])
         row.feed_history(chunk)
         joiner.done += n
@@ -201,6 +205,12 @@ class BatchScheduler:
         One joiner runs on its own caches (the serial lane's graph); several are
         merged first, so a burst of arrivals costs one forward here, not one each.
         """
+        if self.scheme.quantized and len(ready) > 1 and any(j.done == 0 for j in ready):
+            # One-token prompts reach token 0 with empty caches, which the serial lane quantizes
+            # only after this forward: run each of those alone, in the same order.
+            for joiner in ready:
+                self._first_tokens([joiner])
+            return
         try:
             if len(ready) == 1:
                 caches, batched = ready[0].caches, False
@@ -209,6 +219,8 @@ class BatchScheduler:
             lasts = mx.array([j.row.request.prompt_ids[-1] for j in ready])
             with mx.stream(generation_stream):
                 logits = self.model(lasts[:, None], cache=caches)[:, -1, :]
+                if not batched:
+                    self.scheme.convert(caches)  # a one-token prompt: converted after this forward
                 drawn = [j.row.sample(logits[i : i + 1], lasts[i : i + 1]) for i, j in enumerate(ready)]
                 tokens = mx.concatenate([token for token, _ in drawn])
                 logprobs = [lp.squeeze(0) for _, lp in drawn]

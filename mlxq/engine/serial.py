@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxq.engine.output import EmitFn, RequestOutput
 from mlxq.engine.sampling import make_request_processors, make_request_sampler
 from mlxq.engine.types import FinishReason, Request
+from mlxq.kv.scheme import NATIVE, KvScheme
 from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS, is_trimmable
 
 
@@ -25,11 +26,12 @@ class _Cancelled(Exception):
     """Raised from the prefill progress callback to abandon a prompt mid-prefill."""
 
 
-def _prefill(model, caches, tokens: list[int], step: int, on_step, request: Request) -> None:
+def _prefill(model, caches, tokens: list[int], step: int, on_step, request: Request, scheme) -> None:
     """Feed ``tokens`` into ``caches`` in chunks, as mlx-lm's loop does, checking for cancellation."""
     with mx.stream(generation_stream):
         for at in range(0, len(tokens), step):
             model(mx.array(tokens[at : at + step])[None], cache=caches)
+            scheme.convert(caches)  # where mlx-lm's loop quantizes: after the call, before the eval
             mx.eval([c.state for c in caches])
             mx.clear_cache()
             on_step()
@@ -46,6 +48,7 @@ def run_serial(
     prefill_step_size: int,
     on_step: Callable[[], None] = lambda: None,
     prompt_cache=None,
+    scheme: KvScheme = NATIVE,
 ) -> RequestOutput:
     """Generate ``request`` to completion (or cancellation), emitting its events.
 
@@ -74,7 +77,7 @@ def run_serial(
         # Prefill up to the end of the shared system prompt first and snapshot it there:
         # other agents with the same system prompt start from this entry.
         try:
-            _prefill(model, caches, prompt[cached:split], prefill_step_size, on_step, request)
+            _prefill(model, caches, prompt[cached:split], prefill_step_size, on_step, request, scheme)
         except _Cancelled:
             output.finish(FinishReason.CANCELLED)
             return output
@@ -90,6 +93,7 @@ def run_serial(
             # All but the last prompt token are in: the state the next turn starts from.
             prompt_cache.put(request.namespace, prompt[:boundary], caches)
 
+    scheme.arm(caches)  # mlx-lm's own quantization hook converts them, per this scheme's layers
     steps = generate_step(
         mx.array(prompt[start:]),
         model,
@@ -99,6 +103,9 @@ def run_serial(
         prompt_cache=caches,
         prefill_step_size=prefill_step_size,
         prompt_progress_callback=on_prefill_progress,
+        kv_bits=scheme.hook_bits,
+        kv_group_size=scheme.group_size,
+        quantized_kv_start=0,
     )
     try:
         for token, logprobs in steps:

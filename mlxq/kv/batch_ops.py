@@ -11,12 +11,19 @@ serves all rows, with per-row left padding masked and per-row RoPE offsets.
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, QuantizedKVCache
 
 from mlxq.kv.capabilities import CacheKind, cache_kind
+from mlxq.kv.quantized import BatchQuantizedKVCache
 
 _BATCH_CLASS = {CacheKind.FULL: BatchKVCache, CacheKind.ROTATING: BatchRotatingKVCache,
                 CacheKind.RECURRENT: ArraysCache}
+
+
+def _batch_class(solo) -> type:
+    if type(solo) is QuantizedKVCache:
+        return BatchQuantizedKVCache  # quantized triples: the same surgery on all three arrays
+    return _BATCH_CLASS[cache_kind(solo)]
 
 
 def merge_solo_rows(rows: list[list]) -> list:
@@ -25,15 +32,17 @@ def merge_solo_rows(rows: list[list]) -> list:
     merged = []
     for layer in range(num_layers):
         column = [row[layer] for row in rows]
-        kind = cache_kind(column[0])
-        merged.append(_BATCH_CLASS[kind].merge(column))
+        classes = {type(c) for c in column}
+        if len(classes) > 1:
+            raise TypeError(f"layer {layer}: cannot merge {sorted(c.__name__ for c in classes)}")
+        merged.append(_batch_class(column[0]).merge(column))
     return merged
 
 
 def extend_batch(batch: list, joiners: list) -> list:
     """``batch`` extended in place with the rows of another batched cache list (right-aligned)."""
     for layer, (running, joining) in enumerate(zip(batch, joiners, strict=True)):
-        if cache_kind(running) is not cache_kind(joining):
+        if type(running) is not type(joining):
             raise TypeError(f"layer {layer}: cannot join {type(joining).__name__} to {type(running).__name__}")
         running.extend(joining)
     return batch

@@ -17,8 +17,11 @@ from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
     KVCache,
+    QuantizedKVCache,
     RotatingKVCache,
 )
+
+from mlxq.kv.quantized import BatchQuantizedKVCache, QuantizedRotatingKVCache
 
 
 class CacheKind(str, Enum):
@@ -38,11 +41,31 @@ _KIND_BY_CLASS: dict[type, CacheKind] = {
     RotatingKVCache: CacheKind.ROTATING,
     BatchRotatingKVCache: CacheKind.ROTATING,
     ArraysCache: CacheKind.RECURRENT,
+    QuantizedKVCache: CacheKind.FULL,
+    BatchQuantizedKVCache: CacheKind.FULL,
+    QuantizedRotatingKVCache: CacheKind.ROTATING,
+}
+
+# Cache classes that run on the serial lane only, and why (the gateway names the reason).
+_SERIAL_ONLY: dict[type, str] = {
+    QuantizedRotatingKVCache: "quantized sliding-window KV runs on the serial lane (a batched quantized ring "
+                              "is not built yet)",
 }
 
 
-def cache_kind(cache) -> CacheKind:
+def layer_kind(cache) -> CacheKind:
+    """What a cache holds (for byte accounting), whether or not the batch lane can join it."""
     kind = _KIND_BY_CLASS.get(type(cache))
+    if kind is None:
+        raise UnknownCacheKind(f"unknown cache class {type(cache).__name__}")
+    return kind
+
+
+def cache_kind(cache) -> CacheKind:
+    """The kind the batch lane joins by; UnknownCacheKind when it cannot batch this cache."""
+    kind = _KIND_BY_CLASS.get(type(cache))
+    if type(cache) in _SERIAL_ONLY:
+        raise UnknownCacheKind(_SERIAL_ONLY[type(cache)])
     if kind is None:
         raise UnknownCacheKind(f"no batch operations for cache class {type(cache).__name__}")
     if kind is CacheKind.ROTATING and getattr(cache, "keep", 0):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxq.kv.capabilities import CacheKind, cache_kind
+from mlxq.kv.capabilities import CacheKind, layer_kind
 
 GROWTH_STEP = 256  # KVCache / BatchKVCache allocate in 256-token granules
 
@@ -60,21 +60,22 @@ class KvFootprint:
         return total
 
 
-def measure_footprint(model, prefill_chunk: int = 2048) -> KvFootprint:
-    """Prefill one token into fresh caches and read each layer's bytes (engine thread only)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+def measure_footprint(model, prefill_chunk: int = 2048, scheme=None) -> KvFootprint:
+    """Prefill one token into fresh caches, convert them as ``scheme`` (kv.scheme.KvScheme) would,
+    and read each layer's bytes (engine thread only). Quantized layers cost their packed bytes."""
+    from mlxq.kv.scheme import probe_caches
 
-    caches = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=caches)
-    mx.eval([c.state for c in caches])
+    caches = probe_caches(model)
+    if scheme is not None:
+        scheme.convert(caches)
     layers = []
     for cache in caches:
-        kind = cache_kind(cache)
+        kind = layer_kind(cache)
         if kind is CacheKind.RECURRENT:
             layers.append(LayerFootprint(kind, 0, int(cache.nbytes), None))
         else:
-            allocated = cache.keys.shape[2]
+            keys = cache.keys[0] if isinstance(cache.keys, (list, tuple)) else cache.keys
+            allocated = keys.shape[2]
             per_token = int(cache.nbytes) // allocated
             window = getattr(cache, "max_size", None) if kind is CacheKind.ROTATING else None
             layers.append(LayerFootprint(kind, per_token, 0, window))

@@ -21,6 +21,8 @@ class ServerConfig:
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     prompt_cache_bytes: int = 8 * 10**9  # RAM prompt cache cap; 0 disables it
     ssd: SsdConfig | None = None  # --ssd-cache DIR and its sub-flags
+    kv_quant: str = "off"  # off, 2/3/4/5/6/8 bits, or config (kv_config.json beside the model)
+    kv_group_size: int = 64
     stall_timeout_s: float = 120.0  # /health turns 503 when work is pending and no step ran this long
     shutdown_timeout_s: float = 30.0  # on SIGINT/SIGTERM: how long in-flight requests may take to finish
     log_level: str = "info"
@@ -41,6 +43,10 @@ class ServerConfig:
             raise ValueError("kv_budget must be > 0")
         if self.ssd is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM prompt cache (--prompt-cache > 0): restores land there")
+        if self.kv_quant not in ("off", "config") and self.kv_quant not in ("2", "3", "4", "5", "6", "8"):
+            raise ValueError(f"--kv-quant must be off, 2, 3, 4, 5, 6, 8 or config; got {self.kv_quant!r}")
+        if self.kv_group_size not in (32, 64, 128):
+            raise ValueError(f"--kv-group-size must be 32, 64 or 128; got {self.kv_group_size}")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be > 0")
         if self.shutdown_timeout_s < 0:

@@ -82,6 +82,15 @@ class ServerState:
             "prompt_concurrency": engine.config.prompt_concurrency,
         }
 
+    def _kv_stats(self) -> dict:
+        scheme, footprint = self.engine.scheme, self.engine.footprint
+        return {
+            "scheme": scheme.key if scheme else None,
+            "group_size": scheme.group_size if scheme and scheme.quantized else None,
+            "layer_bits": list(scheme.layer_bits) if scheme and scheme.quantized else None,
+            "bytes_per_token": sum(layer.bytes_per_token for layer in footprint.layers) if footprint else None,
+        }
+
     def stats(self) -> dict:
         import mlx.core as mx
 
@@ -104,6 +113,7 @@ class ServerState:
                 **asdict(engine.stats),
             },
             "batch": self._batch_stats(),
+            "kv": self._kv_stats(),
             "prompt_cache": {
                 "enabled": engine.prompt_cache is not None,
                 "off_reason": engine.prompt_cache_off_reason,

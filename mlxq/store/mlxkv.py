@@ -17,7 +17,8 @@ transient: one tensor), patches the header last, fsyncs, renames the
 file under the final name. 16 KiB alignment is a page on arm64 and four on
 x86-64, so a tensor can be read or mapped without straddling pages of others.
 
-Layers are encoded by cache kind (``kv``, ``rotating``, ``arrays``); a kind
+Layers are encoded by cache kind (``kv``, ``rotating``, ``arrays``, ``qkv``,
+``rotating-qkv``); a kind
 this reader does not know makes the whole file unusable, never half-restored.
 """
 
@@ -33,7 +34,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import xxhash
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from mlxq.kv.quantized import QuantizedRotatingKVCache
 
 MAGIC = b"MLXQKV\r\n"
 FORMAT_VERSION = 1
@@ -58,6 +61,12 @@ class Identity:
     fingerprint: str  # model weights + config + tokenizer + runtime (store.fingerprint)
     kv_scheme: str  # how KV is represented ("native" until quantized schemes exist)
     namespace: str  # prompt-cache partition (adapter)
+
+    @property
+    def directory(self) -> str:
+        """The store's directory name: one per (model, KV scheme), so a scheme change never
+        restores (or removes) another scheme's files."""
+        return f"{self.fingerprint}-{self.kv_scheme}"
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,31 @@ def encode_layer(cache) -> tuple[str, dict, list[tuple[str, mx.array]]]:
     if type(cache) is ArraysCache:
         slots = [i for i, a in enumerate(cache.cache) if a is not None]
         return "arrays", {"size": len(cache.cache)}, [(str(i), cache.cache[i]) for i in slots]
+    if type(cache) is QuantizedKVCache:
+        n = cache.offset
+        meta = {"offset": n, "group_size": cache.group_size, "bits": cache.bits}
+        return "qkv", meta, _triples(cache, lambda x: x[..., :n, :])
+    if type(cache) is QuantizedRotatingKVCache:
+        meta = {"offset": cache.offset, "idx": cache._idx, "max_size": cache.max_size, "keep": cache.keep,
+                "group_size": cache.group_size, "bits": cache.bits}
+        return "rotating-qkv", meta, _triples(cache, lambda x: x)
     raise MlxkvError(f"no .mlxkv encoding for cache class {type(cache).__name__}")
+
+
+_TRIPLE = ("data", "scales", "biases")
+
+
+def _triples(cache, cut) -> list[tuple[str, mx.array]]:
+    """A quantized cache's six arrays: keys.data, keys.scales, keys.biases, then values.*."""
+    return [(f"{side}.{part}", cut(getattr(cache, side)[i]))
+            for side in ("keys", "values") for i, part in enumerate(_TRIPLE)]
+
+
+def _triple(tensors: dict[str, mx.array], side: str) -> tuple:
+    return tuple(tensors[f"{side}.{part}"] for part in _TRIPLE)
+
+
+KINDS = ("kv", "rotating", "arrays", "qkv", "rotating-qkv")
 
 
 def decode_layer(kind: str, meta: dict, tensors: dict[str, mx.array]):
@@ -107,6 +140,15 @@ def decode_layer(kind: str, meta: dict, tensors: dict[str, mx.array]):
         cache = ArraysCache(meta["size"])
         for name, array in tensors.items():
             cache.cache[int(name)] = array
+        return cache
+    if kind == "qkv":
+        cache = QuantizedKVCache(meta["group_size"], meta["bits"])
+        cache.keys, cache.values, cache.offset = _triple(tensors, "keys"), _triple(tensors, "values"), meta["offset"]
+        return cache
+    if kind == "rotating-qkv":
+        cache = QuantizedRotatingKVCache(meta["max_size"], meta["keep"], meta["group_size"], meta["bits"])
+        cache.keys, cache.values = _triple(tensors, "keys"), _triple(tensors, "values")
+        cache.offset, cache._idx = meta["offset"], meta["idx"]
         return cache
     raise MlxkvError(f"unknown cache kind {kind!r}")
 
@@ -202,7 +244,7 @@ def read_header(path: Path) -> EntryHeader:
     data_start = _align(_PREAMBLE.size + length)
     size = os.path.getsize(path)
     for layer in header.layers:
-        if layer.get("kind") not in ("kv", "rotating", "arrays"):
+        if layer.get("kind") not in KINDS:
             raise MlxkvError(f"unknown cache kind {layer.get('kind')!r}")
         for t in layer["tensors"]:
             if t["dtype"] not in _DTYPES or data_start + t["offset"] + t["nbytes"] > size:

@@ -31,7 +31,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx.utils import tree_map
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from mlxq.kv.quantized import QuantizedRotatingKVCache
 
 
 @dataclass
@@ -62,40 +65,63 @@ def _common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:
 
 
 def _fresh(x):
-    """A new array handle with the same value. mlx-lm caches write in place through
-    their own handles (``self.keys[...] = ...``); MLX arrays have value semantics,
-    so a write through a new handle never changes what another handle sees."""
-    return None if x is None else x[...]
+    """A new array handle with the same value (or a triple of them). mlx-lm caches write in
+    place through their own handles (``self.keys[...] = ...``); MLX arrays have value
+    semantics, so a write through a new handle never changes what another handle sees."""
+    return None if x is None else tree_map(lambda a: a[...], x)
+
+
+def _head(x, n: int):
+    """The first n tokens of an array or of a quantized triple."""
+    return tree_map(lambda a: a[..., :n, :], x)
+
+
+def _compact(x, n: int):
+    return tree_map(lambda a: mx.contiguous(a[..., :n, :]), x)
+
+
 
 
 def _lend(cache, n: int):
-    """A borrower's copy-on-write view of a stored cache (the first n tokens of a KVCache)."""
-    if isinstance(cache, KVCache):
+    """A borrower's copy-on-write view of a stored cache (the first n tokens of a trimmable one)."""
+    if type(cache) is KVCache:
         borrowed = KVCache()
         # No spare capacity: the borrower's first update re-allocates by concat.
-        borrowed.state = (cache.keys[..., :n, :], cache.values[..., :n, :], n)
+        borrowed.state = (_head(cache.keys, n), _head(cache.values, n), n)
         return borrowed
-    if isinstance(cache, RotatingKVCache):
-        borrowed = RotatingKVCache(cache.max_size, cache.keep)
-        borrowed.keys, borrowed.values = _fresh(cache.keys), _fresh(cache.values)
-        borrowed.offset, borrowed._idx = cache.offset, cache._idx
+    if type(cache) is QuantizedKVCache:
+        borrowed = QuantizedKVCache(cache.group_size, cache.bits)
+        borrowed.keys, borrowed.values, borrowed.offset = _head(cache.keys, n), _head(cache.values, n), n
         return borrowed
+    if type(cache) in (RotatingKVCache, QuantizedRotatingKVCache):
+        return _ring_like(cache, _fresh)
     borrowed = ArraysCache(len(cache.cache))
     borrowed.cache = [_fresh(a) for a in cache.cache]
     return borrowed
 
 
+def _ring_like(cache, copy):
+    if type(cache) is QuantizedRotatingKVCache:
+        out = QuantizedRotatingKVCache(cache.max_size, cache.keep, cache.group_size, cache.bits)
+    else:
+        out = RotatingKVCache(cache.max_size, cache.keep)
+    out.keys, out.values = copy(cache.keys), copy(cache.values)
+    out.offset, out._idx = cache.offset, cache._idx
+    return out
+
+
 def _copy_in(cache, n: int):
     """The entry's own compact copy of ``cache`` (which keeps being written by its row)."""
-    if isinstance(cache, KVCache):
+    if type(cache) is KVCache:
         stored = KVCache()
-        stored.state = (mx.contiguous(cache.keys[..., :n, :]), mx.contiguous(cache.values[..., :n, :]), n)
+        stored.state = (_compact(cache.keys, n), _compact(cache.values, n), n)
         return stored
-    if isinstance(cache, RotatingKVCache):
-        stored = RotatingKVCache(cache.max_size, cache.keep)
-        stored.keys, stored.values = mx.contiguous(cache.keys), mx.contiguous(cache.values)
-        stored.offset, stored._idx = cache.offset, cache._idx
+    if type(cache) is QuantizedKVCache:
+        stored = QuantizedKVCache(cache.group_size, cache.bits)
+        stored.keys, stored.values, stored.offset = _compact(cache.keys, n), _compact(cache.values, n), n
         return stored
+    if type(cache) in (RotatingKVCache, QuantizedRotatingKVCache):
+        return _ring_like(cache, lambda x: tree_map(mx.contiguous, x))
     stored = ArraysCache(len(cache.cache))
     stored.cache = [None if a is None else mx.contiguous(a) for a in cache.cache]
     return stored
@@ -109,9 +135,9 @@ def _state_arrays(cache) -> list:
 
 def _holds(cache, n: int) -> bool:
     """Does ``cache`` hold state for exactly (untrimmable) or at least (KVCache) n tokens?"""
-    if isinstance(cache, KVCache):
+    if type(cache) in (KVCache, QuantizedKVCache):
         return cache.offset >= n
-    if isinstance(cache, RotatingKVCache):
+    if type(cache) in (RotatingKVCache, QuantizedRotatingKVCache):
         return cache.offset == n
     return isinstance(cache, ArraysCache)
 
@@ -122,12 +148,13 @@ MIN_SNAPSHOT_TOKENS = 32
 
 def is_trimmable(caches: list) -> bool:
     """Full-attention only: store at finish (any shorter prefix is servable). Else: snapshots."""
-    return all(isinstance(c, KVCache) for c in caches)
+    return all(type(c) in (KVCache, QuantizedKVCache) for c in caches)
 
 
 def can_cache(caches: list) -> bool:
     """Cache classes the prompt cache knows how to copy and lend."""
-    return all(type(c) in (KVCache, ArraysCache) or (type(c) is RotatingKVCache and not c.keep) for c in caches)
+    return all(type(c) in (KVCache, QuantizedKVCache, ArraysCache)
+               or (type(c) in (RotatingKVCache, QuantizedRotatingKVCache) and not c.keep) for c in caches)
 
 
 Key = tuple[str, tuple[int, ...]]  # (namespace, exact tokens)
@@ -180,7 +207,7 @@ class PromptCache:
         n = len(tokens)
         if n == 0 or not all(_holds(c, n) for c in caches):
             return
-        trimmable = all(isinstance(c, KVCache) for c in caches)
+        trimmable = is_trimmable(caches)
         key = (namespace, tuple(tokens))
         for other, entry in list(self._entries.items()):
             if other[0] != namespace or len(other[1]) > n or key[1][: len(other[1])] != other[1]:

@@ -1,8 +1,8 @@
-"""The SSD tier's files: ``DIR/<fingerprint>/<namespace-hash>/<id>.mlxkv``.
+"""The SSD tier's files: ``DIR/<fingerprint>-<kv-scheme>/<namespace-hash>/<id>.mlxkv``.
 
 Files are the database. At start-up the store reads the headers (only) of
-its own fingerprint directory into an in-memory index; other fingerprints'
-directories belong to other models or runtimes and are never touched.
+its own directory into an in-memory index; other directories belong to
+other models, runtimes or KV schemes and are never touched.
 Leftover ``.tmp`` files (a write cut by a crash) are removed; a file whose
 header is corrupt or does not match this model is unlinked with a log line.
 Every tensor carries an xxh3-128 checksum that is checked on every restore
@@ -67,7 +67,7 @@ class SsdStore:
 
     @property
     def directory(self) -> Path:
-        return self.root / self.identity.fingerprint
+        return self.root / self.identity.directory
 
     @property
     def bytes(self) -> int:

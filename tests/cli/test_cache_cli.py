@@ -31,7 +31,7 @@ def test_ls_lists_every_entry_with_its_identity(tmp_path):
     assert result.exit_code == 0, result.output
     rows = {r["tokens"]: r for r in json.loads(result.output)}
     assert set(rows) == {3, 4, 40}
-    assert rows[3]["namespace"] == "adapter-1" and rows[3]["fingerprint"] == "a" * 16
+    assert rows[3]["namespace"] == "adapter-1" and rows[3]["fingerprint"] == "a" * 16 + "-native"
     assert rows[40]["model"] == "model-b" and rows[40]["bytes"] > 0 and rows[40]["problem"] is None
     table = runner.invoke(app, ["cache", "ls", str(tmp_path)])
     assert table.exit_code == 0 and "3 files" in table.output

@@ -182,3 +182,24 @@ def test_kill_9_during_writes_leaves_no_partial_entry(tmp_path):
     verified = cli("cache", "verify", str(tmp_path))
     assert verified.returncode == 0, verified.stdout
     assert not list(Path(tmp_path).rglob("*.tmp"))
+
+
+def test_a_kv_scheme_change_never_restores_or_removes_the_other_schemes_files(tiny_model_dirs, tmp_path):
+    native = ("--model", str(tiny_model_dirs["llama"]), "--ssd-cache", str(tmp_path))
+    with ServerProcess(*native) as server:
+        complete(server.url)
+        assert httpx.post(server.url + "/admin/cache/flush").json()["durable"]
+        stop(server)
+    (native_file,) = tmp_path.rglob("*.mlxkv")
+    with ServerProcess(*native, "--kv-quant", "8") as server:
+        quantized = complete(server.url)
+        stats = httpx.get(server.url + "/stats").json()
+        assert httpx.post(server.url + "/admin/cache/flush").json()["durable"]
+        stop(server)
+    assert quantized["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # not the native entry
+    assert stats["kv"]["scheme"] == "kv8g64" and stats["ssd_cache"]["directory"].endswith("-kv8g64")
+    assert native_file.exists() and len(list(tmp_path.rglob("*.mlxkv"))) == 2
+    with ServerProcess(*native, "--kv-quant", "8") as server:  # and the quantized entry restores itself
+        again = complete(server.url)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == quantized["usage"]["prompt_tokens"] - 1
+    assert again["choices"][0]["text"] == quantized["choices"][0]["text"]

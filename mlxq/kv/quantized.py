@@ -1,0 +1,271 @@
+"""Quantized KV caches mlx-lm does not have: a sliding-window ring and a batched cache.
+
+mlx-lm quantizes full-attention KV (``QuantizedKVCache``: each of keys and
+values is a triple of packed uint32 data, scales and biases, grouped along
+head_dim) but raises "RotatingKVCache Quantization NYI" for sliding windows
+and refuses quantized caches in its batch generator. Both are possible
+because quantization groups run along head_dim: every token is quantized
+independently, so any surgery along the token axis (ring writes, trims,
+temporal reordering, left padding, concatenating rows) moves whole
+quantized tokens and is byte-exact. Here a triple takes the place of each
+array, and the ring and batch logic is mlx-lm's, applied to all three.
+
+Attention reads ``bits`` / ``group_size`` off the cache and runs mlx-lm's
+``quantized_scaled_dot_product_attention``, in both lanes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, RotatingKVCache
+
+Triple = tuple[mx.array, mx.array, mx.array]
+
+
+def _tokens(t: Triple) -> int:
+    return t[0].shape[2]
+
+
+def _cat(parts: list[Triple]) -> Triple:
+    return tuple(mx.concatenate([p[i] for p in parts], axis=2) for i in range(3))
+
+
+def _zeros_like_tokens(t: Triple, n: int) -> Triple:
+    return tuple(mx.zeros((*x.shape[:2], n, x.shape[3]), x.dtype) for x in t)
+
+
+def _quantized_zeros(shape: tuple[int, int, int], dim: int, dtype, group_size: int, bits: int) -> Triple:
+    per_int = 32 // bits
+    return (mx.zeros((*shape, dim // per_int), mx.uint32), mx.zeros((*shape, dim // group_size), dtype),
+            mx.zeros((*shape, dim // group_size), dtype))
+
+
+def triple_nbytes(t: Triple | None) -> int:
+    return 0 if t is None else sum(x.nbytes for x in t)
+
+
+class QuantizedRotatingKVCache(RotatingKVCache):
+    """mlx-lm's RotatingKVCache over quantized triples (same ring, same positions, same masks)."""
+
+    def __init__(self, max_size: int, keep: int = 0, group_size: int = 64, bits: int = 8):
+        super().__init__(max_size, keep)
+        self.group_size = group_size
+        self.bits = bits
+
+    def _quantize(self, x: mx.array) -> Triple:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def _trim(self, trim_size, v, append=None):
+        if trim_size > 0:
+            parts = [tree_map(lambda x: x[..., : self.keep, :], v),
+                     tree_map(lambda x: x[..., trim_size + self.keep :, :], v)]
+        else:
+            parts = [v]
+        if append is not None:
+            parts.append(append)
+        return _cat(parts)
+
+    def _temporal_order(self, v):
+        if self._idx == _tokens(v):
+            return v
+        if self._idx < self.offset:
+            return _cat([tree_map(lambda x: x[..., : self.keep, :], v), tree_map(lambda x: x[..., self._idx:, :], v),
+                         tree_map(lambda x: x[..., self.keep : self._idx, :], v)])
+        return tree_map(lambda x: x[..., : self._idx, :], v)
+
+    def _update_concat(self, keys, values):
+        keys, values = self._quantize(keys), self._quantize(values)
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = self._temporal_order(self.keys)
+            self.values = self._temporal_order(self.values)
+            self._idx = _tokens(self.keys)
+            trim_size = self._idx - self.max_size + 1
+            self.keys = self._trim(trim_size, self.keys, keys)
+            self.values = self._trim(trim_size, self.values, values)
+        self.offset += _tokens(keys)
+        self._idx = _tokens(self.keys)
+        return self.keys, self.values
+
+    def _update_in_place(self, keys, values):
+        B, n_kv_heads, S, k_head_dim = keys.shape
+        prev = self.offset
+        if self.keys is None or (prev >= _tokens(self.keys) and _tokens(self.keys) < self.max_size):
+            new_size = min(self.step, self.max_size - prev)
+            shape = (B, n_kv_heads, new_size)
+            new_k = _quantized_zeros(shape, k_head_dim, keys.dtype, self.group_size, self.bits)
+            new_v = _quantized_zeros(shape, values.shape[3], values.dtype, self.group_size, self.bits)
+            if self.keys is not None:
+                self.keys, self.values = _cat([self.keys, new_k]), _cat([self.values, new_v])
+            else:
+                self.keys, self.values = new_k, new_v
+            self._idx = prev
+        trim_size = _tokens(self.keys) - self.max_size
+        if trim_size > 0:
+            self.keys = self._trim(trim_size, self.keys)
+            self.values = self._trim(trim_size, self.values)
+            self._idx = self.max_size
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        qk, qv = self._quantize(keys), self._quantize(values)
+        for i in range(3):
+            self.keys[i][..., self._idx : self._idx + S, :] = qk[i]
+            self.values[i][..., self._idx : self._idx + S, :] = qv[i]
+        self.offset += S
+        self._idx += S
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        if self.offset < _tokens(self.keys):
+            cut = lambda x: x[..., : self.offset, :]  # noqa: E731
+            return tree_map(cut, self.keys), tree_map(cut, self.values)
+        return self.keys, self.values
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.keep, self.max_size, self._idx
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
+
+    @property
+    def nbytes(self):
+        return triple_nbytes(self.keys) + triple_nbytes(self.values)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):  # already quantized: mlx-lm's hook skips it
+        return self
+
+
+def quantize_rotating(cache: RotatingKVCache, group_size: int, bits: int) -> QuantizedRotatingKVCache:
+    """The same ring, quantized token by token (exactly what writing quantized tokens would have stored)."""
+    out = QuantizedRotatingKVCache(cache.max_size, cache.keep, group_size, bits)
+    out.offset, out._idx = cache.offset, cache._idx
+    if cache.keys is not None:
+        out.keys = tuple(mx.quantize(cache.keys, group_size=group_size, bits=bits))
+        out.values = tuple(mx.quantize(cache.values, group_size=group_size, bits=bits))
+    return out
+
+
+class BatchQuantizedKVCache(BatchKVCache):
+    """mlx-lm's BatchKVCache (left-padded rows, one write column) over quantized triples."""
+
+    def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8):
+        super().__init__(left_padding)
+        self.group_size = group_size
+        self.bits = bits
+
+    def update_and_fetch(self, keys, values):
+        prev = self._idx
+        n = keys.shape[2]
+        if self.keys is None or prev + n > _tokens(self.keys):
+            B, H, _, Dk = keys.shape
+            grow = (self.step + n - 1) // self.step * self.step
+            new_k = _quantized_zeros((B, H, grow), Dk, keys.dtype, self.group_size, self.bits)
+            new_v = _quantized_zeros((B, H, grow), values.shape[3], values.dtype, self.group_size, self.bits)
+            if self.keys is not None:
+                if prev % self.step != 0:
+                    self.keys = tree_map(lambda x: x[..., :prev, :], self.keys)
+                    self.values = tree_map(lambda x: x[..., :prev, :], self.values)
+                self.keys, self.values = _cat([self.keys, new_k]), _cat([self.values, new_v])
+            else:
+                self.keys, self.values = new_k, new_v
+        self.offset = self.offset + n
+        self._idx += n
+        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        for i in range(3):
+            self.keys[i][..., prev : self._idx, :] = qk[i]
+            self.values[i][..., prev : self._idx, :] = qv[i]
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        cut = lambda x: x[..., : self._idx, :]  # noqa: E731
+        return tree_map(cut, self.keys), tree_map(cut, self.values)
+
+    def filter(self, batch_indices):
+        if self.keys is not None:
+            self.keys = tree_map(lambda x: x[batch_indices], self.keys)
+            self.values = tree_map(lambda x: x[batch_indices], self.values)
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        min_left_pad = min(self.left_padding.tolist())
+        if min_left_pad > 0:
+            if self.keys is not None:
+                self.keys = tree_map(lambda x: x[..., min_left_pad:, :], self.keys)
+                self.values = tree_map(lambda x: x[..., min_left_pad:, :], self.values)
+            self._idx -= min_left_pad
+            self.left_padding -= min_left_pad
+
+    def extend(self, other: BatchQuantizedKVCache) -> None:
+        """Append ``other``'s rows, right-aligned at the common write column (as BatchKVCache.extend)."""
+        max_idx = max(self._idx, other._idx)
+        width = max(_tokens(c.keys) for c in (self, other) if c.keys is not None)
+
+        def pad(c: BatchQuantizedKVCache):
+            k, v = c.keys, c.values
+            left = max_idx - c._idx
+            right = width - _tokens(k) - left
+            if right < 0:
+                k = tree_map(lambda x: x[..., :right, :], k)
+                v = tree_map(lambda x: x[..., :right, :], v)
+                right = 0
+            if left or right:
+                widths = [(0, 0), (0, 0), (left, right), (0, 0)]
+                k = tree_map(lambda x: mx.pad(x, widths), k)
+                v = tree_map(lambda x: mx.pad(x, widths), v)
+            return k, v, c.offset, c.left_padding + left
+
+        (k1, v1, o1, p1), (k2, v2, o2, p2) = pad(self), pad(other)
+        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2, strict=True))
+        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2, strict=True))
+        self.offset = mx.concatenate([o1, o2])
+        self.left_padding = mx.concatenate([p1, p2])
+        self._idx = max_idx
+
+    def extract(self, idx: int) -> QuantizedKVCache:
+        cache = QuantizedKVCache(self.group_size, self.bits)
+        padding = self.left_padding.tolist()[idx]
+        cache.keys = tuple(mx.contiguous(x[idx : idx + 1, :, padding : self._idx]) for x in self.keys)
+        cache.values = tuple(mx.contiguous(x[idx : idx + 1, :, padding : self._idx]) for x in self.values)
+        cache.offset = _tokens(cache.keys)
+        return cache
+
+    @classmethod
+    def merge(cls, caches: list[QuantizedKVCache]) -> BatchQuantizedKVCache:
+        """Solo quantized caches -> one batch, each row right-aligned (left-padded with zero tokens)."""
+        first = caches[0]
+        lengths = [c.offset for c in caches]
+        longest = max(lengths)
+        out = cls([longest - n for n in lengths], first.group_size, first.bits)
+        if longest == 0:
+            return out
+        ref = next(c for c in caches if c.keys is not None)
+        rows_k, rows_v = [], []
+        for c, n in zip(caches, lengths, strict=True):
+            if c.keys is None:  # an empty row: all padding
+                rows_k.append(_zeros_like_tokens(ref.keys, longest))
+                rows_v.append(_zeros_like_tokens(ref.values, longest))
+                continue
+            k = tree_map(lambda x, n=n: x[..., :n, :], c.keys)
+            v = tree_map(lambda x, n=n: x[..., :n, :], c.values)
+            if n < longest:
+                k, v = _cat([_zeros_like_tokens(k, longest - n), k]), _cat([_zeros_like_tokens(v, longest - n), v])
+            rows_k.append(k)
+            rows_v.append(v)
+        out.keys = tuple(mx.concatenate([k[i] for k in rows_k]) for i in range(3))
+        out.values = tuple(mx.concatenate([v[i] for v in rows_v]) for i in range(3))
+        out._idx = longest
+        out.offset = out.offset + longest  # per-row token counts (the constructor starts them at -padding)
+        return out
+
+    @property
+    def nbytes(self):
+        return triple_nbytes(self.keys) + triple_nbytes(self.values)
+
+
+def is_quantized(cache) -> bool:
+    return isinstance(cache, (QuantizedKVCache, QuantizedRotatingKVCache, BatchQuantizedKVCache))
+
