@@ -14,7 +14,12 @@ checks the outputs:
 - stop-seeded: no output contains its stop string;
 - logprobs: every token carries a logprob <= 0 and sorted top alternatives,
   and greedy picks the most likely one;
-- quantized-kv: skipped until KV quantization exists (shown, never passed).
+- quantized-kv: both servers run ``--kv-quant 8 --prompt-cache 0`` (a pair
+  of their own); every greedy output equals the ``--batch 1`` output under
+  the same scheme. Without a prompt cache: a request that starts from a
+  cached prefix attends its first chunk to quantized KV where a cold run
+  attends it in full precision (mlx-lm's conversion point), so the cache
+  state, not the batch, would decide some tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Cell:
     bodies: list[dict]  # chat completion bodies (without "stream")
     gate: str  # "reference" | "logprobs" | "skip"
     note: str = ""
+    serve_args: tuple[str, ...] = ()  # this cell needs both servers started with these flags
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -58,6 +64,8 @@ def make_cells(requests: int, max_tokens: int, seed: int = 0) -> list[Cell]:
     stops = [_chat(_text(rng, 30), temperature=0.8, top_p=0.95, seed=1000 + i,
                    stop=[rng.choice(["th", "an", "er", "in"])], **base) for i in range(requests)]
     logprobs = [_chat(_text(rng, 20), logprobs=True, top_logprobs=3, **base) for _ in range(requests)]
+    quantized = [_chat(_text(rng, 60 + 20 * (i % 3)), system=shared if i % 2 else None, **base)
+                 for i in range(requests)]
     mixed = []
     for i in range(requests):
         extra = [{}, {"temperature": 0.7, "seed": 7 + i}, {"deterministic": True},
@@ -67,7 +75,8 @@ def make_cells(requests: int, max_tokens: int, seed: int = 0) -> list[Cell]:
         Cell("plain-greedy", plain, "reference"),
         Cell("shared-prefix", prefix, "reference", "long shared system prompt: prompt-cache reuse"),
         Cell("stop-seeded", stops, "reference", "seeded sampling with stop strings"),
-        Cell("quantized-kv", [], "skip", "not available yet (KV quantization)"),
+        Cell("quantized-kv", quantized, "reference", "--kv-quant 8 --prompt-cache 0 on both servers",
+             ("--kv-quant", "8", "--prompt-cache", "0")),
         Cell("logprobs", logprobs, "logprobs", "top_logprobs=3"),
         Cell("mixed", mixed, "reference", "greedy, seeded, penalties and serial-lane requests together"),
     ]

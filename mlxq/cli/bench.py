@@ -104,10 +104,16 @@ def matrix_features(
     console = Console()
     model_args = ["--model", model] if model else []
     cells = make_cells(requests, max_tokens)
-    with ServeProcess(*model_args, "--batch", str(max(concurrency, 2)), *(serve_arg or [])) as server, \
-            ServeProcess(*model_args, "--batch", "1") as reference:
-        results = [run_cell(cell, server.url, reference.url, concurrency,
-                            on_progress=lambda name: console.print(f"cell {name} ...")) for cell in cells]
+    results: dict[str, dict] = {}
+    # Cells that need other server flags (e.g. --kv-quant) get a pair of servers of their own.
+    for flags in dict.fromkeys(cell.serve_args for cell in cells):
+        with ServeProcess(*model_args, "--batch", str(max(concurrency, 2)), *flags, *(serve_arg or [])) as server, \
+                ServeProcess(*model_args, "--batch", "1", *flags) as reference:
+            for cell in cells:
+                if cell.serve_args == flags:
+                    results[cell.name] = run_cell(cell, server.url, reference.url, concurrency,
+                                                  on_progress=lambda name: console.print(f"cell {name} ..."))
+    results = [results[cell.name] for cell in cells]
     console.print(matrix_table(results))
     for r in results:
         for problem in r.get("problems", []):

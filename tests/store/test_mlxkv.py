@@ -15,9 +15,9 @@ HEADER = {"fingerprint": "f" * 16, "kv_scheme": "native", "namespace": "ns", "to
           "trimmable": False, "created": 0.0, "model": "m"}
 
 
-def kv(n: int, dtype=mx.bfloat16) -> KVCache:
+def kv(n: int, dtype=mx.bfloat16, dim: int = 8) -> KVCache:
     c = KVCache()
-    k = mx.random.normal((1, 2, n, 8)).astype(dtype)
+    k = mx.random.normal((1, 2, n, dim)).astype(dtype)
     c.update_and_fetch(k, k * 2)
     return c
 
@@ -71,6 +71,39 @@ def test_every_cache_kind_round_trips_bit_exactly(tmp_path):
     b, _ = restored[2].update_and_fetch(k, k)
     assert mx.array_equal(a, b).item()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_quantized_kinds_round_trip_bit_exactly(tmp_path):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlxq.kv.quantized import QuantizedRotatingKVCache, quantize_rotating
+
+    full = kv(40, dim=64).to_quantized(group_size=64, bits=4)
+    ring = quantize_rotating(ring_past_wrap_64(), 32, 8)
+    path = tmp_path / "q.mlxkv"
+    write(path, [full, ring])
+    header = mlxkv.read_header(path)
+    assert [layer["kind"] for layer in header.layers] == ["qkv", "rotating-qkv"]
+    got_full, got_ring = mlxkv.read_caches(path, header)
+    assert type(got_full) is QuantizedKVCache and (got_full.bits, got_full.group_size, got_full.offset) == (4, 64, 40)
+    assert type(got_ring) is QuantizedRotatingKVCache and (got_ring._idx, got_ring.offset) == (ring._idx, ring.offset)
+    for a, b in ((full.keys, got_full.keys), (full.values, got_full.values)):
+        assert all(mx.array_equal(x[..., :40, :], y).item() for x, y in zip(a, b, strict=True))
+    for a, b in ((ring.keys, got_ring.keys), (ring.values, got_ring.values)):
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
+    # The restored ring keeps decoding exactly like the original.
+    step = mx.random.normal((1, 2, 1, 64))
+    a_keys, _ = ring.update_and_fetch(step, step)
+    b_keys, _ = got_ring.update_and_fetch(step, step)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(a_keys, b_keys, strict=True))
+
+
+def ring_past_wrap_64(window: int = 8, fed: int = 13) -> RotatingKVCache:
+    c = RotatingKVCache(window)
+    for _ in range(fed):
+        k = mx.random.normal((1, 2, 1, 64))
+        c.update_and_fetch(k, -k)
+    return c
 
 
 def test_only_the_used_part_of_a_kv_buffer_is_stored(tmp_path):
