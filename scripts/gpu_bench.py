@@ -6,7 +6,9 @@ Phases (pick with --phases, default all):
   b1         B=1 decode tok/s: mlx-lm stream_generate, mlxq serial lane, mlxq batch lane
              (one row), and the fraction of the bandwidth roofline
   prefill    prefill tok/s for long prompts through the serial lane
-  restore    TTFT of the same long prompt cold and restored from the RAM prompt cache
+  restore    TTFT of the same long prompt cold, restored from the RAM prompt cache, and restored
+             from the SSD tier after a flush and a fresh store (as after a restart)
+  kvquant    decode tok/s per KV scheme (off, 8, 4) at B=1 and B=8, KV bytes per token
   http       concurrency sweep over HTTP: mlxq serve vs mlx_lm.server (bench serving-load)
 
     python scripts/gpu_bench.py --preset llama3-8b --out $OUT
@@ -132,30 +134,102 @@ def phase_prefill(args, results):
     results["prefill"] = out
 
 
+def _drop_page_cache(root: Path) -> None:
+    for path in root.rglob("*.mlxkv"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def phase_restore(args, results):
-    """TTFT of a long prompt cold vs restored from the RAM prompt cache (serial lane)."""
+    """TTFT of a long prompt cold, restored from the RAM prompt cache, and restored from the SSD tier
+    (flushed, then a fresh store over the same directory as after a restart, page cache dropped)."""
+    import shutil
+    import tempfile
+
     from mlxq.engine.serial import run_serial
     from mlxq.engine.types import Request, SamplingParams
     from mlxq.models.loader import load_model
+    from mlxq.store.cold_tier import ColdTier
+    from mlxq.store.mlxkv import Identity
     from mlxq.store.prompt_cache import PromptCache
+    from mlxq.store.ssd_store import SsdStore
 
     lm = load_model(str(MODELS / args.preset))
+    warm = [1000 + i for i in range(2048)]  # compile and allocate once, so "cold" means an uncached prompt
+    run_serial(lm.model, lm.tokenizer, Request("w", warm, SamplingParams(), 2), lambda e: None,
+               prefill_step_size=2048)
     out = {}
     for length in args.restore_lengths:
+        root = Path(tempfile.mkdtemp(prefix="mlxq-ssd-"))
+        identity = Identity("gpu-bench", "native", "")
+        store = SsdStore(root, identity)
         cache = PromptCache(64 * 10**9)
+        tier = ColdTier(store, cache, write_behind=False)
         prompt = [1000 + (i * 7) % 100000 for i in range(length)]
 
-        def ttft(ids, cache=cache):
+        def ttft(ids, cache):
             o = run_serial(lm.model, lm.tokenizer, Request("r", ids, SamplingParams(), 1), lambda e: None,
                            prefill_step_size=2048, prompt_cache=cache)
             return o.usage().ttft_s, o.usage().cached_tokens
 
-        cold, _ = ttft(prompt)
-        warm, cached = ttft(prompt + [7])  # the same prompt plus one token: all but one from RAM
+        cold, _ = ttft(prompt, cache)
+        warm, cached = ttft(prompt + [7], cache)  # the same prompt plus one token: all but one from RAM
+        t = time.perf_counter()
+        tier.begin_flush()
+        while tier.flush_pending():
+            tier.step()
+        flush_s = time.perf_counter() - t
+        durable = tier.flush_result().durable
+        _drop_page_cache(root)
+        restarted = PromptCache(64 * 10**9)
+        fresh = SsdStore(root, identity)
+        fresh.scan()
+        ColdTier(fresh, restarted)
+        ssd, ssd_cached = ttft(prompt + [7], restarted)
         out[str(length)] = {"cold_ttft_s": cold, "ram_ttft_s": warm, "cached_tokens": cached,
-                            "entry_bytes": cache.bytes}
-        log(f"restore {length}: cold {cold * 1e3:.0f} ms, RAM hit {warm * 1e3:.1f} ms ({cached} cached)")
+                            "entry_bytes": cache.bytes, "flush_s": flush_s, "durable": durable,
+                            "ssd_ttft_s": ssd, "ssd_cached_tokens": ssd_cached,
+                            "ssd_restore_ms": fresh.stats.restore_ms_last, "file_bytes": fresh.bytes,
+                            "ssd_over_cold": ssd / cold}
+        log(f"restore {length}: cold {cold * 1e3:.0f} ms, RAM hit {warm * 1e3:.1f} ms, SSD {ssd * 1e3:.1f} ms "
+            f"({ssd_cached} cached, {fresh.bytes / 1e9:.2f} GB, flush {flush_s:.2f}s)")
+        shutil.rmtree(root, ignore_errors=True)
     results["restore"] = out
+
+
+def phase_kvquant(args, results):
+    """Decode tok/s per KV scheme at B=1 (serial lane) and B=8 (batch lane), and KV bytes per token."""
+    from bench_kv_quant import SCHEMES, b1_tok_s, b8_tok_s
+
+    from mlxq.kv.projection import measure_footprint
+    from mlxq.kv.scheme import head_dims, probe_caches, resolve_scheme
+    from mlxq.models.loader import load_model
+
+    lm = load_model(str(MODELS / args.preset))
+    probe = probe_caches(lm.model)
+    schemes = {q: resolve_scheme(q, 64, lm.path, probe, head_dims(probe)) for q in SCHEMES}
+    prompts = [[1000 + (i * 7 + s * 13) % 100000 for i in range(args.kv_prompt_tokens)] for s in range(8)]
+    b1 = {q: [] for q in SCHEMES}
+    b8 = {q: [] for q in SCHEMES}
+    b1_tok_s(lm.model, lm.tokenizer, schemes["off"], prompts[0], 16)
+    for r in range(args.rounds):
+        for q in SCHEMES if r % 2 == 0 else tuple(reversed(SCHEMES)):
+            b1[q].append(b1_tok_s(lm.model, lm.tokenizer, schemes[q], prompts[0], args.max_tokens))
+            b8[q].append(b8_tok_s(lm.model, lm.tokenizer, schemes[q], prompts, args.max_tokens))
+            log(f"kvquant {q}: B=1 {b1[q][-1]:.1f}, B=8 {b8[q][-1]:.1f}")
+    out = {"prompt_tokens": args.kv_prompt_tokens, "max_tokens": args.max_tokens}
+    for q in SCHEMES:
+        fp = measure_footprint(lm.model, 2048, schemes[q])
+        out[q] = {"key": schemes[q].key, "kv_bytes_per_token": sum(x.bytes_per_token for x in fp.layers),
+                  "b1": b1[q], "b8": b8[q], "b1_median": statistics.median(b1[q]),
+                  "b8_median": statistics.median(b8[q])}
+    for q in SCHEMES:
+        out[q]["b1_vs_off"] = out[q]["b1_median"] / out["off"]["b1_median"]
+        out[q]["b8_vs_off"] = out[q]["b8_median"] / out["off"]["b8_median"]
+    results["kvquant"] = out
 
 
 def phase_http(args, results):
@@ -182,7 +256,7 @@ def phase_http(args, results):
 
 
 PHASES = {"build": phase_build, "bandwidth": phase_bandwidth, "b1": phase_b1, "prefill": phase_prefill,
-          "restore": phase_restore, "http": phase_http}
+          "restore": phase_restore, "kvquant": phase_kvquant, "http": phase_http}
 
 
 def main() -> None:
@@ -196,6 +270,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--restore-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
+    ap.add_argument("--kv-prompt-tokens", type=int, default=2048)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

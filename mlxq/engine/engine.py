@@ -397,6 +397,8 @@ class Engine:
         self._beat()
         finished = finished or FinishReason.ERROR
         if usage is not None:
+            if self.cold is not None:
+                self.cold.note_prefill(usage.prompt_tokens - usage.cached_tokens, usage.prefill_s)
             self.stats.prompt_tokens += usage.prompt_tokens
             self.stats.generated_tokens += usage.completion_tokens
             if usage.decode_tok_s:

@@ -87,7 +87,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
             self.values = self._trim(trim_size, self.values, values)
         self.offset += _tokens(keys)
         self._idx = _tokens(self.keys)
-        return self.keys, self.values
+        return _maybe_contiguous(self.keys, self.values)
 
     def _update_in_place(self, keys, values):
         B, n_kv_heads, S, k_head_dim = keys.shape
@@ -120,7 +120,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
     def keys_and_values(self):
         if self.offset < _tokens(self.keys):
             cut = lambda x: x[..., : self.offset, :]  # noqa: E731
-            return tree_map(cut, self.keys), tree_map(cut, self.values)
+            return _maybe_contiguous(tree_map(cut, self.keys), tree_map(cut, self.values))
         return self.keys, self.values
 
     @property
@@ -183,7 +183,7 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def keys_and_values(self):
         cut = lambda x: x[..., : self._idx, :]  # noqa: E731
-        return tree_map(cut, self.keys), tree_map(cut, self.values)
+        return _maybe_contiguous(tree_map(cut, self.keys), tree_map(cut, self.values))
 
     def filter(self, batch_indices):
         if self.keys is not None:
@@ -269,3 +269,40 @@ class BatchQuantizedKVCache(BatchKVCache):
 def is_quantized(cache) -> bool:
     return isinstance(cache, (QuantizedKVCache, QuantizedRotatingKVCache, BatchQuantizedKVCache))
 
+
+
+def _strided_quantized_matmul_missing() -> bool:
+    """MLX's CUDA backend has no quantized_matmul for sliced (non-contiguous) quantized operands:
+    "[quantized_matmul] No implementation for problem shape" (mlx 0.32.4, seen on an H200). Metal
+    and CPU have one."""
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
+_contiguous_views = False
+
+
+def use_contiguous_views() -> None:
+    """Make every quantized cache hand attention contiguous arrays (CUDA only; values unchanged).
+
+    mlx-lm's QuantizedKVCache returns ``x[..., :offset, :]`` slices of its 256-token buffers;
+    on CUDA those cannot be multiplied. This patches its ``keys_and_values`` (and ours) to
+    copy the slice: the same numbers, one extra read and write of the live KV per layer
+    and step. Called once at start-up when a quantized scheme runs on CUDA.
+    """
+    global _contiguous_views
+    if _contiguous_views or not _strided_quantized_matmul_missing():
+        return
+    _contiguous_views = True
+    original = QuantizedKVCache.keys_and_values
+
+    def keys_and_values(self):
+        keys, values = original(self)
+        return tree_map(mx.contiguous, keys), tree_map(mx.contiguous, values)
+
+    QuantizedKVCache.keys_and_values = keys_and_values
+
+
+def _maybe_contiguous(keys, values):
+    if not _contiguous_views:
+        return keys, values
+    return tree_map(mx.contiguous, keys), tree_map(mx.contiguous, values)

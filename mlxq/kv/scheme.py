@@ -32,7 +32,7 @@ from pathlib import Path
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from mlxq.kv.quantized import quantize_rotating
+from mlxq.kv.quantized import quantize_rotating, use_contiguous_views
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 KV_CONFIG_FILE = "kv_config.json"
@@ -142,8 +142,10 @@ def resolve_scheme(kv_quant: str, group_size: int, model_dir: Path, caches: list
             raise KvSchemeError(f"layer {layer}: --kv-group-size {group_size} does not divide its head_dim "
                                 f"{head_dims[layer]}; use --kv-group-size {divisors[-1] if divisors else 32}"
                                 + ("" if divisors else " or --kv-quant off"))
-    name = kv_quant if kv_quant != "config" else "config"
-    return KvScheme(name, group_size, tuple(bits))
+    scheme = KvScheme(kv_quant, group_size, tuple(bits))
+    if scheme.quantized:
+        use_contiguous_views()  # CUDA: quantized attention needs contiguous operands
+    return scheme
 
 
 def probe_caches(model) -> list:

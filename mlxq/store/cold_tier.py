@@ -65,6 +65,13 @@ class ColdTierCounters:
     demotions: int = 0  # idle RAM entries released because they are on disk
     dropped: int = 0  # spills dropped over the queue cap (their prefixes are lost)
     failed: int = 0  # writes the disk refused
+    restores_skipped_slower: int = 0  # hits not restored: recomputing was predicted faster
+
+
+# Rates are smoothed over recent observations (exponential moving average).
+RATE_SMOOTHING = 0.5
+# A prefill this short says little about the machine's prefill rate.
+MIN_PREFILL_SAMPLE_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,10 @@ class FlushResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else RATE_SMOOTHING * new + (1 - RATE_SMOOTHING) * old
 
 
 @dataclass
@@ -98,6 +109,8 @@ class ColdTier:
     _last_demote_check: float = 0.0
     _flush_failures_at: int = 0
     _flush_started: float = 0.0
+    read_bytes_per_s: float | None = None  # measured on restores
+    prefill_tok_s: float | None = None  # measured on cold prefills (note_prefill)
 
     def __post_init__(self):
         self.ram.cold = self
@@ -126,13 +139,34 @@ class ColdTier:
             self.counters.dropped += 1
             self._lost += 1
 
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` uncached tokens took ``seconds``: the recompute side of the trade."""
+        if tokens >= MIN_PREFILL_SAMPLE_TOKENS and seconds > 0:
+            self.prefill_tok_s = _smooth(self.prefill_tok_s, tokens / seconds)
+
+    def _slower_than_recompute(self, nbytes: int, tokens: int) -> bool:
+        """Would reading ``nbytes`` take longer than prefilling ``tokens``? (False until both rates are known.)
+
+        On a machine with a fast prefill and a slow disk (an H200 next to a ~1.5 GB/s volume,
+        docs/benchmarks.md) a restore can lose to recomputing; then the tier steps aside.
+        """
+        if not self.read_bytes_per_s or not self.prefill_tok_s:
+            return False
+        return nbytes / self.read_bytes_per_s > tokens / self.prefill_tok_s
+
     def restore(self, namespace: str, prompt: list[int], better_than: int) -> tuple[CacheEntry, int] | None:
-        """A strictly longer usable prefix than RAM has, read from disk; None when there is none."""
+        """A strictly longer usable prefix than RAM has, read from disk, if that beats recomputing it."""
         found = self.store.find(namespace, prompt, better_than)
         while found is not None:
             index_entry, n = found
+            if self._slower_than_recompute(index_entry.nbytes, n - better_than):
+                self.counters.restores_skipped_slower += 1
+                return None
+            started = time.perf_counter()
             caches = self.store.load(index_entry)
             if caches is not None:
+                elapsed = time.perf_counter() - started
+                self.read_bytes_per_s = _smooth(self.read_bytes_per_s, index_entry.nbytes / max(elapsed, 1e-6))
                 entry = CacheEntry(index_entry.tokens, caches, sum(c.nbytes for c in caches),
                                    index_entry.trimmable, namespace)
                 return entry, n
@@ -234,6 +268,8 @@ class ColdTier:
             "pending_spills": len(self._spills),
             "pending_spill_bytes": self.pending_spill_bytes,
             "longest_durable_prefix_tokens": store.longest_prefix,
+            "read_gb_s": round(self.read_bytes_per_s / 1e9, 3) if self.read_bytes_per_s else None,
+            "prefill_tok_s": round(self.prefill_tok_s, 1) if self.prefill_tok_s else None,
             **asdict(self.counters),
             **asdict(store.stats),
         }

@@ -199,3 +199,24 @@ def test_restored_arrays_equal_what_was_stored(tmp_path):
     for a, b in zip(stored, caches, strict=True):
         assert mx.array_equal(a.keys[..., :8, :], b.keys[..., :8, :]).item()
         assert mx.array_equal(a.values[..., :8, :], b.values[..., :8, :]).item()
+
+
+def test_a_restore_that_would_lose_to_recomputing_is_skipped(tmp_path):
+    t = tier(tmp_path)
+    t.ram.put("", list(range(600)), cache_with(list(range(600))))
+    drain(t)
+    fresh = tier(tmp_path)
+    fresh.note_prefill(100, 1.0)  # below the sample floor: ignored
+    assert fresh.prefill_tok_s is None
+    _, n = fresh.ram.take("", list(range(601)))  # rates unknown: restore, and measure the read
+    assert n == 600 and fresh.read_bytes_per_s > 0
+    slow_disk = tier(tmp_path)
+    slow_disk.read_bytes_per_s = 1.0  # one byte per second
+    slow_disk.note_prefill(10_000, 1.0)
+    assert slow_disk.ram.take("", list(range(601))) == (None, 0)
+    assert slow_disk.counters.restores_skipped_slower == 1 and slow_disk.store.stats.restores == 0
+    fast_disk = tier(tmp_path)
+    fast_disk.read_bytes_per_s = 1e12
+    fast_disk.note_prefill(10_000, 1.0)
+    assert fast_disk.ram.take("", list(range(601)))[1] == 600
+    assert fast_disk.as_dict()["prefill_tok_s"] == 10_000.0
