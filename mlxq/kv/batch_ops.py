@@ -14,7 +14,7 @@ from __future__ import annotations
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, QuantizedKVCache
 
 from mlxq.kv.capabilities import CacheKind, cache_kind
-from mlxq.kv.quantized import BatchQuantizedKVCache
+from mlxq.kv.quantized import BatchQuantizedKVCache, BatchQuantizedRotatingKVCache, QuantizedRotatingKVCache
 
 _BATCH_CLASS = {CacheKind.FULL: BatchKVCache, CacheKind.ROTATING: BatchRotatingKVCache,
                 CacheKind.RECURRENT: ArraysCache}
@@ -23,6 +23,8 @@ _BATCH_CLASS = {CacheKind.FULL: BatchKVCache, CacheKind.ROTATING: BatchRotatingK
 def _batch_class(solo) -> type:
     if type(solo) is QuantizedKVCache:
         return BatchQuantizedKVCache  # quantized triples: the same surgery on all three arrays
+    if type(solo) is QuantizedRotatingKVCache:
+        return BatchQuantizedRotatingKVCache
     return _BATCH_CLASS[cache_kind(solo)]
 
 

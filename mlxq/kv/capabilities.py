@@ -21,7 +21,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from mlxq.kv.quantized import BatchQuantizedKVCache, QuantizedRotatingKVCache
+from mlxq.kv.quantized import BatchQuantizedKVCache, BatchQuantizedRotatingKVCache, QuantizedRotatingKVCache
 
 
 class CacheKind(str, Enum):
@@ -44,12 +44,7 @@ _KIND_BY_CLASS: dict[type, CacheKind] = {
     QuantizedKVCache: CacheKind.FULL,
     BatchQuantizedKVCache: CacheKind.FULL,
     QuantizedRotatingKVCache: CacheKind.ROTATING,
-}
-
-# Cache classes that run on the serial lane only, and why (the gateway names the reason).
-_SERIAL_ONLY: dict[type, str] = {
-    QuantizedRotatingKVCache: "quantized sliding-window KV runs on the serial lane (a batched quantized ring "
-                              "is not built yet)",
+    BatchQuantizedRotatingKVCache: CacheKind.ROTATING,
 }
 
 
@@ -64,8 +59,6 @@ def layer_kind(cache) -> CacheKind:
 def cache_kind(cache) -> CacheKind:
     """The kind the batch lane joins by; UnknownCacheKind when it cannot batch this cache."""
     kind = _KIND_BY_CLASS.get(type(cache))
-    if type(cache) in _SERIAL_ONLY:
-        raise UnknownCacheKind(_SERIAL_ONLY[type(cache)])
     if kind is None:
         raise UnknownCacheKind(f"no batch operations for cache class {type(cache).__name__}")
     if kind is CacheKind.ROTATING and getattr(cache, "keep", 0):

@@ -1,4 +1,4 @@
-"""Quantized KV caches mlx-lm does not have: a sliding-window ring and a batched cache.
+"""Quantized KV caches mlx-lm does not have: a sliding-window ring and batched caches for both kinds.
 
 mlx-lm quantizes full-attention KV (``QuantizedKVCache``: each of keys and
 values is a triple of packed uint32 data, scales and biases, grouped along
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, QuantizedKVCache, RotatingKVCache
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -266,8 +266,195 @@ class BatchQuantizedKVCache(BatchKVCache):
         return triple_nbytes(self.keys) + triple_nbytes(self.values)
 
 
+def _roll(t: Triple, shift: int) -> Triple:
+    return tuple(mx.roll(x, shift, axis=2) for x in t)
+
+
+def _depends(t: Triple, on: tuple) -> Triple:
+    """Tie the cache's scalar bookkeeping into the graph, as mlx-lm's batch ring does."""
+    return tuple(mx.depends(list(t), list(on)))
+
+
+def _left_pad(t: Triple, n: int) -> Triple:
+    return t if n == 0 else _cat([_zeros_like_tokens(t, n), t])
+
+
+class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
+    """mlx-lm's BatchRotatingKVCache (per-row rings, left padding, ring wrap) over quantized triples.
+
+    The ring's geometry (``_idx``, ``_offset``, ``rotated``, per-row ``offset`` and
+    ``left_padding``) and its masks are mlx-lm's, untouched; only the storage
+    operations (trim, roll, concatenate, pad, assign) act on three arrays instead
+    of one. mlx-lm's right-padded prompt batching (``prepare``/``finalize``) is
+    not used: the batch lane prefills every row alone and joins it by ``merge``.
+    """
+
+    def __init__(self, max_size: int, left_padding: list[int], group_size: int = 64, bits: int = 8):
+        super().__init__(max_size, left_padding)
+        self.group_size = group_size
+        self.bits = bits
+
+    def _quantize(self, x: mx.array) -> Triple:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def _trim(self, trim_size, v, append=None):
+        if trim_size > 0:
+            v = tree_map(lambda x: x[..., trim_size:, :], v)
+        return _cat([v, append]) if append is not None else v
+
+    def _temporal_order(self):
+        if self.rotated:
+            self.keys, self.values = _roll(self.keys, -self._idx), _roll(self.values, -self._idx)
+            self._idx = _tokens(self.keys)
+            self.rotated = False
+
+    def _update_concat(self, keys, values):
+        keys, values = self._quantize(keys), self._quantize(values)
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self._temporal_order()
+            if _tokens(self.keys) > self._idx:
+                self.keys = tree_map(lambda x: x[..., : self._idx, :], self.keys)
+                self.values = tree_map(lambda x: x[..., : self._idx, :], self.values)
+            trim_size = self._idx - self.max_size + 1
+            if trim_size > 0:
+                self.left_padding -= trim_size
+            self.keys = self._trim(trim_size, self.keys, keys)
+            self.values = self._trim(trim_size, self.values, values)
+        n = _tokens(keys)
+        self.offset = self.offset + n
+        self._offset += n
+        self._idx = _tokens(self.keys)
+        self.keys = _depends(self.keys, (self.left_padding, self.offset))
+        return _maybe_contiguous(self.keys, self.values)
+
+    def _update_in_place(self, keys, values):
+        B, H, S, Dk = keys.shape
+        prev = self._offset
+        if self.keys is None or (prev >= _tokens(self.keys) and _tokens(self.keys) < self.max_size):
+            new_size = min(self.step, self.max_size - prev)
+            new_k = _quantized_zeros((B, H, new_size), Dk, keys.dtype, self.group_size, self.bits)
+            new_v = _quantized_zeros((B, H, new_size), values.shape[3], values.dtype, self.group_size, self.bits)
+            if self.keys is not None:
+                self.keys, self.values = _cat([self.keys, new_k]), _cat([self.values, new_v])
+            else:
+                self.keys, self.values = new_k, new_v
+            self._idx = prev
+        trim_size = _tokens(self.keys) - self.max_size
+        if trim_size > 0:
+            self.keys = self._trim(trim_size, self.keys)
+            self.values = self._trim(trim_size, self.values)
+            self._idx = self.max_size
+            self.left_padding -= trim_size
+        if self._idx == self.max_size:
+            self.rotated = True
+            self._idx = 0
+        if self.rotated:
+            self.left_padding -= S
+        qk, qv = self._quantize(keys), self._quantize(values)
+        for i in range(3):
+            self.keys[i][..., self._idx : self._idx + S, :] = qk[i]
+            self.values[i][..., self._idx : self._idx + S, :] = qv[i]
+        self._offset += S
+        self.offset = self.offset + S
+        self._idx += S
+        self.keys = _depends(self.keys, (self.left_padding, self.offset))
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        if self._offset < _tokens(self.keys):
+            cut = lambda x: x[..., : self._offset, :]  # noqa: E731
+            return _maybe_contiguous(tree_map(cut, self.keys), tree_map(cut, self.values))
+        return _maybe_contiguous(self.keys, self.values)
+
+    def filter(self, batch_indices):
+        if self.keys is not None:
+            self.keys = tree_map(lambda x: x[batch_indices], self.keys)
+            self.values = tree_map(lambda x: x[batch_indices], self.values)
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+
+    def extend(self, other: BatchQuantizedRotatingKVCache) -> None:
+        if self.rotated != other.rotated or self._idx != other._idx:
+            self._temporal_order()
+            other._temporal_order()
+        max_idx = max(self._idx, other._idx)
+        width = max(_tokens(self.keys), _tokens(other.keys))
+
+        def pad(c: BatchQuantizedRotatingKVCache):
+            left = max_idx - c._idx
+            k, v = c.keys, c.values
+            right = width - _tokens(k) - left
+            if right < 0:
+                k = tree_map(lambda x: x[..., :right, :], k)
+                v = tree_map(lambda x: x[..., :right, :], v)
+                right = 0
+            if left or right:
+                widths = [(0, 0), (0, 0), (left, right), (0, 0)]
+                k = tree_map(lambda x: mx.pad(x, widths), k)
+                v = tree_map(lambda x: mx.pad(x, widths), v)
+            return k, v, c.offset, c.left_padding + left
+
+        (k1, v1, o1, p1), (k2, v2, o2, p2) = pad(self), pad(other)
+        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2, strict=True))
+        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2, strict=True))
+        self.offset = mx.concatenate([o1, o2])
+        self.left_padding = mx.concatenate([p1, p2])
+        self._idx = max_idx
+        self._offset = max(self._offset, other._offset)
+
+    def extract(self, idx: int) -> QuantizedRotatingKVCache:
+        mx.eval(self.left_padding, self.offset)
+        padding = max(0, self.left_padding.tolist()[idx])
+        k = tree_map(lambda x: x[idx : idx + 1], self.keys)
+        v = tree_map(lambda x: x[idx : idx + 1], self.values)
+        end = self._idx
+        if self.rotated:
+            k, v, end = _roll(k, -self._idx), _roll(v, -self._idx), self.max_size
+        cache = QuantizedRotatingKVCache(self.max_size, 0, self.group_size, self.bits)
+        cache.keys = tree_map(lambda x: mx.contiguous(x[:, :, padding:end]), k)
+        cache.values = tree_map(lambda x: mx.contiguous(x[:, :, padding:end]), v)
+        cache.offset = self.offset.tolist()[idx]
+        cache._idx = _tokens(cache.keys)
+        return cache
+
+    @classmethod
+    def merge(cls, caches: list[QuantizedRotatingKVCache]) -> BatchQuantizedRotatingKVCache:
+        """Solo quantized rings -> one batch: each row's window in temporal order, right-aligned."""
+        first = caches[0]
+        if any(c.max_size != first.max_size for c in caches):
+            raise ValueError("can only merge rings of the same window")
+        lengths = [c.size() for c in caches]
+        longest = max(lengths)
+        if longest == 0:
+            return cls(first.max_size, [0] * len(caches), first.group_size, first.bits)
+        ref = next(c for c in caches if c.keys is not None)
+        rows_k, rows_v = [], []
+        for c, n in zip(caches, lengths, strict=True):
+            if c.keys is None:
+                rows_k.append(_zeros_like_tokens(ref.keys, longest))
+                rows_v.append(_zeros_like_tokens(ref.values, longest))
+                continue
+            k = tree_map(lambda x, n=n: x[..., -n:, :], c._temporal_order(c.keys))
+            v = tree_map(lambda x, n=n: x[..., -n:, :], c._temporal_order(c.values))
+            rows_k.append(_left_pad(k, longest - n))
+            rows_v.append(_left_pad(v, longest - n))
+        out = cls(first.max_size, [longest - n for n in lengths], first.group_size, first.bits)
+        out.keys = tuple(mx.concatenate([k[i] for k in rows_k]) for i in range(3))
+        out.values = tuple(mx.concatenate([v[i] for v in rows_v]) for i in range(3))
+        out.offset = mx.array([c.offset for c in caches])
+        out._idx = out._offset = longest
+        return out
+
+    @property
+    def nbytes(self):
+        return triple_nbytes(self.keys) + triple_nbytes(self.values)
+
+
 def is_quantized(cache) -> bool:
-    return isinstance(cache, (QuantizedKVCache, QuantizedRotatingKVCache, BatchQuantizedKVCache))
+    return isinstance(cache, (QuantizedKVCache, QuantizedRotatingKVCache, BatchQuantizedKVCache,
+                              BatchQuantizedRotatingKVCache))
 
 
 

@@ -62,7 +62,7 @@ def test_serial_lane_equals_mlx_lm_quantized_generation(load_tiny, arch, bits):
 
 
 @pytest.mark.parametrize("bits", ["8", "4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
 def test_batched_rows_equal_serial_rows_under_the_same_scheme(load_tiny, arch, bits):
     model, tokenizer = load_tiny(arch)
     scheme = scheme_for(model, bits)

@@ -4,43 +4,52 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.capabilities import CacheKind, UnknownCacheKind, cache_kind
 from mlxq.kv.projection import GROWTH_STEP, KvFootprint, LayerFootprint
+from mlxq.kv.quantized import QuantizedRotatingKVCache
 
 H, D = 2, 8
 
 
-def filled(cache, length: int, seed: int, chunk: int = 5):
-    """Write ``length`` tokens of distinct values, in chunks (as a prefill would)."""
+def filled(cache, length: int, seed: int, chunk: int = 5, dim: int = D):
+    """Write ``length`` tokens of distinct values, in chunks (as a prefill would), then a few one by one."""
     key = mx.random.key(seed)
     written = 0
     while written < length:
-        n = min(chunk, length - written)
-        k = mx.random.normal((1, H, n, D), key=mx.random.split(key, written + 1)[written])
+        n = min(chunk, length - written) if written < length - 3 else 1
+        k = mx.random.normal((1, H, n, dim), key=mx.random.split(key, written + 1)[written])
         cache.update_and_fetch(k, k * 2)
         written += n
     return cache
 
 
 def temporal(cache) -> mx.array:
-    """A solo cache's keys in token order (rings unrolled)."""
+    """A solo cache's keys in token order (rings unrolled); quantized: the packed data, scales, biases."""
     keys = cache.state[0]
     if isinstance(cache, RotatingKVCache):
         keys = cache._temporal_order(keys)
-        return keys[..., -min(cache.offset, cache.max_size):, :]
-    return keys[..., : cache.offset, :]
+        cut = lambda x: x[..., -min(cache.offset, cache.max_size):, :]  # noqa: E731
+    else:
+        cut = lambda x: x[..., : cache.offset, :]  # noqa: E731
+    if isinstance(keys, (list, tuple)):
+        return mx.concatenate([cut(x).astype(mx.float32) for x in keys], axis=-1)
+    return cut(keys)
 
 
 def make(kind: str, length: int, seed: int):
     if kind == "full":
         return filled(KVCache(), length, seed)
+    if kind == "qfull":
+        return filled(QuantizedKVCache(group_size=32, bits=4), length, seed, dim=64)
+    if kind == "qrotating":
+        return filled(QuantizedRotatingKVCache(16, 0, group_size=32, bits=8), length, seed, dim=64)
     return filled(RotatingKVCache(max_size=16), length, seed)
 
 
-@pytest.mark.parametrize("kind", ["full", "rotating"])
+@pytest.mark.parametrize("kind", ["full", "rotating", "qfull", "qrotating"])
 @pytest.mark.parametrize("lengths", [(5, 9, 3), (20, 7, 33), (40, 41, 16)])
 def test_merge_append_keep_extract_roundtrip(kind, lengths):
     solos = [make(kind, n, seed=i) for i, n in enumerate(lengths)]
@@ -103,3 +112,19 @@ def test_measured_footprint_matches_a_real_cache(load_tiny):
     actual = sum(c.nbytes for c in caches)
     assert fp.row_bytes(199, prompt_tokens=199) >= actual
     assert [layer.kind for layer in fp.layers] == [cache_kind(c) for c in caches]
+
+
+@pytest.mark.parametrize("kind", ["rotating", "qrotating"])
+def test_rings_wrap_inside_the_batch_and_extract_exactly(kind):
+    """Rows decode together past the window; each extracted row equals its solo ring fed the same tokens."""
+    lengths = (9, 14, 30)
+    dim = 64 if kind == "qrotating" else D
+    solos = [make(kind, n, seed=i) for i, n in enumerate(lengths)]
+    batch = merge_solo_rows([[c] for c in [make(kind, n, seed=i) for i, n in enumerate(lengths)]])
+    for step in range(21):  # more than the 16-token window
+        k = mx.random.normal((len(lengths), H, 1, dim), key=mx.random.key(100 + step))
+        batch[0].update_and_fetch(k, k * 2)
+        for row, solo in enumerate(solos):
+            solo.update_and_fetch(k[row : row + 1], k[row : row + 1] * 2)
+    for row, solo in enumerate(solos):
+        assert mx.array_equal(temporal(extract_row(batch, row)[0]), temporal(solo)), row

@@ -7,6 +7,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from mlxq.golden.cases import LONG, SHORT
 from tests.conftest import ServerProcess
@@ -38,15 +39,18 @@ def test_batched_quantized_rows_equal_the_serial_lane(tiny_model_dirs):
     assert full["scheme"] == "native" and full["bytes_per_token"] / stats["kv"]["bytes_per_token"] > 6
 
 
-def test_quantized_sliding_window_runs_serially_and_says_why(tiny_model_dirs):
-    with ServerProcess("--model", str(tiny_model_dirs["gemma3_text"]), "--kv-quant", "8") as server:
-        with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(lambda p: complete(server.url, p), PROMPTS[:3]))
-        stats = httpx.get(server.url + "/stats").json()
-    assert all(r["usage"]["completion_tokens"] == 20 for r in results)
-    assert stats["batch"]["mode"] == "serial"
-    assert "quantized sliding-window" in stats["batch"]["not_batchable_reason"]
-    assert stats["engine"]["placement_reasons"] == {"model-not-batchable": 3}
+@pytest.mark.parametrize("arch, bits", [("gemma3_text", "8"), ("qwen3_next", "4")])
+def test_quantized_sliding_window_and_hybrid_models_batch_too(tiny_model_dirs, arch, bits):
+    model = str(tiny_model_dirs[arch])
+    flags = ("--kv-quant", bits, "--prompt-cache", "0")
+    with ServerProcess("--model", model, "--batch", "1", *flags) as serial:
+        expected = [complete(serial.url, p)["choices"][0]["text"] for p in PROMPTS]
+    with ServerProcess("--model", model, *flags) as batched:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: complete(batched.url, p)["choices"][0]["text"], PROMPTS))
+        stats = httpx.get(batched.url + "/stats").json()
+    assert got == expected
+    assert stats["batch"]["mode"] == "batch" and stats["engine"]["placement_reasons"] == {"batchable": len(PROMPTS)}
 
 
 def test_an_impossible_scheme_fails_at_start_up_naming_the_layer_and_the_fix(tiny_model_dirs):
