@@ -1,0 +1,80 @@
+"""Where a batch decode step's time goes: cProfile of the engine's decode loop at B rows.
+
+    python scripts/profile_step.py --model DIR --rows 64 --out $OUT
+
+Admits B greedy rows (ignore_eos), waits until all have joined, then profiles
+the decode steps until they finish. Writes profile.txt (top functions by
+internal and cumulative time) and profile.json (steps, wall time, tok/s, and
+host Python time per step vs time inside the decode step itself, where the
+one-per-step token read-back waits for the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+from mlxq.engine.types import Request, SamplingParams
+from mlxq.kv.projection import measure_footprint
+from mlxq.models.loader import load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=180)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lm = load_model(args.model)
+    footprint = measure_footprint(lm.model)
+    sink = []
+
+    def run(rows: int, profile: cProfile.Profile | None):
+        sched = BatchScheduler(lm.model, lm.tokenizer, footprint, SchedulerConfig(rows, rows, 2048, None))
+        for i in range(rows):
+            prompt = [1000 + (i * 31 + j * 7) % 20000 for j in range(args.prompt_tokens)]
+            req = Request(f"r{i}", prompt, SamplingParams(), args.max_tokens, ignore_eos=True)
+            sched.add(req, sink.append)
+        while sched.num_rows < rows:
+            sched.step()
+        steps, start = 0, time.perf_counter()
+        if profile:
+            profile.enable()
+        while not sched.is_idle:
+            sched.step()
+            steps += 1
+        if profile:
+            profile.disable()
+        return steps, time.perf_counter() - start
+
+    run(min(args.rows, 4), None)  # warm-up: compile, allocate
+    plain_steps, plain_s = run(args.rows, None)
+    prof = cProfile.Profile()
+    steps, wall = run(args.rows, prof)
+    stats = pstats.Stats(prof)
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
+    (args.out / "profile.txt").write_text(text.getvalue())
+    # MLX's C++ methods are invisible to cProfile: the blocking token read-back (and any
+    # other wait for the device) lands in _decode_step's own time.
+    waiting = sum(v[2] for k, v in stats.stats.items() if k[2] == "_decode_step")
+    doc = {"rows": args.rows, "steps": plain_steps, "wall_s": plain_s, "tok_s": plain_steps * args.rows / plain_s,
+           "step_ms": 1000 * plain_s / plain_steps, "profiled_step_ms": 1000 * wall / steps,
+           "host_python_ms_per_step": 1000 * (wall - waiting) / steps,
+           "decode_step_own_ms_per_step": 1000 * waiting / steps}
+    (args.out / "profile.json").write_text(json.dumps(doc, indent=2))
+    print(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    main()
