@@ -25,39 +25,49 @@ from mlxq.kv.projection import measure_footprint
 from mlxq.models.loader import load_model
 
 
+def decode_run(lm, footprint, rows: int, prompt_tokens: int, max_tokens: int, profile=None):
+    """Admit ``rows`` rows, wait for all to join, then time (and optionally profile) decode to the end."""
+    sched = BatchScheduler(lm.model, lm.tokenizer, footprint, SchedulerConfig(rows, rows, 2048, None))
+    for i in range(rows):
+        prompt = [1000 + (i * 31 + j * 7) % 20000 for j in range(prompt_tokens)]
+        sched.add(Request(f"r{i}", prompt, SamplingParams(), max_tokens, ignore_eos=True), lambda e: None)
+    while sched.num_rows < rows:
+        sched.step()
+    steps, start = 0, time.perf_counter()
+    if profile:
+        profile.enable()
+    while not sched.is_idle:
+        sched.step()
+        steps += 1
+    if profile:
+        profile.disable()
+    return steps, time.perf_counter() - start
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=180)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--sequence", default="", help="Also time plain runs at these row counts, in order "
+                                                    "(first-use costs of new shapes show up here).")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     lm = load_model(args.model)
     footprint = measure_footprint(lm.model)
-    sink = []
 
-    def run(rows: int, profile: cProfile.Profile | None):
-        sched = BatchScheduler(lm.model, lm.tokenizer, footprint, SchedulerConfig(rows, rows, 2048, None))
-        for i in range(rows):
-            prompt = [1000 + (i * 31 + j * 7) % 20000 for j in range(args.prompt_tokens)]
-            req = Request(f"r{i}", prompt, SamplingParams(), args.max_tokens, ignore_eos=True)
-            sched.add(req, sink.append)
-        while sched.num_rows < rows:
-            sched.step()
-        steps, start = 0, time.perf_counter()
-        if profile:
-            profile.enable()
-        while not sched.is_idle:
-            sched.step()
-            steps += 1
-        if profile:
-            profile.disable()
-        return steps, time.perf_counter() - start
+    def run(rows: int, profile=None):
+        return decode_run(lm, footprint, rows, args.prompt_tokens, args.max_tokens, profile)
 
-    run(min(args.rows, 4), None)  # warm-up: compile, allocate
-    plain_steps, plain_s = run(args.rows, None)
+    run(min(args.rows, 4))  # warm-up: compile, allocate
+    sequence = []
+    for rows in [int(x) for x in args.sequence.split(",") if x]:
+        n, sec = run(rows)
+        sequence.append({"rows": rows, "step_ms": 1000 * sec / n, "tok_s": n * rows / sec})
+        print(sequence[-1], flush=True)
+    plain_steps, plain_s = run(args.rows)
     prof = cProfile.Profile()
     steps, wall = run(args.rows, prof)
     stats = pstats.Stats(prof)
@@ -71,7 +81,7 @@ def main() -> None:
     doc = {"rows": args.rows, "steps": plain_steps, "wall_s": plain_s, "tok_s": plain_steps * args.rows / plain_s,
            "step_ms": 1000 * plain_s / plain_steps, "profiled_step_ms": 1000 * wall / steps,
            "host_python_ms_per_step": 1000 * (wall - waiting) / steps,
-           "decode_step_own_ms_per_step": 1000 * waiting / steps}
+           "decode_step_own_ms_per_step": 1000 * waiting / steps, "sequence": sequence}
     (args.out / "profile.json").write_text(json.dumps(doc, indent=2))
     print(json.dumps(doc, indent=2))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from importlib import resources
 
@@ -12,7 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlxq.engine.admission import AdmissionError
 from mlxq.engine.types import FinishReason, Request
-from mlxq.server.bridge import stream_events
+from mlxq.server.bridge import stream_event_batches, stream_events
 from mlxq.server.errors import APIError, invalid
 from mlxq.server.openai_format import ChoiceBuilder
 from mlxq.server.protocol import GenerationSpec, parse_generation
@@ -107,18 +108,46 @@ def _sse_line(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+# MLXQ_SSE_COALESCE=0 sends one chunk per token even when a stream is behind (an A/B lever).
+_COALESCE = os.environ.get("MLXQ_SSE_COALESCE", "1") != "0"
+
+
+async def _batches(state: ServerState, request: Request):
+    if _COALESCE:
+        async for batch in stream_event_batches(state.engine, request):
+            yield batch
+    else:
+        async for event in stream_events(state.engine, request):
+            yield [event]
+
+
 async def _sse(state: ServerState, request: Request, builder: ChoiceBuilder):
     # Starlette cancels this generator when the client disconnects; leaving
-    # stream_events cancels the engine request.
-    async for event in stream_events(state.engine, request):
-        if event.finish_reason is FinishReason.ERROR:
-            err = APIError(500, event.error or "generation failed", code="engine_error")
-            yield _sse_line(err.body())
-            break
-        text, calls, entry = builder.add(event)
-        finish = builder.finish_reason if event.finish_reason is not None else None
-        if text or calls or entry or finish:
-            yield _sse_line(builder.chunk(text, calls, entry, finish))
+    # stream_event_batches cancels the engine request. Plain text tokens that
+    # arrived together are sent as one chunk (one JSON encode, one write);
+    # tokens with logprobs or tool calls keep a chunk each, aligned with their text.
+    async for batch in _batches(state, request):
+        pending = ""
+        for event in batch:
+            if event.finish_reason is FinishReason.ERROR:
+                if pending:
+                    yield _sse_line(builder.chunk(pending, [], None, None))
+                    pending = ""
+                err = APIError(500, event.error or "generation failed", code="engine_error")
+                yield _sse_line(err.body())
+                break
+            text, calls, entry = builder.add(event)
+            finish = builder.finish_reason if event.finish_reason is not None else None
+            if not (calls or entry or finish):
+                pending += text
+                continue
+            if entry and pending:
+                yield _sse_line(builder.chunk(pending, [], None, None))
+                pending = ""
+            yield _sse_line(builder.chunk(pending + text, calls, entry, finish))
+            pending = ""
+        if pending:
+            yield _sse_line(builder.chunk(pending, [], None, None))
     if builder.spec.include_usage and builder.usage is not None:
         yield _sse_line(builder.usage_chunk())
     yield "data: [DONE]\n\n"
