@@ -49,11 +49,18 @@ class SchedulerConfig:
     kv_budget_bytes: int | None  # admission cap on projected KV bytes; None = unlimited
 
 
-@dataclass
+# A joiner waits for another joiner's prefill only when they share at least this many new tokens.
+MIN_SHARED_PREFILL = 64
+
+
+@dataclass(eq=False)
 class _Joiner:
     row: Row
     caches: list
     done: int = 0  # prompt tokens already prefilled
+    leader: _Joiner | None = None  # prefilling the prefix this joiner shares: wait for it, then take
+    wait_until: int = 0  # the leader's ``done`` at which the shared prefix is in the prompt cache
+    followers: int = 0  # joiners waiting on this one
 
     @property
     def is_prefilled(self) -> bool:
@@ -79,6 +86,7 @@ class BatchScheduler:
         self._pending: tuple[mx.array, list, list[bool]] | None = None  # (tokens, logprobs, already emitted)
         self._steps = 0
         self.submitted_rows = 0
+        self.shared_prefills = 0  # joiners that waited for another joiner's prefill instead of repeating it
 
     # --- state the engine reads -------------------------------------------------
     @property
@@ -121,8 +129,57 @@ class BatchScheduler:
             # Rows with processors prefill everything: their processors must see the whole prompt.
             caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids)
         row.output.cached_tokens = cached
-        self._joiners.append(_Joiner(row, caches or make_prompt_cache(self.model), done=cached))
+        joiner = _Joiner(row, caches or make_prompt_cache(self.model), done=cached)
+        if self.prompt_cache is not None and not row.processors:
+            self._follow_a_leader(joiner)
+        self._joiners.append(joiner)
         self.submitted_rows += 1
+
+    def _follow_a_leader(self, joiner: _Joiner) -> None:
+        """Agents that arrive together with the same long prefix: prefill it once.
+
+        If a joiner still prefilling shares at least MIN_SHARED_PREFILL uncached tokens
+        with this one, this one waits until that prefix reaches the prompt cache and
+        takes it from there. Full-attention caches trim, so the leader's whole prompt
+        state serves any shared prefix (put when the leader's prefill ends, computed in
+        the chunks it would have used anyway). Sliding-window and recurrent state exists
+        only at the points the leader snapshots: the end of its system prompt.
+        """
+        request = joiner.row.request
+        prompt = request.prompt_ids
+        for leader in self._joiners:
+            if leader.leader is not None or leader.row.processors or leader.row.request.namespace != request.namespace:
+                continue
+            theirs = leader.row.request.prompt_ids
+            limit = min(len(prompt), len(theirs)) - 1
+            shared = 0
+            while shared < limit and prompt[shared] == theirs[shared]:
+                shared += 1
+            if is_trimmable(leader.caches):
+                wait_until = len(theirs) - 1
+            else:
+                split = leader.row.request.snapshot_at
+                wait_until = shared = split if split is not None and split <= shared else 0
+            if shared - joiner.done >= MIN_SHARED_PREFILL and leader.done < wait_until:
+                joiner.leader, joiner.wait_until = leader, wait_until
+                leader.followers += 1
+                self.shared_prefills += 1
+                return
+
+    def _waiting(self, joiner: _Joiner) -> bool:
+        """Still waiting for its leader? Once released, take the shared prefix from the prompt cache."""
+        leader = joiner.leader
+        if leader is None:
+            return False
+        if leader in self._joiners and leader.done < joiner.wait_until:
+            return True
+        joiner.leader = None
+        request = joiner.row.request
+        caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids)
+        if caches is not None and cached > joiner.done:  # it never advanced: its caches are untouched
+            joiner.caches, joiner.done = caches, cached
+            joiner.row.output.cached_tokens = cached
+        return False
 
     def fail_all(self, message: str) -> None:
         for row in self._all_rows():
@@ -162,6 +219,8 @@ class BatchScheduler:
         budget = self.config.prefill_step_size
         ready = []
         for joiner in list(self._joiners):
+            if self._waiting(joiner):
+                continue
             if not joiner.is_prefilled and budget > 0:
                 try:
                     budget -= self._advance(joiner)
@@ -273,9 +332,13 @@ class BatchScheduler:
         return split
 
     def _snapshot(self, joiner: _Joiner) -> None:
-        """Sliding-window / recurrent models: store the state at the prompt boundary (all but its last token)."""
+        """Sliding-window / recurrent models: store the state at the prompt boundary (all but its last token).
+
+        Full-attention models store at finish, unless joiners wait on this prompt now."""
         boundary = len(joiner.row.request.prompt_ids) - 1
-        if self.prompt_cache is None or is_trimmable(joiner.caches) or boundary < MIN_SNAPSHOT_TOKENS:
+        if self.prompt_cache is None or boundary < MIN_SNAPSHOT_TOKENS:
+            return
+        if is_trimmable(joiner.caches) and not joiner.followers:
             return
         self.prompt_cache.put(joiner.row.request.namespace, joiner.row.request.prompt_ids[:boundary], joiner.caches)
 

@@ -1,0 +1,67 @@
+"""Joiners that arrive together with a long shared prefix prefill it once, and still match the serial lane."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+from mlxq.engine.serial import run_serial
+from mlxq.engine.types import Request, SamplingParams
+from mlxq.golden.cases import LONG
+from mlxq.kv.projection import measure_footprint
+from mlxq.store.prompt_cache import PromptCache
+
+
+def requests(tokenizer, snapshot: bool) -> list[Request]:
+    shared = tokenizer.encode(LONG + " " + LONG)
+    questions = ["What is it?", "Who are you today?", "Tell me more, please.", "Why?"]
+    out = []
+    for i, q in enumerate(questions):
+        prompt = shared + tokenizer.encode(" " + q)
+        out.append(Request(f"agent-{i}", prompt, SamplingParams(), 12, snapshot_at=len(shared) if snapshot else None))
+    return out
+
+
+def serial_with_cache(model, tokenizer, reqs: list[Request]) -> dict[str, tuple[list[int], int]]:
+    """The serial lane, one after another, sharing one prompt cache: the same prefix geometry."""
+    cache = PromptCache(1 << 30)
+    out = {}
+    for r in reqs:
+        fresh = Request(r.request_id, r.prompt_ids, r.params, r.max_tokens, snapshot_at=r.snapshot_at)
+        o = run_serial(model, tokenizer, fresh, lambda e: None, prefill_step_size=2048, prompt_cache=cache)
+        out[r.request_id] = (o.tokens, o.cached_tokens)
+    return out
+
+
+@pytest.mark.parametrize("arch, snapshot", [("llama", False), ("gemma3_text", True), ("qwen3_next", True)])
+def test_a_burst_of_agents_prefills_the_shared_prompt_once(load_tiny, arch, snapshot):
+    model, tokenizer = load_tiny(arch)
+    reqs = requests(tokenizer, snapshot)
+    finished: dict[str, tuple[list[int], int]] = {}
+    scheduler = BatchScheduler(
+        model, tokenizer, measure_footprint(model), SchedulerConfig(8, 4, 2048, None),
+        prompt_cache=PromptCache(1 << 30),
+        on_finish=lambda row: finished.__setitem__(row.request.request_id,
+                                                   (row.output.tokens, row.output.cached_tokens)))
+    for r in reqs:  # all at once, before any step
+        scheduler.add(Request(r.request_id, r.prompt_ids, r.params, r.max_tokens, snapshot_at=r.snapshot_at),
+                      lambda e: None)
+    assert scheduler.shared_prefills == len(reqs) - 1
+    while not scheduler.is_idle:
+        scheduler.step()
+    shared = reqs[0].snapshot_at or 0
+    for r in reqs[1:]:
+        assert finished[r.request_id][1] >= max(shared, 64), r.request_id  # took the leader's prefix
+    assert finished[reqs[0].request_id][1] == 0
+    expected = serial_with_cache(model, tokenizer, reqs)
+    for r in reqs:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_no_waiting_without_a_long_enough_shared_prefix(load_tiny):
+    model, tokenizer = load_tiny("llama")
+    scheduler = BatchScheduler(model, tokenizer, measure_footprint(model), SchedulerConfig(8, 4, 2048, None),
+                               prompt_cache=PromptCache(1 << 30))
+    for i, text in enumerate(["A short prompt about cats.", "A short prompt about dogs."]):
+        scheduler.add(Request(f"r{i}", tokenizer.encode(text), SamplingParams(), 4), lambda e: None)
+    assert scheduler.shared_prefills == 0
