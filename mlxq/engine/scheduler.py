@@ -125,12 +125,13 @@ class BatchScheduler:
     def add(self, request: Request, emit) -> None:
         row = make_row(request, self.tokenizer, emit)
         caches, cached = None, 0
-        if self.prompt_cache is not None and not row.processors:
-            # Rows with processors prefill everything: their processors must see the whole prompt.
+        if self.prompt_cache is not None:
             caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids)
+            if cached:
+                row.feed_history(mx.array(request.prompt_ids[:cached]))  # processors see the whole prompt
         row.output.cached_tokens = cached
         joiner = _Joiner(row, caches or make_prompt_cache(self.model), done=cached)
-        if self.prompt_cache is not None and not row.processors:
+        if self.prompt_cache is not None:
             self._follow_a_leader(joiner)
         self._joiners.append(joiner)
         self.submitted_rows += 1
@@ -148,7 +149,7 @@ class BatchScheduler:
         request = joiner.row.request
         prompt = request.prompt_ids
         for leader in self._joiners:
-            if leader.leader is not None or leader.row.processors or leader.row.request.namespace != request.namespace:
+            if leader.leader is not None or leader.row.request.namespace != request.namespace:
                 continue
             theirs = leader.row.request.prompt_ids
             limit = min(len(prompt), len(theirs)) - 1
@@ -177,6 +178,7 @@ class BatchScheduler:
         request = joiner.row.request
         caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids)
         if caches is not None and cached > joiner.done:  # it never advanced: its caches are untouched
+            joiner.row.feed_history(mx.array(request.prompt_ids[joiner.done : cached]))
             joiner.caches, joiner.done = caches, cached
             joiner.row.output.cached_tokens = cached
         return False
@@ -326,7 +328,7 @@ class BatchScheduler:
         """Where to stop a chunk for a system-prompt snapshot (the serial lane stops at the same place)."""
         split = joiner.row.request.snapshot_at
         prompt = joiner.row.request.prompt_ids
-        if (self.prompt_cache is None or split is None or joiner.row.processors or is_trimmable(joiner.caches)
+        if (self.prompt_cache is None or split is None or is_trimmable(joiner.caches)
                 or not joiner.done < split < len(prompt) - 1 or split < MIN_SNAPSHOT_TOKENS):
             return None
         return split

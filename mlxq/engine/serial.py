@@ -39,6 +39,11 @@ def _prefill(model, caches, tokens: list[int], step: int, on_step, request: Requ
                 raise _Cancelled
 
 
+def _with_prefix(processors: list, prefix: mx.array) -> list:
+    """Processors that see ``prefix`` (the cached part of the prompt) before the tokens mlx-lm feeds them."""
+    return [lambda tokens, logits, p=p: p(mx.concatenate([prefix, tokens]), logits) for p in processors]
+
+
 def run_serial(
     model,
     tokenizer,
@@ -54,8 +59,8 @@ def run_serial(
 
     With a ``prompt_cache`` (store.PromptCache), the prefill starts after the
     longest cached prefix and the caches are stored again when the request
-    ends. Requests with logits processors do not take from it: their
-    processors must see the whole prompt, and mlx-lm's loop only sees what it
+    ends. Logits processors (penalties) see the whole prompt either way:
+    mlx-lm's loop only sees the tokens it prefills, so the cached prefix is
     prefills.
     """
     if request.params.seed is not None:
@@ -64,7 +69,7 @@ def run_serial(
     processors = make_request_processors(request.params)
     prompt = request.prompt_ids
     caches, cached = None, 0
-    if prompt_cache is not None and not processors:
+    if prompt_cache is not None:
         caches, cached = prompt_cache.take(request.namespace, prompt)
     if caches is None:
         caches = make_prompt_cache(model)
@@ -73,7 +78,7 @@ def run_serial(
     snapshot = prompt_cache is not None and not is_trimmable(caches)
     start = cached
     split = request.snapshot_at
-    if snapshot and not processors and split and cached < split < len(prompt) - 1 and split >= MIN_SNAPSHOT_TOKENS:
+    if snapshot and split and cached < split < len(prompt) - 1 and split >= MIN_SNAPSHOT_TOKENS:
         # Prefill up to the end of the shared system prompt first and snapshot it there:
         # other agents with the same system prompt start from this entry.
         try:
@@ -93,6 +98,8 @@ def run_serial(
             # All but the last prompt token are in: the state the next turn starts from.
             prompt_cache.put(request.namespace, prompt[:boundary], caches)
 
+    if processors and start:
+        processors = _with_prefix(processors, mx.array(prompt[:start]))
     scheme.arm(caches)  # mlx-lm's own quantization hook converts them, per this scheme's layers
     steps = generate_step(
         mx.array(prompt[start:]),

@@ -13,7 +13,7 @@ SYSTEM = LONG + " " + LONG  # a long shared system prompt, as agents send
 
 def chat(url: str, question: str, **extra) -> dict:
     body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-            "max_tokens": 16, **extra}
+            "max_tokens": 16} | extra
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
@@ -47,11 +47,18 @@ def test_shared_prefix_hits_and_outputs_equal_an_uncached_server(tiny_model_dirs
     assert 0 < stats["bytes"] <= stats["max_bytes"]
 
 
-def test_requests_with_penalties_do_not_take_from_the_cache(tiny_model_dirs):
-    with ServerProcess("--model", str(tiny_model_dirs["llama"])) as server:
+@pytest.mark.parametrize("batch", ["8", "1"])
+def test_requests_with_penalties_take_from_the_cache_and_see_the_whole_prompt(tiny_model_dirs, reference, batch):
+    # Strong penalties over the whole context: what the processors see of the prompt decides the tokens.
+    penalties = {"repetition_penalty": 5.0, "repetition_context_size": 4096, "presence_penalty": 4.0,
+                 "presence_context_size": 4096, "logit_bias": {"5": 3.0}, "max_tokens": 24}
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--batch", batch) as server:
         chat(server.url, "first")
-        penalized = chat(server.url, "second", repetition_penalty=1.3)
-    assert penalized["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        penalized = chat(server.url, "second", **penalties)
+    expected = chat(reference.url, "second", **penalties)
+    assert penalized["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # The processors saw the cached prefix too: same output as a server that prefilled it all.
+    assert penalized["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
 
 
 def conversation(url: str) -> tuple[dict, dict]:
