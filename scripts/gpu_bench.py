@@ -134,20 +134,13 @@ def phase_prefill(args, results):
     results["prefill"] = out
 
 
-def _drop_page_cache(root: Path) -> None:
-    for path in root.rglob("*.mlxkv"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def phase_restore(args, results):
     """TTFT of a long prompt cold, restored from the RAM prompt cache, and restored from the SSD tier
     (flushed, then a fresh store over the same directory as after a restart, page cache dropped)."""
     import shutil
     import tempfile
+
+    from bench_ssd import drop_page_cache
 
     from mlxq.engine.serial import run_serial
     from mlxq.engine.types import Request, SamplingParams
@@ -183,7 +176,7 @@ def phase_restore(args, results):
             tier.step()
         flush_s = time.perf_counter() - t
         durable = tier.flush_result().durable
-        _drop_page_cache(root)
+        drop_page_cache(root)
         restarted = PromptCache(64 * 10**9)
         fresh = SsdStore(root, identity)
         fresh.scan()

@@ -45,6 +45,63 @@ def triple_nbytes(t: Triple | None) -> int:
     return 0 if t is None else sum(x.nbytes for x in t)
 
 
+def _join_right_aligned(first, second, max_idx: int) -> None:
+    """``first`` += ``second``'s rows, both right-aligned at column ``max_idx`` (mlx-lm's extend, on triples)."""
+    width = max(_tokens(c.keys) for c in (first, second) if c.keys is not None)
+
+    def pad(c):
+        left = max_idx - c._idx
+        k, v = c.keys, c.values
+        right = width - _tokens(k) - left
+        if right < 0:
+            k = tree_map(lambda x: x[..., :right, :], k)
+            v = tree_map(lambda x: x[..., :right, :], v)
+            right = 0
+        if left or right:
+            widths = [(0, 0), (0, 0), (left, right), (0, 0)]
+            k = tree_map(lambda x: mx.pad(x, widths), k)
+            v = tree_map(lambda x: mx.pad(x, widths), v)
+        return k, v, c.offset, c.left_padding + left
+
+    (k1, v1, o1, p1), (k2, v2, o2, p2) = pad(first), pad(second)
+    first.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2, strict=True))
+    first.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2, strict=True))
+    first.offset = mx.concatenate([o1, o2])
+    first.left_padding = mx.concatenate([p1, p2])
+    first._idx = max_idx
+
+
+def _grow_ring(cache, keys: mx.array, values: mx.array, prev: int) -> None:
+    """A ring that has not reached its window grows by one step of zero tokens (mlx-lm's rule)."""
+    if cache.keys is not None and not (prev >= _tokens(cache.keys) and _tokens(cache.keys) < cache.max_size):
+        return
+    B, H, _, Dk = keys.shape
+    n = min(cache.step, cache.max_size - prev)
+    new_k = _quantized_zeros((B, H, n), Dk, keys.dtype, cache.group_size, cache.bits)
+    new_v = _quantized_zeros((B, H, n), values.shape[3], values.dtype, cache.group_size, cache.bits)
+    if cache.keys is not None:
+        cache.keys, cache.values = _cat([cache.keys, new_k]), _cat([cache.values, new_v])
+    else:
+        cache.keys, cache.values = new_k, new_v
+    cache._idx = prev
+
+
+def _write(cache, at: int, keys: Triple, values: Triple) -> None:
+    """Write quantized tokens into the cache's triples at column ``at``, in place."""
+    n = _tokens(keys)
+    for i in range(3):
+        cache.keys[i][..., at : at + n, :] = keys[i]
+        cache.values[i][..., at : at + n, :] = values[i]
+
+
+def _keep_rows(cache, batch_indices) -> None:
+    if cache.keys is not None:
+        cache.keys = tree_map(lambda x: x[batch_indices], cache.keys)
+        cache.values = tree_map(lambda x: x[batch_indices], cache.values)
+    cache.offset = cache.offset[batch_indices]
+    cache.left_padding = cache.left_padding[batch_indices]
+
+
 class QuantizedRotatingKVCache(RotatingKVCache):
     """mlx-lm's RotatingKVCache over quantized triples (same ring, same positions, same masks)."""
 
@@ -90,18 +147,8 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         return _maybe_contiguous(self.keys, self.values)
 
     def _update_in_place(self, keys, values):
-        B, n_kv_heads, S, k_head_dim = keys.shape
-        prev = self.offset
-        if self.keys is None or (prev >= _tokens(self.keys) and _tokens(self.keys) < self.max_size):
-            new_size = min(self.step, self.max_size - prev)
-            shape = (B, n_kv_heads, new_size)
-            new_k = _quantized_zeros(shape, k_head_dim, keys.dtype, self.group_size, self.bits)
-            new_v = _quantized_zeros(shape, values.shape[3], values.dtype, self.group_size, self.bits)
-            if self.keys is not None:
-                self.keys, self.values = _cat([self.keys, new_k]), _cat([self.values, new_v])
-            else:
-                self.keys, self.values = new_k, new_v
-            self._idx = prev
+        S = keys.shape[2]
+        _grow_ring(self, keys, values, self.offset)
         trim_size = _tokens(self.keys) - self.max_size
         if trim_size > 0:
             self.keys = self._trim(trim_size, self.keys)
@@ -109,10 +156,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
             self._idx = self.max_size
         if self._idx == self.max_size:
             self._idx = self.keep
-        qk, qv = self._quantize(keys), self._quantize(values)
-        for i in range(3):
-            self.keys[i][..., self._idx : self._idx + S, :] = qk[i]
-            self.values[i][..., self._idx : self._idx + S, :] = qv[i]
+        _write(self, self._idx, self._quantize(keys), self._quantize(values))
         self.offset += S
         self._idx += S
         return self.keys_and_values()
@@ -174,11 +218,9 @@ class BatchQuantizedKVCache(BatchKVCache):
                 self.keys, self.values = new_k, new_v
         self.offset = self.offset + n
         self._idx += n
-        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
-        for i in range(3):
-            self.keys[i][..., prev : self._idx, :] = qk[i]
-            self.values[i][..., prev : self._idx, :] = qv[i]
+        qk = tuple(mx.quantize(keys, group_size=self.group_size, bits=self.bits))
+        qv = tuple(mx.quantize(values, group_size=self.group_size, bits=self.bits))
+        _write(self, prev, qk, qv)
         return self.keys_and_values()
 
     def keys_and_values(self):
@@ -186,11 +228,7 @@ class BatchQuantizedKVCache(BatchKVCache):
         return _maybe_contiguous(tree_map(cut, self.keys), tree_map(cut, self.values))
 
     def filter(self, batch_indices):
-        if self.keys is not None:
-            self.keys = tree_map(lambda x: x[batch_indices], self.keys)
-            self.values = tree_map(lambda x: x[batch_indices], self.values)
-        self.offset = self.offset[batch_indices]
-        self.left_padding = self.left_padding[batch_indices]
+        _keep_rows(self, batch_indices)
         min_left_pad = min(self.left_padding.tolist())
         if min_left_pad > 0:
             if self.keys is not None:
@@ -201,29 +239,7 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def extend(self, other: BatchQuantizedKVCache) -> None:
         """Append ``other``'s rows, right-aligned at the common write column (as BatchKVCache.extend)."""
-        max_idx = max(self._idx, other._idx)
-        width = max(_tokens(c.keys) for c in (self, other) if c.keys is not None)
-
-        def pad(c: BatchQuantizedKVCache):
-            k, v = c.keys, c.values
-            left = max_idx - c._idx
-            right = width - _tokens(k) - left
-            if right < 0:
-                k = tree_map(lambda x: x[..., :right, :], k)
-                v = tree_map(lambda x: x[..., :right, :], v)
-                right = 0
-            if left or right:
-                widths = [(0, 0), (0, 0), (left, right), (0, 0)]
-                k = tree_map(lambda x: mx.pad(x, widths), k)
-                v = tree_map(lambda x: mx.pad(x, widths), v)
-            return k, v, c.offset, c.left_padding + left
-
-        (k1, v1, o1, p1), (k2, v2, o2, p2) = pad(self), pad(other)
-        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2, strict=True))
-        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2, strict=True))
-        self.offset = mx.concatenate([o1, o2])
-        self.left_padding = mx.concatenate([p1, p2])
-        self._idx = max_idx
+        _join_right_aligned(self, other, max(self._idx, other._idx))
 
     def extract(self, idx: int) -> QuantizedKVCache:
         cache = QuantizedKVCache(self.group_size, self.bits)
@@ -330,17 +346,8 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         return _maybe_contiguous(self.keys, self.values)
 
     def _update_in_place(self, keys, values):
-        B, H, S, Dk = keys.shape
-        prev = self._offset
-        if self.keys is None or (prev >= _tokens(self.keys) and _tokens(self.keys) < self.max_size):
-            new_size = min(self.step, self.max_size - prev)
-            new_k = _quantized_zeros((B, H, new_size), Dk, keys.dtype, self.group_size, self.bits)
-            new_v = _quantized_zeros((B, H, new_size), values.shape[3], values.dtype, self.group_size, self.bits)
-            if self.keys is not None:
-                self.keys, self.values = _cat([self.keys, new_k]), _cat([self.values, new_v])
-            else:
-                self.keys, self.values = new_k, new_v
-            self._idx = prev
+        S = keys.shape[2]
+        _grow_ring(self, keys, values, self._offset)
         trim_size = _tokens(self.keys) - self.max_size
         if trim_size > 0:
             self.keys = self._trim(trim_size, self.keys)
@@ -352,10 +359,7 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
             self._idx = 0
         if self.rotated:
             self.left_padding -= S
-        qk, qv = self._quantize(keys), self._quantize(values)
-        for i in range(3):
-            self.keys[i][..., self._idx : self._idx + S, :] = qk[i]
-            self.values[i][..., self._idx : self._idx + S, :] = qv[i]
+        _write(self, self._idx, self._quantize(keys), self._quantize(values))
         self._offset += S
         self.offset = self.offset + S
         self._idx += S
@@ -369,40 +373,15 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         return _maybe_contiguous(self.keys, self.values)
 
     def filter(self, batch_indices):
-        if self.keys is not None:
-            self.keys = tree_map(lambda x: x[batch_indices], self.keys)
-            self.values = tree_map(lambda x: x[batch_indices], self.values)
-        self.offset = self.offset[batch_indices]
-        self.left_padding = self.left_padding[batch_indices]
+        _keep_rows(self, batch_indices)
 
     def extend(self, other: BatchQuantizedRotatingKVCache) -> None:
         if self.rotated != other.rotated or self._idx != other._idx:
             self._temporal_order()
             other._temporal_order()
-        max_idx = max(self._idx, other._idx)
-        width = max(_tokens(self.keys), _tokens(other.keys))
-
-        def pad(c: BatchQuantizedRotatingKVCache):
-            left = max_idx - c._idx
-            k, v = c.keys, c.values
-            right = width - _tokens(k) - left
-            if right < 0:
-                k = tree_map(lambda x: x[..., :right, :], k)
-                v = tree_map(lambda x: x[..., :right, :], v)
-                right = 0
-            if left or right:
-                widths = [(0, 0), (0, 0), (left, right), (0, 0)]
-                k = tree_map(lambda x: mx.pad(x, widths), k)
-                v = tree_map(lambda x: mx.pad(x, widths), v)
-            return k, v, c.offset, c.left_padding + left
-
-        (k1, v1, o1, p1), (k2, v2, o2, p2) = pad(self), pad(other)
-        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2, strict=True))
-        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2, strict=True))
-        self.offset = mx.concatenate([o1, o2])
-        self.left_padding = mx.concatenate([p1, p2])
-        self._idx = max_idx
-        self._offset = max(self._offset, other._offset)
+        offset = max(self._offset, other._offset)
+        _join_right_aligned(self, other, max(self._idx, other._idx))
+        self._offset = offset
 
     def extract(self, idx: int) -> QuantizedRotatingKVCache:
         mx.eval(self.left_padding, self.offset)

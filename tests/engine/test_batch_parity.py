@@ -9,6 +9,7 @@ from mlxq.engine.serial import run_serial
 from mlxq.engine.types import Request, SamplingParams
 from mlxq.golden.cases import LONG, SHORT
 from mlxq.kv.projection import measure_footprint
+from mlxq.kv.scheme import NATIVE
 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
 PROCESSORS = SamplingParams(temperature=0.7, top_k=40, min_p=0.02, repetition_penalty=1.3, presence_penalty=0.4,
@@ -20,11 +21,11 @@ def solo_tokens(model, tokenizer, request: Request, step_size: int) -> list[int]
     return run_serial(model, tokenizer, fresh, lambda e: None, prefill_step_size=step_size).tokens
 
 
-def run_schedule(model, tokenizer, arrivals, *, max_rows=8, prompt_concurrency=2, step_size=2048):
+def run_schedule(model, tokenizer, arrivals, *, max_rows=8, prompt_concurrency=2, step_size=2048, scheme=NATIVE):
     """arrivals: [(step, Request)]; returns {request_id: tokens} and the max rows seen together."""
     finished: dict[str, list[int]] = {}
-    scheduler = BatchScheduler(model, tokenizer, measure_footprint(model),
-                               SchedulerConfig(max_rows, prompt_concurrency, step_size, None),
+    scheduler = BatchScheduler(model, tokenizer, measure_footprint(model, step_size, scheme),
+                               SchedulerConfig(max_rows, prompt_concurrency, step_size, None), scheme=scheme,
                                on_finish=lambda row: finished.__setitem__(row.request.request_id, row.output.tokens))
     queue = sorted(arrivals, key=lambda a: a[0])
     step, widest = 0, 0

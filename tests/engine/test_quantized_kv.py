@@ -9,13 +9,12 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache
 
-from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 from mlxq.engine.serial import run_serial
 from mlxq.engine.types import Request
 from mlxq.kv.projection import measure_footprint
 from mlxq.kv.quantized import QuantizedRotatingKVCache
 from mlxq.kv.scheme import KvSchemeError, head_dims, probe_caches, resolve_scheme
-from tests.engine.test_batch_parity import staggered
+from tests.engine.test_batch_parity import run_schedule, staggered
 
 
 def scheme_for(model, kv_quant: str, tmp_path=None, group_size: int = 64):
@@ -30,20 +29,7 @@ def serial_tokens(model, tokenizer, request: Request, scheme, step: int = 2048, 
 
 
 def batched_tokens(model, tokenizer, arrivals, scheme, step: int = 2048) -> tuple[dict, int]:
-    finished: dict[str, list[int]] = {}
-    scheduler = BatchScheduler(model, tokenizer, measure_footprint(model, step, scheme),
-                               SchedulerConfig(8, 2, step, None), scheme=scheme,
-                               on_finish=lambda row: finished.__setitem__(row.request.request_id, row.output.tokens))
-    queue = sorted(arrivals, key=lambda a: a[0])
-    i, widest = 0, 0
-    while queue or not scheduler.is_idle:
-        while queue and queue[0][0] <= i and scheduler.can_admit(queue[0][1]):
-            scheduler.add(queue.pop(0)[1], lambda e: None)
-        scheduler.step()
-        widest = max(widest, scheduler.num_rows)
-        i += 1
-        assert i < 10_000
-    return finished, widest
+    return run_schedule(model, tokenizer, arrivals, step_size=step, scheme=scheme)
 
 
 @pytest.mark.parametrize("bits", ["8", "4"])
