@@ -44,6 +44,23 @@ def decode_run(lm, footprint, rows: int, prompt_tokens: int, max_tokens: int, pr
     return steps, time.perf_counter() - start
 
 
+def waves_run(lm, footprint, rows: int, total: int, prompt_tokens: int, max_tokens: int, profile=None):
+    """``total`` requests through ``rows`` slots, the next admitted as soon as one fits (a closed-loop load)."""
+    sched = BatchScheduler(lm.model, lm.tokenizer, footprint, SchedulerConfig(rows, 8, 2048, None))
+    queue = [Request(f"w{i}", [1000 + (i * 31 + j * 7) % 20000 for j in range(prompt_tokens)], SamplingParams(),
+                     max_tokens, ignore_eos=True) for i in range(total)]
+    start = time.perf_counter()
+    if profile:
+        profile.enable()
+    while queue or not sched.is_idle:
+        while queue and sched.can_admit(queue[0]):
+            sched.add(queue.pop(0), lambda e: None)
+        sched.step()
+    if profile:
+        profile.disable()
+    return total * max_tokens / (time.perf_counter() - start)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -52,6 +69,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--sequence", default="", help="Also time plain runs at these row counts, in order "
                                                     "(first-use costs of new shapes show up here).")
+    ap.add_argument("--waves", type=int, default=0, help="Also run this many requests through --rows slots "
+                                                         "(closed loop, prompt concurrency 8) and profile it.")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -62,6 +81,15 @@ def main() -> None:
         return decode_run(lm, footprint, rows, args.prompt_tokens, args.max_tokens, profile)
 
     run(min(args.rows, 4))  # warm-up: compile, allocate
+    if args.waves:
+        waves_run(lm, footprint, args.rows, args.waves, args.prompt_tokens, args.max_tokens)  # warm-up
+        tok_s = waves_run(lm, footprint, args.rows, args.waves, args.prompt_tokens, args.max_tokens)
+        wprof = cProfile.Profile()
+        waves_run(lm, footprint, args.rows, args.waves, args.prompt_tokens, args.max_tokens, wprof)
+        text = io.StringIO()
+        pstats.Stats(wprof, stream=text).sort_stats("cumulative").print_stats("scheduler|batch_ops|output", 25)
+        (args.out / "waves.txt").write_text(f"closed loop: {tok_s:.0f} tok/s\n" + text.getvalue())
+        print(f"closed loop {args.waves} requests through {args.rows} rows: {tok_s:.0f} tok/s", flush=True)
     sequence = []
     for rows in [int(x) for x in args.sequence.split(",") if x]:
         n, sec = run(rows)

@@ -6,6 +6,10 @@ vLLM exports ``vllm:<name>``; mlxq exports ``mlxq:<name>`` with the same
 - gauges: num_requests_running (decoding or prefilling rows, or the serial
   request), num_requests_waiting, kv_cache_usage_bytes (projected KV bytes
   of the batch), kv_cache_budget_bytes (--kv-budget, 0 when unset);
+- mlxq's own: prompt_cache_bytes / _entries (the RAM tier), kv_bytes_per_token
+  (all layers, under the KV scheme), ssd_cache_bytes / _entries / _pending
+  and the counters ssd_cache_restores_total, ssd_cache_writes_total,
+  ssd_cache_write_failures_total, ssd_cache_dropped_total (with --ssd-cache);
 - counters: prompt_tokens_total, generation_tokens_total,
   request_success_total{finished_reason} (stop, length, cancelled = vLLM's
   "abort", error), prefix_cache_queries_total and prefix_cache_hits_total
@@ -23,7 +27,7 @@ request (``Engine.add_observer``); gauges are read when scraped.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mlxq.engine.types import RequestDone
 
@@ -48,6 +52,20 @@ class _EngineGauges:
             "kv_cache_usage_bytes": scheduler.projected_bytes() if scheduler else 0,
             "kv_cache_budget_bytes": engine.config.kv_budget_bytes or 0,
         }
+        ram = engine.prompt_cache
+        if ram is not None:
+            values["prompt_cache_bytes"] = ram.bytes
+            values["prompt_cache_entries"] = len(ram)
+        if engine.footprint is not None:
+            values["kv_bytes_per_token"] = sum(layer.bytes_per_token for layer in engine.footprint.layers)
+        cold = engine.cold
+        if cold is not None:
+            ssd = cold.as_dict()
+            values.update(ssd_cache_bytes=ssd["bytes"], ssd_cache_entries=ssd["entries"],
+                          ssd_cache_pending=ssd["pending"])
+            for name, key in (("ssd_cache_restores", "restores"), ("ssd_cache_writes", "writes"),
+                              ("ssd_cache_write_failures", "failed"), ("ssd_cache_dropped", "dropped")):
+                yield CounterMetricFamily(PREFIX + name, name.replace("_", " "), value=ssd[key])
         for name, value in values.items():
             yield GaugeMetricFamily(PREFIX + name, name.replace("_", " "), value=value)
 

@@ -41,6 +41,7 @@ def test_dashboard_renders_stats_in_a_real_browser(tiny_model_dirs, tmp_path):
     assert "mlxq-tiny-llama" in dom
     assert 'id="rows">0<' in dom and 'id="mode">batch<' in dom
     assert 'id="done">1 / 0 / 0<' in dom
+    assert 'id="ssd">off<' in dom and 'id="scheme">native<' in dom and 'id="shared">0<' in dom
     assert shot.read_bytes()[:4] == b"\x89PNG"
     # Without the key the page loads but /stats is refused: it says so instead of showing numbers.
     assert "unreachable" in without_key or 'class="bad"' in without_key

@@ -50,6 +50,8 @@ def test_a_flushed_prefix_survives_a_restart(tiny_model_dirs, tmp_path, arch, ba
         assert ssd["entries"] >= 1 and ssd["restores"] == 0
         again = complete(server.url)
         ssd = httpx.get(server.url + "/stats").json()["ssd_cache"]
+        metrics = httpx.get(server.url + "/metrics").text
+    assert "mlxq:ssd_cache_restores_total 1.0" in metrics and "mlxq:ssd_cache_entries" in metrics
     prompt_tokens = first["usage"]["prompt_tokens"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 1
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
