@@ -216,39 +216,88 @@ class BatchScheduler:
     def _prefill(self) -> list[_Joiner]:
         """Advance joiners one chunk each, FIFO, within one chunk's worth of tokens per step.
 
-        Returns the joiners whose prompt, all but its last token, is now in their caches.
+        The chunks of several joiners run as one forward (right-padded, as mlx-lm's
+        BatchGenerator prompts a batch with history), each with the chunk boundaries
+        it would have alone. Returns the joiners whose prompt, all but its last token,
+        is now in their caches.
         """
         budget = self.config.prefill_step_size
-        ready = []
-        for joiner in list(self._joiners):
-            if self._waiting(joiner):
+        group = []
+        for joiner in self._joiners:
+            if self._waiting(joiner) or joiner.is_prefilled or budget <= 0:
                 continue
-            if not joiner.is_prefilled and budget > 0:
+            group.append(joiner)
+            budget -= self._chunk_len(joiner)
+        if len(group) > 1 and not self.scheme.quantized:
+            try:
+                self._advance_together(group)
+            except Exception as exc:
+                self._fail_joiners(group, "prefill", exc)
+        else:
+            for joiner in group:
                 try:
-                    budget -= self._advance(joiner)
+                    self._advance(joiner)
                 except Exception as exc:
                     self._fail_joiners([joiner], "prefill", exc)
-                    continue
-                if joiner.is_prefilled:
-                    self._snapshot(joiner)
-            if joiner.is_prefilled:
+        ready = []
+        for joiner in list(self._joiners):
+            if joiner in group and joiner.is_prefilled:
+                self._snapshot(joiner)
+            if joiner.is_prefilled and joiner.leader is None:
                 self._joiners.remove(joiner)
                 ready.append(joiner)
         return ready
 
-    def _advance(self, joiner: _Joiner) -> int:
-        """One chunk of prompt[:-1], at the serial lane's boundaries (mlx-lm generate_step)."""
-        prompt, row = joiner.row.request.prompt_ids, joiner.row
-        n = min(self.config.prefill_step_size, len(prompt) - 1 - joiner.done)
+    def _chunk_len(self, joiner: _Joiner) -> int:
+        """The next chunk: the serial lane's boundaries (mlx-lm generate_step), cut at a snapshot point."""
+        n = min(self.config.prefill_step_size, len(joiner.row.request.prompt_ids) - 1 - joiner.done)
         split = self._split_at(joiner)
-        if split is not None:
-            n = min(n, split - joiner.done)
+        return n if split is None else min(n, split - joiner.done)
+
+    def _advance(self, joiner: _Joiner) -> int:
+        """One chunk of prompt[:-1] on the joiner's own caches."""
+        prompt = joiner.row.request.prompt_ids
+        n = self._chunk_len(joiner)
         with mx.stream(generation_stream):
             chunk = mx.array(prompt[joiner.done : joiner.done + n])
             self.model(chunk[None], cache=joiner.caches)
             self.scheme.convert(joiner.caches)  # the serial lane's (mlx-lm's) conversion point
             mx.eval([c.state for c in joiner.caches])
-        row.feed_history(chunk)
+        self._advanced(joiner, n)
+        return n
+
+    def _advance_together(self, group: list[_Joiner]) -> None:
+        """One chunk for each joiner in ``group`` from one forward, then back to solo caches.
+
+        Rows are merged (history right-aligned), the chunks right-padded and the
+        caches told the real lengths (``prepare``/``finalize``, so padding never
+        displaces a ring's tokens or a recurrent state), then each row is extracted.
+        """
+        lengths = [self._chunk_len(j) for j in group]
+        longest = max(lengths)
+        chunks = [j.row.request.prompt_ids[j.done : j.done + n] for j, n in zip(group, lengths, strict=True)]
+        with mx.stream(generation_stream):
+            caches = merge_solo_rows([j.caches for j in group])
+            padding = [longest - n for n in lengths]
+            if any(padding):
+                for cache in caches:
+                    cache.prepare(lengths=lengths, right_padding=padding)
+            tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
+            self.model(tokens, cache=caches)
+            if any(padding):
+                for cache in caches:
+                    cache.finalize()
+            mx.eval([c.state for c in caches])
+            for i, joiner in enumerate(group):
+                joiner.caches = extract_row(caches, i)
+        for joiner, n in zip(group, lengths, strict=True):
+            self._advanced(joiner, n)
+
+    def _advanced(self, joiner: _Joiner, n: int) -> None:
+        """Bookkeeping after a chunk: processor history, snapshot at a system-prompt end, allocator."""
+        prompt = joiner.row.request.prompt_ids
+        split = self._split_at(joiner)
+        joiner.row.feed_history(mx.array(prompt[joiner.done : joiner.done + n]))
         joiner.done += n
         if split is not None and joiner.done == split:
             # The end of a shared system prompt: other agents start from this entry.
@@ -258,7 +307,6 @@ class BatchScheduler:
             # the same). Short prompts skip it, so a burst of joiners does not make the
             # allocator give back and re-acquire the running batch's buffers each time.
             mx.clear_cache()
-        return n
 
     def _first_tokens(self, ready: list[_Joiner]) -> None:
         """Token 0 of every ready joiner from one forward of their last prompt tokens, then join.
