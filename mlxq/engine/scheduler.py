@@ -61,6 +61,7 @@ class _Joiner:
     leader: _Joiner | None = None  # prefilling the prefix this joiner shares: wait for it, then take
     wait_until: int = 0  # the leader's ``done`` at which the shared prefix is in the prompt cache
     followers: int = 0  # joiners waiting on this one
+    restore: object | None = None  # store.cold_tier.PendingRestore: reading a longer prefix from disk
 
     @property
     def is_prefilled(self) -> bool:
@@ -125,13 +126,17 @@ class BatchScheduler:
     def add(self, request: Request, emit) -> None:
         row = make_row(request, self.tokenizer, emit)
         caches, cached = None, 0
+        cold = self.prompt_cache.cold if self.prompt_cache is not None else None
         if self.prompt_cache is not None:
-            caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids)
+            # RAM now; a longer prefix on disk is read a tensor per step (running rows keep decoding).
+            caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids, cold=False)
             if cached:
                 row.feed_history(mx.array(request.prompt_ids[:cached]))  # processors see the whole prompt
         row.output.cached_tokens = cached
         joiner = _Joiner(row, caches or make_prompt_cache(self.model), done=cached)
-        if self.prompt_cache is not None:
+        if cold is not None:
+            joiner.restore = cold.begin_restore(request.namespace, request.prompt_ids, cached)
+        if self.prompt_cache is not None and joiner.restore is None:
             self._follow_a_leader(joiner)
         self._joiners.append(joiner)
         self.submitted_rows += 1
@@ -149,7 +154,8 @@ class BatchScheduler:
         request = joiner.row.request
         prompt = request.prompt_ids
         for leader in self._joiners:
-            if leader.leader is not None or leader.row.request.namespace != request.namespace:
+            if (leader.leader is not None or leader.restore is not None
+                    or leader.row.request.namespace != request.namespace):
                 continue
             theirs = leader.row.request.prompt_ids
             limit = min(len(prompt), len(theirs)) - 1
@@ -224,6 +230,9 @@ class BatchScheduler:
         budget = self.config.prefill_step_size
         group = []
         for joiner in self._joiners:
+            if joiner.restore is not None:
+                self._restore_step(joiner)
+                continue
             if self._waiting(joiner) or joiner.is_prefilled or budget <= 0:
                 continue
             group.append(joiner)
@@ -243,10 +252,30 @@ class BatchScheduler:
         for joiner in list(self._joiners):
             if joiner in group and joiner.is_prefilled:
                 self._snapshot(joiner)
-            if joiner.is_prefilled and joiner.leader is None:
+            if joiner.is_prefilled and joiner.leader is None and joiner.restore is None:
                 self._joiners.remove(joiner)
                 ready.append(joiner)
         return ready
+
+    def _restore_step(self, joiner: _Joiner) -> None:
+        """Read one more tensor of the joiner's prefix from disk; once all are in, start from there."""
+        try:
+            done = self.prompt_cache.cold.advance_restore(joiner.restore)
+        except Exception:  # a restore never fails the request: it prefills instead
+            log.exception("SSD restore failed; prefilling instead")
+            joiner.restore = None
+            return
+        if not done:
+            return
+        pending, joiner.restore = joiner.restore, None
+        if pending.entry is None:
+            return  # the file was bad (and is gone): prefill from what RAM gave
+        request = joiner.row.request
+        caches = self.prompt_cache.adopt_restored(request.namespace, pending.entry, pending.n, joiner.done)
+        # The joiner has not advanced while it waited: its caches are untouched and can be replaced.
+        joiner.row.feed_history(mx.array(request.prompt_ids[joiner.done : pending.n]))
+        joiner.caches, joiner.done = caches, pending.n
+        joiner.row.output.cached_tokens = pending.n
 
     def _chunk_len(self, joiner: _Joiner) -> int:
         """The next chunk: the serial lane's boundaries (mlx-lm generate_step), cut at a snapshot point."""

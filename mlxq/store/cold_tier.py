@@ -53,6 +53,17 @@ def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_n
 
 
 @dataclass
+class PendingRestore:
+    """A restore in progress: one tensor per engine step (so decoding rows never wait for all of it)."""
+
+    index_entry: object  # ssd_store.IndexEntry
+    n: int  # prompt tokens it will serve
+    namespace: str
+    steps: Iterator[None]
+    entry: CacheEntry | None = None  # set when done and good
+
+
+@dataclass
 class _Job:
     key: Key
     entry: CacheEntry
@@ -154,23 +165,39 @@ class ColdTier:
             return False
         return nbytes / self.read_bytes_per_s > tokens / self.prefill_tok_s
 
-    def restore(self, namespace: str, prompt: list[int], better_than: int) -> tuple[CacheEntry, int] | None:
-        """A strictly longer usable prefix than RAM has, read from disk, if that beats recomputing it."""
+    def begin_restore(self, namespace: str, prompt: list[int], better_than: int) -> PendingRestore | None:
+        """A restore of the longest usable prefix on disk, if longer than ``better_than`` and not predicted
+        to lose to recomputing it; advance it with ``advance_restore``."""
         found = self.store.find(namespace, prompt, better_than)
-        while found is not None:
-            index_entry, n = found
-            if self._slower_than_recompute(index_entry.nbytes, n - better_than):
-                self.counters.restores_skipped_slower += 1
-                return None
-            started = time.perf_counter()
-            caches = self.store.load(index_entry)
-            if caches is not None:
-                elapsed = time.perf_counter() - started
-                self.read_bytes_per_s = _smooth(self.read_bytes_per_s, index_entry.nbytes / max(elapsed, 1e-6))
-                entry = CacheEntry(index_entry.tokens, caches, sum(c.nbytes for c in caches),
-                                   index_entry.trimmable, namespace)
-                return entry, n
-            found = self.store.find(namespace, prompt, better_than)  # that file was bad: try the next one
+        if found is None:
+            return None
+        index_entry, n = found
+        if self._slower_than_recompute(index_entry.nbytes, n - better_than):
+            self.counters.restores_skipped_slower += 1
+            return None
+        return PendingRestore(index_entry, n, namespace, self.store.load_steps(index_entry))
+
+    def advance_restore(self, pending: PendingRestore) -> bool:
+        """Read one more tensor; True once done (``pending.entry`` is None if the file was bad)."""
+        try:
+            next(pending.steps)
+            return False
+        except StopIteration as stop:
+            caches = stop.value
+        if caches is not None:
+            nbytes = pending.index_entry.nbytes
+            self.read_bytes_per_s = _smooth(self.read_bytes_per_s, nbytes / max(self.store.last_restore_s, 1e-6))
+            pending.entry = CacheEntry(pending.index_entry.tokens, caches, sum(c.nbytes for c in caches),
+                                       pending.index_entry.trimmable, pending.namespace)
+        return True
+
+    def restore(self, namespace: str, prompt: list[int], better_than: int) -> tuple[CacheEntry, int] | None:
+        """``begin_restore`` run to the end at once (a bad file is removed and the next candidate tried)."""
+        while (pending := self.begin_restore(namespace, prompt, better_than)) is not None:
+            while not self.advance_restore(pending):
+                pass
+            if pending.entry is not None:
+                return pending.entry, pending.n
         return None
 
     # --- background work (engine thread) ------------------------------------------------

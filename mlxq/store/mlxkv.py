@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,15 +268,31 @@ def read_tensors(path: Path, header: EntryHeader) -> Iterator[tuple[int, str, np
                 yield i, t, data
 
 
-def read_caches(path: Path, header: EntryHeader) -> list:
-    """Restore the caches: each tensor is copied into an MLX array and its host bytes dropped."""
+def read_caches_steps(path: Path, header: EntryHeader) -> Generator[None, None, list]:
+    """Restore the caches one tensor per step: each is copied into an MLX array and its host bytes
+    dropped before the next is read (peak host transient: one tensor). Returns the caches."""
     tensors: list[dict[str, mx.array]] = [{} for _ in header.layers]
     for i, t, data in read_tensors(path, header):
         dtype = _DTYPES[t["dtype"]]
         array = mx.array(data).view(dtype).reshape(t["shape"]) if t["nbytes"] else mx.zeros(t["shape"], dtype)
         mx.eval(array)  # copy now, so the host transient is one tensor
         tensors[i][t["name"]] = array
+        del data
+        yield
     return [decode_layer(layer["kind"], layer["meta"], tensors[i]) for i, layer in enumerate(header.layers)]
+
+
+def run_steps(steps: Generator):
+    """Drive a step generator to the end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def read_caches(path: Path, header: EntryHeader) -> list:
+    return run_steps(read_caches_steps(path, header))
 
 
 def verify_file(path: Path) -> EntryHeader:

@@ -171,8 +171,11 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, namespace: str, prompt: list[int]) -> tuple[list | None, int]:
-        """(lent caches, cached token count) for the longest usable prefix, or (None, 0)."""
+    def take(self, namespace: str, prompt: list[int], cold: bool = True) -> tuple[list | None, int]:
+        """(lent caches, cached token count) for the longest usable prefix, or (None, 0).
+
+        ``cold=False`` looks in RAM only (the batch lane restores from disk step by step,
+        then calls ``adopt_restored``)."""
         self.stats.queries += 1
         limit = len(prompt) - 1
         best_key, best_len = None, 0
@@ -184,7 +187,7 @@ class PromptCache:
                 continue  # a ring or a recurrent state serves only what it is an exact prefix of
             if n > best_len:
                 best_key, best_len = key, n
-        if self.cold is not None:
+        if self.cold is not None and cold:
             restored = self.cold.restore(namespace, prompt, better_than=best_len)
             if restored is not None:
                 entry, best_len = restored
@@ -201,6 +204,15 @@ class PromptCache:
         self.stats.hits += 1
         self.stats.hit_tokens += best_len
         return [_lend(c, best_len) for c in entry.caches], best_len
+
+    def adopt_restored(self, namespace: str, entry: CacheEntry, n: int, previous: int) -> list:
+        """Hold an entry read from disk (already durable) and lend its first ``n`` tokens to the
+        request that asked for it, which had ``previous`` tokens from RAM."""
+        self._insert((namespace, entry.tokens), entry, durable=True)
+        if not previous:
+            self.stats.hits += 1
+        self.stats.hit_tokens += n - previous
+        return [_lend(c, n) for c in entry.caches]
 
     def put(self, namespace: str, tokens: list[int], caches: list) -> None:
         """Store a copy of ``caches`` (their state after exactly ``tokens``; KVCaches may hold more)."""
