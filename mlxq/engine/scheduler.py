@@ -182,7 +182,7 @@ class BatchScheduler:
             return True
         joiner.leader = None
         request = joiner.row.request
-        caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids)
+        caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids, cold=False)
         if caches is not None and cached > joiner.done:  # it never advanced: its caches are untouched
             joiner.row.feed_history(mx.array(request.prompt_ids[joiner.done : cached]))
             joiner.caches, joiner.done = caches, cached
