@@ -1,7 +1,8 @@
 """Generate goldens: mlx-lm's own tokens for every case on every tiny architecture.
 
 - serial: ``stream_generate`` per case (greedy, seeded, processors, chunked prefill).
-- batched: ``batch_generate`` (BatchGenerator) on N prompts at once, static B=N.
+- batched: ``batch_generate`` (BatchGenerator) on N prompts at once, static B=N; and
+  model-free cache-operation goldens from mlx-lm's batch caches (golden/cache_ops.py).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def generate_goldens(suite: str, out_root: Path, *, machine: str | None = None, 
         },
         "models": models,
     }
+    if suite == "batched":
+        from mlxq.golden.cache_ops import cache_op_goldens
+
+        doc["cache_ops"] = cache_op_goldens()
     path = golden_path(suite, out_root, machine)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
