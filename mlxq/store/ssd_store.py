@@ -105,6 +105,7 @@ class SsdStore:
                     self._discard(path, exc)
                     continue
                 self._add(path, header)
+        self._enforce_cap(keep=None)  # a lowered --ssd-cache-max applies at once
         log.info("SSD cache %s: %d entries, %.1f MB", self.directory, len(self.index), self.bytes / 1e6)
 
     def _check_identity(self, header: EntryHeader) -> None:
@@ -221,7 +222,7 @@ class SsdStore:
                 self._remove(other)
         self._enforce_cap(keep=entry)
 
-    def _enforce_cap(self, keep: IndexEntry) -> None:
+    def _enforce_cap(self, keep: IndexEntry | None) -> None:
         if self.max_bytes is None:
             return
         for victim in sorted(self.index.values(), key=lambda e: e.mtime):

@@ -127,6 +127,9 @@ def test_the_byte_cap_removes_least_recently_used_files(tmp_path):
         drain(t)
     assert t.store.bytes <= t.store.max_bytes and len(files(tmp_path)) < 6
     assert t.store.find("", list(range(50, 61)), 0) is not None  # the newest survived
+    one_file = max(f.stat().st_size for f in files(tmp_path))
+    smaller = tier(tmp_path, max_bytes=one_file)  # a lower cap at the next start applies at once
+    assert len(files(tmp_path)) == 1 and smaller.store.find("", list(range(50, 61)), 0) is not None
 
 
 def test_scan_reaps_tmp_removes_corrupt_and_ignores_foreign_fingerprints(tmp_path):
