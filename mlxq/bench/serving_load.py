@@ -22,6 +22,7 @@ class Workload:
     num_groups: int = 4  # shared-prefix: agent groups
     turns: int = 3  # multi-turn: turns per conversation
     warmup: int = 1  # unrecorded requests before each measurement
+    fresh_prompts: bool = False  # a new prompt set for every level and round (else repeats hit prompt caches)
 
 
 def _progress(quiet: bool) -> Progress:
@@ -29,12 +30,15 @@ def _progress(quiet: bool) -> Progress:
                     TextColumn("{task.fields[status]}"), disable=quiet, transient=True)
 
 
-async def measure(cfg: LoadConfig, work: Workload, concurrency: int, label: str, quiet: bool = False) -> dict:
-    """One measurement: warm up, run the workload, summarize (with per-request records)."""
+async def measure(cfg: LoadConfig, work: Workload, concurrency: int, label: str, quiet: bool = False,
+                  prompt_set: int = 0) -> dict:
+    """One measurement: warm up, run the workload, summarize (with per-request records).
+
+    ``prompt_set`` picks the workload's seed offset: both servers of a round get the same set."""
     if work.warmup:
         warm = make_workload("random", work.warmup, 8, seed=cfg.seed + 999)
         await run_load(dataclasses.replace(cfg, request_rate=float("inf")), warm, 1)
-    conversations = make_workload(work.dataset, work.num_requests, work.prompt_len, seed=cfg.seed,
+    conversations = make_workload(work.dataset, work.num_requests, work.prompt_len, seed=cfg.seed + 7919 * prompt_set,
                                   num_groups=work.num_groups, turns=work.turns)
     total = sum(len(c.turns) for c in conversations)
     with _progress(quiet) as progress:
@@ -57,14 +61,15 @@ async def sweep(cfg: LoadConfig, work: Workload, levels: list[int], compare: Loa
                 rounds: int = 1, quiet: bool = False, labels: tuple[str, str] = ("a", "b")) -> dict:
     """Every concurrency level; with ``compare``, A and B alternate (A,B then B,A ...) each round."""
     results: dict = {"a": [], "b": []}
-    for level in levels:
+    for li, level in enumerate(levels):
         for r in range(rounds):
+            prompt_set = li * rounds + r + 1 if work.fresh_prompts else 0
             order = [("a", cfg), ("b", compare)] if compare else [("a", cfg)]
             if compare and r % 2 == 1:
                 order.reverse()
             for key, target in order:
                 label = labels[0] if key == "a" else labels[1]
-                results[key].append(await measure(target, work, level, label, quiet))
+                results[key].append(await measure(target, work, level, label, quiet, prompt_set))
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.system()} {platform.machine()} {platform.node()}",

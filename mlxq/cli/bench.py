@@ -43,6 +43,9 @@ def serving_load(
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     warmup: Annotated[int, typer.Option(help="Unrecorded warm-up requests per measurement.")] = 1,
     rounds: Annotated[int, typer.Option(help="Repeats per level (alternating with --compare).")] = 1,
+    fresh_prompts: Annotated[bool, typer.Option(help="A new prompt set for every level and round (both servers "
+                                                     "of a round get the same one); otherwise repeated prompts "
+                                                     "are prompt-cache hits after the first.")] = False,
     compare: Annotated[str | None, typer.Option(help="Second server URL: run both, alternating.")] = None,
     compare_model: Annotated[str | None, typer.Option(help="Model name for --compare.")] = None,
     label: Annotated[str | None, typer.Option(help="Name of the first server in tables and plots.")] = None,
@@ -62,7 +65,7 @@ def serving_load(
                          request_rate=request_rate, burstiness=burstiness, seed=seed, api_key=api_key)
         other = None if compare is None else LoadConfig(**{**cfg.__dict__, "url": compare,
                                                             "model": compare_model or model})
-        work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup)
+        work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup, fresh_prompts)
         if dataset not in ("random", "shared-prefix", "multi-turn", "agents"):
             raise ValueError(f"unknown dataset {dataset!r}")
     except ValueError as exc:

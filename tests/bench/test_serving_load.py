@@ -162,3 +162,19 @@ def test_unreachable_server_fails_with_exit_1():
                                       "--num-requests", "2", "--warmup", "0", "--quiet"])
     assert result.exit_code == 1
     assert "ConnectError" in result.output
+
+
+def test_fresh_prompts_do_not_repeat_across_rounds(llama_server, tmp_path):
+    def cached_ratios(*extra):
+        out = tmp_path / f"f{len(extra)}.json"
+        result = CliRunner().invoke(app, [
+            "bench", "serving-load", "--url", llama_server.url, "--endpoint", "completions", "--concurrency", "2",
+            "--num-requests", "4", "--prompt-len", "40", "--max-tokens", "4", "--rounds", "2", "--warmup", "0",
+            "--seed", "5", "--json", str(out), "--quiet", *extra])
+        assert result.exit_code == 0, result.output
+        return [run["cached_token_ratio"] for run in json.loads(out.read_text())["a"]]
+
+    repeated = cached_ratios()
+    fresh = cached_ratios("--fresh-prompts")
+    assert repeated[1] > 0.8  # the second round's prompts were the first round's
+    assert max(fresh) < 0.3
