@@ -52,12 +52,14 @@ def both_servers(model: str, batch: int, max_tokens: int, out: Path, mlxq_args=(
 
 
 def bench_command(a: str, b: str, concurrency: str, num_requests: int, prompt_len: int, max_tokens: int,
-                  rounds: int, dataset: str, json_path: Path, plot_path: Path | None) -> list[str]:
+                  rounds: int, dataset: str, json_path: Path, plot_path: Path | None,
+                  fresh_prompts: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", a, "--compare", b,
            "--concurrency", concurrency, "--num-requests", str(num_requests), "--prompt-len", str(prompt_len),
            "--max-tokens", str(max_tokens), "--rounds", str(rounds), "--dataset", dataset, "--ignore-eos",
            "--warmup", "2", "--label", "mlxq", "--compare-label", "mlx_lm.server", "--json", str(json_path),
            "--quiet"]
+    cmd += ["--fresh-prompts"] if fresh_prompts else []
     return cmd + (["--plot", str(plot_path)] if plot_path else [])
 
 
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dataset", default="random")
+    ap.add_argument("--fresh-prompts", action="store_true", help="a new prompt set per level and round")
     ap.add_argument("--out", default="bench-out", help="folder for JSON, PNG and logs")
     ap.add_argument("mlxq_args", nargs="*", help="extra `mlxq serve` flags (after --)")
     args = ap.parse_args()
@@ -87,7 +90,8 @@ def main() -> None:
     levels = [int(x) for x in args.concurrency.split(",")]
     with both_servers(model, max(levels), args.max_tokens, out, args.mlxq_args) as (a, b):
         cmd = bench_command(a, b, args.concurrency, args.num_requests, args.prompt_len, args.max_tokens,
-                            args.rounds, args.dataset, out / "serving-load.json", out / "serving-load.png")
+                            args.rounds, args.dataset, out / "serving-load.json", out / "serving-load.png",
+                            args.fresh_prompts)
         result = subprocess.run(cmd, env={**os.environ, "COLUMNS": "160"})
     sys.exit(result.returncode)
 
