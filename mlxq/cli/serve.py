@@ -24,7 +24,9 @@ def serve(
     prompt_concurrency: Annotated[int, typer.Option(help="Batch joiners prefilling at once.")] = 4,
     kv_budget: Annotated[str | None, typer.Option(help="Cap on projected KV bytes of the batch, "
                                                           "e.g. 8GB; over it requests queue.")] = None,
-    prompt_cache: Annotated[str, typer.Option(help="RAM prompt cache size, e.g. 8GB; 0 disables it.")] = "8GB",
+    prompt_cache: Annotated[str, typer.Option(help="RAM prompt cache size, e.g. 8GB; 0 disables it; auto: a "
+                                                    "quarter of the memory the weights leave, at most 8GB.")]
+    = "auto",
     kv_quant: Annotated[str, typer.Option(help="KV cache representation: off, 8, 4 (also 2, 3, 5, 6) bits, "
                                                "or config (per-layer bits from kv_config.json beside the "
                                                "model).")] = "off",
@@ -66,7 +68,7 @@ def serve(
             max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
             max_prompt_tokens=max_prompt_tokens,
             kv_budget_bytes=parse_bytes(kv_budget) if kv_budget else None,
-            prompt_cache_bytes=0 if prompt_cache.strip() in ("0", "0GB", "0B") else parse_bytes(prompt_cache),
+            prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
             ssd=ssd, kv_quant=kv_quant.strip().lower(), kv_group_size=kv_group_size,
         )
         run_server(config)
@@ -91,3 +93,12 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
         extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
     return SsdConfig(directory, parse_bytes(max_bytes) if max_bytes else None, verify, demote_idle,
                      write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)
+
+
+def _prompt_cache_bytes(text: str) -> int | None:
+    from mlxq.cli.units import parse_bytes
+
+    text = text.strip().lower()
+    if text == "auto":
+        return None
+    return 0 if text in ("0", "0gb", "0b") else parse_bytes(text)

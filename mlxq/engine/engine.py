@@ -42,7 +42,7 @@ class EngineConfig:
     max_rows: int = 8  # --batch: concurrency cap; 1 = strict serial lane only
     prompt_concurrency: int = 4  # joiners prefilling at once (batch lane)
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
-    prompt_cache_bytes: int = 8 * 10**9  # RAM prompt cache cap; 0 disables it
+    prompt_cache_bytes: int | None = None  # RAM prompt cache cap; 0 disables it; None: auto (engine/memory.py)
     ssd: SsdConfig | None = None  # the SSD cold tier behind the prompt cache
     kv_quant: str = "off"  # --kv-quant: off, a bit width, or config (kv.scheme)
     kv_group_size: int = 64
@@ -56,7 +56,7 @@ class EngineConfig:
             raise ValueError("prompt_concurrency must be >= 1")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
             raise ValueError("kv_budget must be > 0")
-        if self.prompt_cache_bytes < 0:
+        if self.prompt_cache_bytes is not None and self.prompt_cache_bytes < 0:
             raise ValueError("prompt_cache must be >= 0")
         if self.ssd is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM prompt cache (--prompt-cache > 0): restores land there")
@@ -264,13 +264,21 @@ class Engine:
         from mlxq.store.prompt_cache import PromptCache, can_cache
 
         caches = self._prototype
-        if self.config.prompt_cache_bytes == 0:
+        cap = self.config.prompt_cache_bytes
+        if cap is None:
+            from mlxq.engine.memory import auto_prompt_cache_bytes, device_memory_bytes, weight_bytes
+
+            total = device_memory_bytes()
+            cap = auto_prompt_cache_bytes(total, weight_bytes(self.loaded.model))
+            log.info("RAM prompt cache: %.2f GB (auto: a quarter of %s left after the weights, at most 8 GB)",
+                     cap / 1e9, f"{total / 1e9:.1f} GB" if total else "the memory")
+        if cap == 0:
             self.prompt_cache_off_reason = "disabled (--prompt-cache 0)"
         elif not can_cache(caches):
             names = sorted({type(c).__name__ for c in caches})
             self.prompt_cache_off_reason = f"no prompt-cache support for cache classes {names}"
         else:
-            self.prompt_cache = PromptCache(self.config.prompt_cache_bytes)
+            self.prompt_cache = PromptCache(cap)
         if self.config.ssd is None:
             self.cold_off_reason = "off (start with --ssd-cache DIR)"
         elif self.prompt_cache is None:
