@@ -22,8 +22,9 @@ def serve(
                                        help="Rows decoding together (continuous batching); "
                                             "1 = the strict serial lane.")] = 8,
     prompt_concurrency: Annotated[int, typer.Option(help="Batch joiners prefilling at once.")] = 4,
-    kv_budget: Annotated[str | None, typer.Option(help="Cap on projected KV bytes of the batch, "
-                                                          "e.g. 8GB; over it requests queue.")] = None,
+    kv_budget: Annotated[str, typer.Option(help="Cap on projected KV bytes of the batch, e.g. 8GB; over it "
+                                                  "requests queue. auto: 70% of the memory the weights and the "
+                                                  "prompt cache leave; off: no cap.")] = "auto",
     prompt_cache: Annotated[str, typer.Option(help="RAM prompt cache size, e.g. 8GB; 0 disables it; auto: a "
                                                     "quarter of the memory the weights leave, at most 8GB.")]
     = "auto",
@@ -67,7 +68,8 @@ def serve(
             batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
             max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
             max_prompt_tokens=max_prompt_tokens,
-            kv_budget_bytes=parse_bytes(kv_budget) if kv_budget else None,
+            kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none") else parse_bytes(kv_budget),
+            kv_budget_auto=kv_budget.strip().lower() == "auto",
             prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
             ssd=ssd, kv_quant=kv_quant.strip().lower(), kv_group_size=kv_group_size,
         )

@@ -42,6 +42,7 @@ class EngineConfig:
     max_rows: int = 8  # --batch: concurrency cap; 1 = strict serial lane only
     prompt_concurrency: int = 4  # joiners prefilling at once (batch lane)
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
+    kv_budget_auto: bool = False  # without an explicit budget, derive one from the device's memory
     prompt_cache_bytes: int | None = None  # RAM prompt cache cap; 0 disables it; None: auto (engine/memory.py)
     ssd: SsdConfig | None = None  # the SSD cold tier behind the prompt cache
     kv_quant: str = "off"  # --kv-quant: off, a bit width, or config (kv.scheme)
@@ -104,6 +105,7 @@ class Engine:
         self.gateway: GenerationGateway | None = None
         self.scheduler = None  # BatchScheduler once loaded, when the model can batch
         self.footprint = None  # KvFootprint once loaded
+        self.kv_budget_bytes: int | None = config.kv_budget_bytes  # the effective budget (auto resolved at load)
         self.scheme = None  # kv.scheme.KvScheme once loaded
         self._prototype: list = []  # one populated, converted cache list: what every request's caches look like
         self.prompt_cache = None  # store.PromptCache once loaded, when enabled and the model allows it
@@ -131,7 +133,7 @@ class Engine:
 
     def check_admissible(self, num_prompt: int, max_tokens: int) -> None:
         """Raise AdmissionError when a request could never be admitted (pure Python, any thread)."""
-        budget = self.config.kv_budget_bytes
+        budget = self.kv_budget_bytes
         if budget is None or self.footprint is None or self.gateway is None or self.gateway.mode != "batch":
             return
         check_fits_alone(self.footprint, budget, num_prompt, max_tokens)
@@ -248,17 +250,31 @@ class Engine:
             log.warning("continuous batching unavailable for this model: %s; every request runs serially", exc)
         self.gateway = GenerationGateway(self.config.max_rows, reason)
         self._setup_prompt_cache()
+        self.kv_budget_bytes = self._resolve_kv_budget()
         if self.gateway.mode == "batch":
             from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 
             self.scheduler = BatchScheduler(
                 self.loaded.model, self.loaded.tokenizer, self.footprint,
                 SchedulerConfig(self.config.max_rows, self.config.prompt_concurrency,
-                                self.config.prefill_step_size, self.config.kv_budget_bytes),
+                                self.config.prefill_step_size, self.kv_budget_bytes),
                 on_finish=lambda row: self._done(row.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme,
             )
+
+    def _resolve_kv_budget(self) -> int | None:
+        if self.config.kv_budget_bytes is not None or not self.config.kv_budget_auto:
+            return self.config.kv_budget_bytes
+        from mlxq.engine.memory import auto_kv_budget_bytes, device_memory_bytes, weight_bytes
+
+        total = device_memory_bytes()
+        cache = self.prompt_cache.max_bytes if self.prompt_cache is not None else 0
+        budget = auto_kv_budget_bytes(total, weight_bytes(self.loaded.model), cache)
+        if budget is not None:
+            log.info("KV budget: %.2f GB (auto: 70%% of the memory the weights and the prompt cache leave)",
+                     budget / 1e9)
+        return budget
 
     def _setup_prompt_cache(self) -> None:
         from mlxq.store.prompt_cache import PromptCache, can_cache

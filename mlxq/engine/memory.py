@@ -1,8 +1,11 @@
-"""How much memory the machine has, and the default size of the RAM prompt cache derived from it.
+"""How much memory the machine has, and the defaults derived from it.
 
-A fixed 8 GB default is too much next to an 8B model on a 16 GB Mac; the
-default (``--prompt-cache auto``) is a quarter of what the weights leave of
-the device's memory, at most 8 GB and at least 256 MiB.
+- ``--prompt-cache auto``: a quarter of what the weights leave of the
+  device's memory, at most 8 GB and at least 256 MiB (a fixed 8 GB is too
+  much next to an 8B model on a 16 GB Mac).
+- ``--kv-budget auto``: 70% of what the weights and the prompt cache leave,
+  so a burst of long requests queues instead of exhausting memory (the rest
+  is headroom for activations, prefill transients and the allocator).
 """
 
 from __future__ import annotations
@@ -36,3 +39,13 @@ def auto_prompt_cache_bytes(total_memory: int | None, weights: int) -> int:
     if total_memory is None:
         return AUTO_MAX_BYTES
     return int(max(AUTO_MIN_BYTES, min(AUTO_MAX_BYTES, max(total_memory - weights, 0) // 4)))
+
+
+KV_BUDGET_SHARE = 0.7
+
+
+def auto_kv_budget_bytes(total_memory: int | None, weights: int, prompt_cache: int) -> int | None:
+    """None (unlimited) when the device's memory is unknown."""
+    if total_memory is None:
+        return None
+    return int(max(AUTO_MIN_BYTES, KV_BUDGET_SHARE * max(total_memory - weights - prompt_cache, 0)))

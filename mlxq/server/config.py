@@ -19,6 +19,7 @@ class ServerConfig:
     batch: int = 8  # rows decoding together; 1 = the strict serial lane
     prompt_concurrency: int = 4  # batch joiners prefilling at once
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
+    kv_budget_auto: bool = True  # no explicit budget: derive one from the device's memory (--kv-budget off: none)
     prompt_cache_bytes: int | None = None  # RAM prompt cache cap; 0 disables it; None: auto
     ssd: SsdConfig | None = None  # --ssd-cache DIR and its sub-flags
     kv_quant: str = "off"  # off, 2/3/4/5/6/8 bits, or config (kv_config.json beside the model)

@@ -50,7 +50,7 @@ class _EngineGauges:
             "num_requests_running": engine.num_running,
             "num_requests_waiting": engine.num_waiting,
             "kv_cache_usage_bytes": scheduler.projected_bytes() if scheduler else 0,
-            "kv_cache_budget_bytes": engine.config.kv_budget_bytes or 0,
+            "kv_cache_budget_bytes": engine.kv_budget_bytes or 0,
         }
         ram = engine.prompt_cache
         if ram is not None:

@@ -49,7 +49,7 @@ def make_state(config: ServerConfig) -> ServerState:
     engine = Engine(lambda: load_model(spec, name=config.served_model_name),
                     EngineConfig(prefill_step_size=config.prefill_step_size, max_rows=config.batch,
                                  prompt_concurrency=config.prompt_concurrency,
-                                 kv_budget_bytes=config.kv_budget_bytes,
+                                 kv_budget_bytes=config.kv_budget_bytes, kv_budget_auto=config.kv_budget_auto,
                                  prompt_cache_bytes=config.prompt_cache_bytes, ssd=config.ssd,
                                  kv_quant=config.kv_quant, kv_group_size=config.kv_group_size))
     return ServerState(config=config, engine=engine)

@@ -79,7 +79,7 @@ class ServerState:
             "submitted_rows": scheduler.submitted_rows if scheduler else 0,
             "shared_prefills": scheduler.shared_prefills if scheduler else 0,
             "kv_bytes": scheduler.projected_bytes() if scheduler else 0,
-            "kv_budget_bytes": engine.config.kv_budget_bytes,
+            "kv_budget_bytes": engine.kv_budget_bytes,
             "prompt_concurrency": engine.config.prompt_concurrency,
         }
 

@@ -15,3 +15,11 @@ def test_auto_size_follows_the_memory_the_weights_leave():
 def test_this_machine_reports_its_memory():
     total = device_memory_bytes()
     assert total is not None and total > 10**9
+
+
+def test_auto_kv_budget_is_what_weights_and_cache_leave():
+    from mlxq.engine.memory import auto_kv_budget_bytes
+
+    assert auto_kv_budget_bytes(16 * 10**9, 4 * 10**9, 2 * 10**9) == int(0.7 * 10 * 10**9)
+    assert auto_kv_budget_bytes(4 * 10**9, 5 * 10**9, 10**9) == AUTO_MIN_BYTES
+    assert auto_kv_budget_bytes(None, 10**9, 10**9) is None

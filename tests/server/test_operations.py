@@ -204,3 +204,16 @@ def test_health_turns_503_when_the_engine_thread_dies(tiny_model_dirs):
         assert "injected fatal fault" in httpx.get(server.url + "/health").json()["reason"]
         assert httpx.get(server.url + "/ready").status_code == 503
         assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
+
+
+def test_default_budgets_come_from_the_machine_and_off_removes_the_kv_cap(tiny_model_dirs):
+    import httpx
+
+    from tests.conftest import ServerProcess
+
+    with ServerProcess("--model", str(tiny_model_dirs["llama"])) as server:
+        stats = httpx.get(server.url + "/stats").json()
+    assert 0 < stats["prompt_cache"]["max_bytes"] <= 8 * 10**9
+    assert stats["batch"]["kv_budget_bytes"] > 0
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--kv-budget", "off") as server:
+        assert httpx.get(server.url + "/stats").json()["batch"]["kv_budget_bytes"] is None
