@@ -237,12 +237,15 @@ class BatchScheduler:
                 continue
             group.append(joiner)
             budget -= self._chunk_len(joiner)
-        if len(group) > 1 and not self.scheme.quantized:
+        together = len(group) > 1 and not self.scheme.quantized
+        if together:
             try:
                 self._advance_together(group)
-            except Exception as exc:
-                self._fail_joiners(group, "prefill", exc)
-        else:
+            except Exception:
+                # Find the joiner at fault: each one alone (their caches are untouched until success).
+                log.warning("batched prefill of %d joiners failed; retrying one by one", len(group), exc_info=True)
+                together = False
+        if not together:
             for joiner in group:
                 try:
                     self._advance(joiner)
@@ -317,9 +320,9 @@ class BatchScheduler:
                 for cache in caches:
                     cache.finalize()
             mx.eval([c.state for c in caches])
-            for i, joiner in enumerate(group):
-                joiner.caches = extract_row(caches, i)
-        for joiner, n in zip(group, lengths, strict=True):
+            rows = [extract_row(caches, i) for i in range(len(group))]
+        for joiner, row_caches, n in zip(group, rows, lengths, strict=True):  # only once everything succeeded
+            joiner.caches = row_caches
             self._advanced(joiner, n)
 
     def _advanced(self, joiner: _Joiner, n: int) -> None:

@@ -90,3 +90,32 @@ def test_cancel_stops_generation_within_a_step(tiny_model_dirs):
         assert run(engine, Request("next", [4, 5], SamplingParams(), 3))[-1].finish_reason is FinishReason.LENGTH
     finally:
         engine.stop(10)
+
+
+def test_a_fault_in_a_shared_prefill_forward_fails_only_its_request(tiny_model_dirs):
+    """Joiners prefilling together: when the shared forward raises, each is retried alone."""
+    from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+    from mlxq.kv.projection import measure_footprint
+
+    loaded = load_model(str(tiny_model_dirs["llama"]))
+    model = PoisonedModel(loaded.model)
+    finished = {}
+    scheduler = BatchScheduler(model, loaded.tokenizer, measure_footprint(loaded.model),
+                               SchedulerConfig(8, 4, 2048, None),
+                               on_finish=lambda row: finished.__setitem__(row.request.request_id, row.output))
+    bad_events: list = []
+    scheduler.add(Request("bad", [1, 2, POISON, 3, 4, 5], SamplingParams(), 8), bad_events.append)
+    scheduler.add(Request("good", [1, 2, 3, 4, 5, 6], SamplingParams(), 8, ignore_eos=True), lambda e: None)
+    while not scheduler.is_idle:
+        scheduler.step()
+    assert finished["bad"].finished is FinishReason.ERROR and "injected fault" in bad_events[-1].error
+    assert finished["good"].finished is FinishReason.LENGTH and len(finished["good"].tokens) == 8
+    solo = run_serial_tokens(loaded, [1, 2, 3, 4, 5, 6])
+    assert finished["good"].tokens == solo
+
+
+def run_serial_tokens(loaded, prompt: list[int]) -> list[int]:
+    from mlxq.engine.serial import run_serial
+
+    request = Request("solo", prompt, SamplingParams(), 8, ignore_eos=True)
+    return run_serial(loaded.model, loaded.tokenizer, request, lambda e: None, prefill_step_size=2048).tokens
