@@ -172,7 +172,7 @@ def phase_restore(args, results):
         warm, cached = ttft(prompt + [7], cache)  # the same prompt plus one token: all but one from RAM
         t = time.perf_counter()
         tier.begin_flush()
-        while tier.flush_pending():
+        while tier.has_work(flushing=True):
             tier.step()
         flush_s = time.perf_counter() - t
         durable = tier.flush_result().durable

@@ -108,6 +108,7 @@ class Engine:
         self.kv_budget_bytes: int | None = config.kv_budget_bytes  # the effective budget (auto resolved at load)
         self.scheme = None  # kv.scheme.KvScheme once loaded
         self._prototype: list = []  # one populated, converted cache list: what every request's caches look like
+        self._memory_seen: tuple[int | None, int] | None = None  # see _memory
         self.prompt_cache = None  # store.PromptCache once loaded, when enabled and the model allows it
         self.prompt_cache_off_reason: str | None = None
         self.cold = None  # store.ColdTier once loaded, with --ssd-cache
@@ -188,8 +189,7 @@ class Engine:
             log.info("model ready: %s (batch mode: %s)", self.loaded.description, self.gateway.mode)
             while not self._stopping.is_set():
                 self._beat()
-                background = self.cold is not None and self.cold.has_work(flushing=bool(self._flushes))
-                if not self._intake(block=self._idle() and not background):
+                if not self._intake(block=self._idle() and not self._background_work()):
                     break
                 self._schedule()
                 self._persist()
@@ -244,7 +244,7 @@ class Engine:
         reason = None
         try:
             model_cache_kinds(probe)
-            self.footprint = measure_footprint(self.loaded.model, self.config.prefill_step_size, self.scheme)
+            self.footprint = measure_footprint(self.loaded.model, self.config.prefill_step_size, self.scheme, probe)
         except UnknownCacheKind as exc:
             reason = str(exc)
             log.warning("continuous batching unavailable for this model: %s; every request runs serially", exc)
@@ -263,14 +263,22 @@ class Engine:
                 prompt_cache=self.prompt_cache, scheme=self.scheme,
             )
 
+    def _memory(self) -> tuple[int | None, int]:
+        """(device memory, weight bytes): what the automatic sizes start from (read once)."""
+        if self._memory_seen is None:
+            from mlxq.engine.memory import device_memory_bytes, weight_bytes
+
+            self._memory_seen = (device_memory_bytes(), weight_bytes(self.loaded.model))
+        return self._memory_seen
+
     def _resolve_kv_budget(self) -> int | None:
         if self.config.kv_budget_bytes is not None or not self.config.kv_budget_auto:
             return self.config.kv_budget_bytes
-        from mlxq.engine.memory import auto_kv_budget_bytes, device_memory_bytes, weight_bytes
+        from mlxq.engine.memory import auto_kv_budget_bytes
 
-        total = device_memory_bytes()
+        total, weights = self._memory()
         cache = self.prompt_cache.max_bytes if self.prompt_cache is not None else 0
-        budget = auto_kv_budget_bytes(total, weight_bytes(self.loaded.model), cache)
+        budget = auto_kv_budget_bytes(total, weights, cache)
         if budget is not None:
             log.info("KV budget: %.2f GB (auto: 70%% of the memory the weights and the prompt cache leave)",
                      budget / 1e9)
@@ -282,10 +290,10 @@ class Engine:
         caches = self._prototype
         cap = self.config.prompt_cache_bytes
         if cap is None:
-            from mlxq.engine.memory import auto_prompt_cache_bytes, device_memory_bytes, weight_bytes
+            from mlxq.engine.memory import auto_prompt_cache_bytes
 
-            total = device_memory_bytes()
-            cap = auto_prompt_cache_bytes(total, weight_bytes(self.loaded.model))
+            total, weights = self._memory()
+            cap = auto_prompt_cache_bytes(total, weights)
             log.info("RAM prompt cache: %.2f GB (auto: a quarter of %s left after the weights, at most 8 GB)",
                      cap / 1e9, f"{total / 1e9:.1f} GB" if total else "the memory")
         if cap == 0:
@@ -306,13 +314,17 @@ class Engine:
             self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name,
                                        kv_scheme=self.scheme.key)
 
+    def _background_work(self) -> bool:
+        """SSD work waiting (asked only when idle: never a cost on the decode loop)."""
+        return self.cold is not None and self.cold.has_work(flushing=bool(self._flushes))
+
     def _persist(self) -> None:
         """SSD work: one tensor per iteration, only when idle unless a flush is waiting."""
         cold = self.cold
         if cold is None:
             return
         if self._flushes:
-            if cold.flush_pending():
+            if cold.has_work(flushing=True):
                 cold.step()
                 return
             result = cold.flush_result()

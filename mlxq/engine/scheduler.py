@@ -34,6 +34,7 @@ from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.projection import KvFootprint
 from mlxq.kv.scheme import NATIVE, KvScheme
+from mlxq.store.prefix import common_prefix
 from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS, is_trimmable
 
 log = logging.getLogger("mlxq.scheduler")
@@ -62,6 +63,15 @@ class _Joiner:
     wait_until: int = 0  # the leader's ``done`` at which the shared prefix is in the prompt cache
     followers: int = 0  # joiners waiting on this one
     restore: object | None = None  # store.cold_tier.PendingRestore: reading a longer prefix from disk
+
+    def start_from(self, caches: list, cached: int) -> None:
+        """Continue from a cached prefix of ``cached`` tokens. Only before the joiner advanced:
+        its own caches are then untouched and can simply be replaced."""
+        prompt = self.row.request.prompt_ids
+        if cached > self.done:
+            self.row.feed_history(mx.array(prompt[self.done : cached]))  # processors see the whole prompt
+        self.caches, self.done = caches, cached
+        self.row.output.cached_tokens = cached
 
     @property
     def is_prefilled(self) -> bool:
@@ -124,20 +134,17 @@ class BatchScheduler:
 
     # --- intake -------------------------------------------------------------------
     def add(self, request: Request, emit) -> None:
-        row = make_row(request, self.tokenizer, emit)
-        caches, cached = None, 0
-        cold = self.prompt_cache.cold if self.prompt_cache is not None else None
-        if self.prompt_cache is not None:
+        joiner = _Joiner(make_row(request, self.tokenizer, emit), [])
+        if self.prompt_cache is None:
+            joiner.caches = make_prompt_cache(self.model)
+        else:
             # RAM now; a longer prefix on disk is read a tensor per step (running rows keep decoding).
             caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids, cold=False)
-            if cached:
-                row.feed_history(mx.array(request.prompt_ids[:cached]))  # processors see the whole prompt
-        row.output.cached_tokens = cached
-        joiner = _Joiner(row, caches or make_prompt_cache(self.model), done=cached)
-        if cold is not None:
-            joiner.restore = cold.begin_restore(request.namespace, request.prompt_ids, cached)
-        if self.prompt_cache is not None and joiner.restore is None:
-            self._follow_a_leader(joiner)
+            joiner.start_from(caches or make_prompt_cache(self.model), cached)
+            if self.prompt_cache.cold is not None:
+                joiner.restore = self.prompt_cache.cold.begin_restore(request.namespace, request.prompt_ids, cached)
+            if joiner.restore is None:
+                self._follow_a_leader(joiner)
         self._joiners.append(joiner)
         self.submitted_rows += 1
 
@@ -158,10 +165,7 @@ class BatchScheduler:
                     or leader.row.request.namespace != request.namespace):
                 continue
             theirs = leader.row.request.prompt_ids
-            limit = min(len(prompt), len(theirs)) - 1
-            shared = 0
-            while shared < limit and prompt[shared] == theirs[shared]:
-                shared += 1
+            shared = common_prefix(prompt, theirs, min(len(prompt), len(theirs)) - 1)
             if is_trimmable(leader.caches):
                 wait_until = len(theirs) - 1
             else:
@@ -183,10 +187,8 @@ class BatchScheduler:
         joiner.leader = None
         request = joiner.row.request
         caches, cached = self.prompt_cache.take(request.namespace, request.prompt_ids, cold=False)
-        if caches is not None and cached > joiner.done:  # it never advanced: its caches are untouched
-            joiner.row.feed_history(mx.array(request.prompt_ids[joiner.done : cached]))
-            joiner.caches, joiner.done = caches, cached
-            joiner.row.output.cached_tokens = cached
+        if caches is not None and cached > joiner.done:  # it never advanced while it waited
+            joiner.start_from(caches, cached)
         return False
 
     def fail_all(self, message: str) -> None:
@@ -273,12 +275,8 @@ class BatchScheduler:
         pending, joiner.restore = joiner.restore, None
         if pending.entry is None:
             return  # the file was bad (and is gone): prefill from what RAM gave
-        request = joiner.row.request
-        caches = self.prompt_cache.adopt_restored(request.namespace, pending.entry, pending.n, joiner.done)
-        # The joiner has not advanced while it waited: its caches are untouched and can be replaced.
-        joiner.row.feed_history(mx.array(request.prompt_ids[joiner.done : pending.n]))
-        joiner.caches, joiner.done = caches, pending.n
-        joiner.row.output.cached_tokens = pending.n
+        caches = self.prompt_cache.adopt_restored(joiner.row.request.namespace, pending.entry, pending.n, joiner.done)
+        joiner.start_from(caches, pending.n)  # it never advanced while it restored
 
     def _chunk_len(self, joiner: _Joiner) -> int:
         """The next chunk: the serial lane's boundaries (mlx-lm generate_step), cut at a snapshot point."""
@@ -286,7 +284,7 @@ class BatchScheduler:
         split = self._split_at(joiner)
         return n if split is None else min(n, split - joiner.done)
 
-    def _advance(self, joiner: _Joiner) -> int:
+    def _advance(self, joiner: _Joiner) -> None:
         """One chunk of prompt[:-1] on the joiner's own caches."""
         prompt = joiner.row.request.prompt_ids
         n = self._chunk_len(joiner)
@@ -296,7 +294,6 @@ class BatchScheduler:
             self.scheme.convert(joiner.caches)  # the serial lane's (mlx-lm's) conversion point
             mx.eval([c.state for c in joiner.caches])
         self._advanced(joiner, n)
-        return n
 
     def _advance_together(self, group: list[_Joiner]) -> None:
         """One chunk for each joiner in ``group`` from one forward, then back to solo caches.

@@ -60,12 +60,13 @@ class KvFootprint:
         return total
 
 
-def measure_footprint(model, prefill_chunk: int = 2048, scheme=None) -> KvFootprint:
+def measure_footprint(model, prefill_chunk: int = 2048, scheme=None, probe: list | None = None) -> KvFootprint:
     """Prefill one token into fresh caches, convert them as ``scheme`` (kv.scheme.KvScheme) would,
-    and read each layer's bytes (engine thread only). Quantized layers cost their packed bytes."""
+    and read each layer's bytes (engine thread only). Quantized layers cost their packed bytes.
+    ``probe``: such caches already made (kv.scheme.probe_caches), to skip the forward."""
     from mlxq.kv.scheme import probe_caches
 
-    caches = probe_caches(model)
+    caches = probe if probe is not None else probe_caches(model)
     if scheme is not None:
         scheme.convert(caches)
     layers = []

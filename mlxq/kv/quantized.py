@@ -86,6 +86,16 @@ def _grow_ring(cache, keys: mx.array, values: mx.array, prev: int) -> None:
     cache._idx = prev
 
 
+def _trim_to_window(cache) -> int:
+    """A ring holding more than its window (after a long prefill chunk) drops the excess; how many."""
+    trim_size = max(_tokens(cache.keys) - cache.max_size, 0)
+    if trim_size:
+        cache.keys = cache._trim(trim_size, cache.keys)
+        cache.values = cache._trim(trim_size, cache.values)
+        cache._idx = cache.max_size
+    return trim_size
+
+
 def _write(cache, at: int, keys: Triple, values: Triple) -> None:
     """Write quantized tokens into the cache's triples at column ``at``, in place."""
     n = _tokens(keys)
@@ -102,16 +112,23 @@ def _keep_rows(cache, batch_indices) -> None:
     cache.left_padding = cache.left_padding[batch_indices]
 
 
-class QuantizedRotatingKVCache(RotatingKVCache):
+class _Quantizes:
+    """The quantization of a cache's tokens; attention reads ``bits`` and ``group_size`` off the cache."""
+
+    group_size: int
+    bits: int
+
+    def _quantize(self, x: mx.array) -> Triple:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+
+class QuantizedRotatingKVCache(_Quantizes, RotatingKVCache):
     """mlx-lm's RotatingKVCache over quantized triples (same ring, same positions, same masks)."""
 
     def __init__(self, max_size: int, keep: int = 0, group_size: int = 64, bits: int = 8):
         super().__init__(max_size, keep)
         self.group_size = group_size
         self.bits = bits
-
-    def _quantize(self, x: mx.array) -> Triple:
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
     def _trim(self, trim_size, v, append=None):
         if trim_size > 0:
@@ -149,11 +166,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
     def _update_in_place(self, keys, values):
         S = keys.shape[2]
         _grow_ring(self, keys, values, self.offset)
-        trim_size = _tokens(self.keys) - self.max_size
-        if trim_size > 0:
-            self.keys = self._trim(trim_size, self.keys)
-            self.values = self._trim(trim_size, self.values)
-            self._idx = self.max_size
+        _trim_to_window(self)
         if self._idx == self.max_size:
             self._idx = self.keep
         _write(self, self._idx, self._quantize(keys), self._quantize(values))
@@ -193,7 +206,7 @@ def quantize_rotating(cache: RotatingKVCache, group_size: int, bits: int) -> Qua
     return out
 
 
-class BatchQuantizedKVCache(BatchKVCache):
+class BatchQuantizedKVCache(_Quantizes, BatchKVCache):
     """mlx-lm's BatchKVCache (left-padded rows, one write column) over quantized triples."""
 
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8):
@@ -218,9 +231,7 @@ class BatchQuantizedKVCache(BatchKVCache):
                 self.keys, self.values = new_k, new_v
         self.offset = self.offset + n
         self._idx += n
-        qk = tuple(mx.quantize(keys, group_size=self.group_size, bits=self.bits))
-        qv = tuple(mx.quantize(values, group_size=self.group_size, bits=self.bits))
-        _write(self, prev, qk, qv)
+        _write(self, prev, self._quantize(keys), self._quantize(values))
         return self.keys_and_values()
 
     def keys_and_values(self):
@@ -295,7 +306,7 @@ def _left_pad(t: Triple, n: int) -> Triple:
     return t if n == 0 else _cat([_zeros_like_tokens(t, n), t])
 
 
-class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
+class BatchQuantizedRotatingKVCache(_Quantizes, BatchRotatingKVCache):
     """mlx-lm's BatchRotatingKVCache (per-row rings, left padding, ring wrap) over quantized triples.
 
     The ring's geometry (``_idx``, ``_offset``, ``rotated``, per-row ``offset`` and
@@ -309,9 +320,6 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         super().__init__(max_size, left_padding)
         self.group_size = group_size
         self.bits = bits
-
-    def _quantize(self, x: mx.array) -> Triple:
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
     def _trim(self, trim_size, v, append=None):
         if trim_size > 0:
@@ -348,12 +356,8 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
     def _update_in_place(self, keys, values):
         S = keys.shape[2]
         _grow_ring(self, keys, values, self._offset)
-        trim_size = _tokens(self.keys) - self.max_size
-        if trim_size > 0:
-            self.keys = self._trim(trim_size, self.keys)
-            self.values = self._trim(trim_size, self.values)
-            self._idx = self.max_size
-            self.left_padding -= trim_size
+        if trimmed := _trim_to_window(self):
+            self.left_padding -= trimmed
         if self._idx == self.max_size:
             self.rotated = True
             self._idx = 0
@@ -429,12 +433,6 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
     @property
     def nbytes(self):
         return triple_nbytes(self.keys) + triple_nbytes(self.values)
-
-
-def is_quantized(cache) -> bool:
-    return isinstance(cache, (QuantizedKVCache, QuantizedRotatingKVCache, BatchQuantizedKVCache,
-                              BatchQuantizedRotatingKVCache))
-
 
 
 def _strided_quantized_matmul_missing() -> bool:

@@ -264,9 +264,6 @@ class ColdTier:
         self._flush_failures_at = self.counters.failed
         self._flush_started = time.monotonic()
 
-    def flush_pending(self) -> bool:
-        return self.has_work(flushing=True)
-
     def flush_result(self, *, timed_out: bool = False, report: bool = True) -> FlushResult:
         """The state of durability now; ``report`` also resets the lost-since-last-flush count."""
         pending = len(self._dirty) + len(self._spills)

@@ -61,11 +61,6 @@ def model_fingerprint(model_dir: Path) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def tokenizer_digest(model_dir: Path) -> str:
-    path = model_dir / "tokenizer.json"
-    return file_digest(path)[:16] if path.exists() else ""
-
-
 def namespace_dir(namespace: str) -> str:
     """Directory name of a namespace (any string, so hashed)."""
     return hashlib.sha256(namespace.encode()).hexdigest()[:16]

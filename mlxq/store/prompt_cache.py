@@ -35,6 +35,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxq.kv.quantized import QuantizedRotatingKVCache
+from mlxq.store.prefix import usable_prefix
 
 
 @dataclass
@@ -56,75 +57,50 @@ class PromptCacheStats:
     evictions: int = 0
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:
-    n = min(len(a), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _rebuild(cache, n: int, *, copy: bool):
+    """A new cache object over the state of ``cache``: views (``copy=False``, lending) or compact
+    copies (``copy=True``, storing). Trimmable caches keep their first ``n`` tokens.
 
+    mlx-lm caches write in place through their own handles (``self.keys[...] = ...``); MLX
+    arrays have value semantics, so a write through a new handle never changes what another
+    handle sees, and a view with no spare capacity re-allocates on its first update.
+    """
+    own = mx.contiguous if copy else (lambda a: a[...])
 
-def _fresh(x):
-    """A new array handle with the same value (or a triple of them). mlx-lm caches write in
-    place through their own handles (``self.keys[...] = ...``); MLX arrays have value
-    semantics, so a write through a new handle never changes what another handle sees."""
-    return None if x is None else tree_map(lambda a: a[...], x)
+    def whole(x):
+        return None if x is None else tree_map(own, x)
 
+    def head(x):
+        return tree_map(lambda a: own(a[..., :n, :]), x)
 
-def _head(x, n: int):
-    """The first n tokens of an array or of a quantized triple."""
-    return tree_map(lambda a: a[..., :n, :], x)
-
-
-def _compact(x, n: int):
-    return tree_map(lambda a: mx.contiguous(a[..., :n, :]), x)
-
-
+    kind = type(cache)
+    if kind is KVCache:
+        out = KVCache()
+        out.state = (head(cache.keys), head(cache.values), n)
+    elif kind is QuantizedKVCache:
+        out = QuantizedKVCache(cache.group_size, cache.bits)
+        out.keys, out.values, out.offset = head(cache.keys), head(cache.values), n
+    elif kind in (RotatingKVCache, QuantizedRotatingKVCache):
+        if kind is QuantizedRotatingKVCache:
+            out = QuantizedRotatingKVCache(cache.max_size, cache.keep, cache.group_size, cache.bits)
+        else:
+            out = RotatingKVCache(cache.max_size, cache.keep)
+        out.keys, out.values = whole(cache.keys), whole(cache.values)
+        out.offset, out._idx = cache.offset, cache._idx
+    else:
+        out = ArraysCache(len(cache.cache))
+        out.cache = [whole(a) for a in cache.cache]
+    return out
 
 
 def _lend(cache, n: int):
-    """A borrower's copy-on-write view of a stored cache (the first n tokens of a trimmable one)."""
-    if type(cache) is KVCache:
-        borrowed = KVCache()
-        # No spare capacity: the borrower's first update re-allocates by concat.
-        borrowed.state = (_head(cache.keys, n), _head(cache.values, n), n)
-        return borrowed
-    if type(cache) is QuantizedKVCache:
-        borrowed = QuantizedKVCache(cache.group_size, cache.bits)
-        borrowed.keys, borrowed.values, borrowed.offset = _head(cache.keys, n), _head(cache.values, n), n
-        return borrowed
-    if type(cache) in (RotatingKVCache, QuantizedRotatingKVCache):
-        return _ring_like(cache, _fresh)
-    borrowed = ArraysCache(len(cache.cache))
-    borrowed.cache = [_fresh(a) for a in cache.cache]
-    return borrowed
-
-
-def _ring_like(cache, copy):
-    if type(cache) is QuantizedRotatingKVCache:
-        out = QuantizedRotatingKVCache(cache.max_size, cache.keep, cache.group_size, cache.bits)
-    else:
-        out = RotatingKVCache(cache.max_size, cache.keep)
-    out.keys, out.values = copy(cache.keys), copy(cache.values)
-    out.offset, out._idx = cache.offset, cache._idx
-    return out
+    """A borrower's copy-on-write view of a stored cache."""
+    return _rebuild(cache, n, copy=False)
 
 
 def _copy_in(cache, n: int):
     """The entry's own compact copy of ``cache`` (which keeps being written by its row)."""
-    if type(cache) is KVCache:
-        stored = KVCache()
-        stored.state = (_compact(cache.keys, n), _compact(cache.values, n), n)
-        return stored
-    if type(cache) is QuantizedKVCache:
-        stored = QuantizedKVCache(cache.group_size, cache.bits)
-        stored.keys, stored.values, stored.offset = _compact(cache.keys, n), _compact(cache.values, n), n
-        return stored
-    if type(cache) in (RotatingKVCache, QuantizedRotatingKVCache):
-        return _ring_like(cache, lambda x: tree_map(mx.contiguous, x))
-    stored = ArraysCache(len(cache.cache))
-    stored.cache = [None if a is None else mx.contiguous(a) for a in cache.cache]
-    return stored
+    return _rebuild(cache, n, copy=True)
 
 
 def _state_arrays(cache) -> list:
@@ -177,25 +153,18 @@ class PromptCache:
         ``cold=False`` looks in RAM only (the batch lane restores from disk step by step,
         then calls ``adopt_restored``)."""
         self.stats.queries += 1
-        limit = len(prompt) - 1
         best_key, best_len = None, 0
         for key, entry in self._entries.items():
             if key[0] != namespace:
                 continue
-            n = _common_prefix(entry.tokens, prompt, limit)
-            if not entry.trimmable and n != len(entry.tokens):
-                continue  # a ring or a recurrent state serves only what it is an exact prefix of
+            n = usable_prefix(entry.tokens, entry.trimmable, prompt)
             if n > best_len:
                 best_key, best_len = key, n
         if self.cold is not None and cold:
             restored = self.cold.restore(namespace, prompt, better_than=best_len)
             if restored is not None:
-                entry, best_len = restored
-                best_key = self._insert((namespace, entry.tokens), entry, durable=True)
-                if best_key is None:  # larger than the whole RAM tier: lend it once, keep nothing
-                    self.stats.hits += 1
-                    self.stats.hit_tokens += best_len
-                    return [_lend(c, best_len) for c in entry.caches], best_len
+                entry, n = restored
+                return self.adopt_restored(namespace, entry, n, previous=0), n
         if best_key is None:
             return None, 0
         self._entries.move_to_end(best_key)
@@ -206,8 +175,8 @@ class PromptCache:
         return [_lend(c, best_len) for c in entry.caches], best_len
 
     def adopt_restored(self, namespace: str, entry: CacheEntry, n: int, previous: int) -> list:
-        """Hold an entry read from disk (already durable) and lend its first ``n`` tokens to the
-        request that asked for it, which had ``previous`` tokens from RAM."""
+        """Hold an entry read from disk (already durable; kept only if it fits the tier) and lend its
+        first ``n`` tokens to the request that asked for it, which had ``previous`` tokens from RAM."""
         self._insert((namespace, entry.tokens), entry, durable=True)
         if not previous:
             self.stats.hits += 1

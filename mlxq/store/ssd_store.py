@@ -33,10 +33,10 @@ from mlxq.store.mlxkv import (
     encode_layer,
     read_caches_steps,
     read_header,
-    run_steps,
     verify_file,
 )
 from mlxq.store.mlxkv import write_steps as mlxkv_write_steps
+from mlxq.store.prefix import usable_prefix
 
 log = logging.getLogger("mlxq.ssd")
 
@@ -104,7 +104,7 @@ class SsdStore:
                 except (MlxkvError, OSError) as exc:
                     self._discard(path, exc)
                     continue
-                self._add(path, header)
+                self._add(path, header.identity.namespace, header.tokens, header.trimmable)
         self._enforce_cap(keep=None)  # a lowered --ssd-cache-max applies at once
         log.info("SSD cache %s: %d entries, %.1f MB", self.directory, len(self.index), self.bytes / 1e6)
 
@@ -114,26 +114,20 @@ class SsdStore:
             raise MlxkvError(f"written for {header.identity.fingerprint}/{header.identity.kv_scheme}, "
                              f"not {ours.fingerprint}/{ours.kv_scheme}")
 
-    def _add(self, path: Path, header: EntryHeader) -> IndexEntry:
+    def _add(self, path: Path, namespace: str, tokens: tuple[int, ...], trimmable: bool) -> IndexEntry:
         st = path.stat()
-        entry = IndexEntry(path, header.identity.namespace, header.tokens, st.st_size, st.st_mtime, header.trimmable)
+        entry = IndexEntry(path, namespace, tokens, st.st_size, st.st_mtime, trimmable)
         self.index[path] = entry
         return entry
 
     # --- lookup and restore -----------------------------------------------------------
     def find(self, namespace: str, prompt: list[int], better_than: int) -> tuple[IndexEntry, int] | None:
         """The entry with the longest usable prefix of ``prompt``, if longer than ``better_than``."""
-        limit = len(prompt) - 1
         best, best_len = None, better_than
         for entry in self.index.values():
             if entry.namespace != namespace or len(entry.tokens) <= best_len:
                 continue
-            n = 0
-            top = min(len(entry.tokens), limit)
-            while n < top and entry.tokens[n] == prompt[n]:
-                n += 1
-            if not entry.trimmable and n != len(entry.tokens):
-                continue
+            n = usable_prefix(entry.tokens, entry.trimmable, prompt)
             if n > best_len:
                 best, best_len = entry, n
         return None if best is None else (best, best_len)
@@ -177,9 +171,6 @@ class SsdStore:
         self.last_restore_s = busy
         return caches
 
-    def load(self, entry: IndexEntry) -> list | None:
-        return run_steps(self.load_steps(entry))
-
     def covers(self, namespace: str, tokens: tuple[int, ...]) -> bool:
         """Is the state after ``tokens`` durable: an exact file, or a trimmable file extending it?"""
         n = len(tokens)
@@ -211,7 +202,7 @@ class SsdStore:
                 log.warning("SSD cache write failed (%s); entries are not stored until writes succeed "
                             "(this warning is shown once; /stats.ssd_cache counts failures)", exc)
             raise
-        entry = self._add(path, read_header(path))
+        entry = self._add(path, namespace, tuple(tokens), trimmable)  # we just wrote it: no need to read it back
         self.stats.writes += 1
         self.stats.written_bytes += entry.nbytes
         for other in list(self.index.values()):
@@ -225,11 +216,13 @@ class SsdStore:
     def _enforce_cap(self, keep: IndexEntry | None) -> None:
         if self.max_bytes is None:
             return
+        total = self.bytes
         for victim in sorted(self.index.values(), key=lambda e: e.mtime):
-            if self.bytes <= self.max_bytes:
+            if total <= self.max_bytes:
                 break
             if victim is not keep:
                 self._remove(victim)
+                total -= victim.nbytes
 
     def _remove(self, entry: IndexEntry) -> None:
         self.index.pop(entry.path, None)

@@ -35,7 +35,7 @@ def test_rows_keep_decoding_while_a_joiner_restores(load_tiny, tmp_path):
     run_serial(model, tokenizer, Request("seed", long, greedy, 4), lambda e: None, prefill_step_size=2048,
                prompt_cache=ram)
     tier.begin_flush()
-    while tier.flush_pending():
+    while tier.has_work(flushing=True):
         tier.step()
     assert tier.flush_result().durable
 
