@@ -6,7 +6,8 @@ Admits B greedy rows (ignore_eos), waits until all have joined, then profiles
 the decode steps until they finish. Writes profile.txt (top functions by
 internal and cumulative time) and profile.json (steps, wall time, tok/s, and
 host Python time per step vs time inside the decode step itself, where the
-one-per-step token read-back waits for the device).
+one-per-step token read-back waits for the device). ``--anatomy`` times one
+decode forward by KV length against its no-cache floor (anatomy.json).
 """
 
 from __future__ import annotations
@@ -61,6 +62,52 @@ def waves_run(lm, footprint, rows: int, total: int, prompt_tokens: int, max_toke
     return total * max_tokens / (time.perf_counter() - start)
 
 
+def anatomy(lm, rows: int, lengths: list[int], reps: int = 20) -> dict:
+    """Device time of one decode forward of ``rows`` rows, by KV length, against its floors.
+
+    ``no_kv_ms``: the same forward without a cache (attention over one token: the
+    weight-streaming floor); ``kv_ms[L]``: with mlx-lm's BatchKVCache holding L tokens
+    per row (trimmed back after each forward, so L stays put); ``sample_ms``: the
+    vectorized greedy sample over the vocabulary.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    model = lm.model
+    tokens = mx.zeros((rows, 1), dtype=mx.uint32)
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            mx.eval(fn())
+        start = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(fn())
+        return 1000 * (time.perf_counter() - start) / reps
+
+    out = {"rows": rows, "no_kv_ms": timed(lambda: model(tokens)), "kv_ms": {}}
+    args = model.args
+    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    for length in lengths:
+        caches = [BatchKVCache([0] * rows) for _ in model.layers]
+        for cache in caches:
+            kv = mx.random.normal((rows, heads, length, head_dim)).astype(mx.bfloat16)
+            cache.update_and_fetch(kv, kv)
+        mx.eval([c.state[:2] for c in caches])
+
+        def step(caches=caches):
+            logits = model(tokens, cache=caches)
+            for cache in caches:
+                cache.trim(1)
+            return logits
+
+        out["kv_ms"][str(length)] = timed(step)
+    logits = model(tokens)[:, -1, :]
+    mx.eval(logits)
+    out["sample_ms"] = timed(lambda: mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -71,6 +118,8 @@ def main() -> None:
                                                     "(first-use costs of new shapes show up here).")
     ap.add_argument("--waves", type=int, default=0, help="Also run this many requests through --rows slots "
                                                          "(closed loop, prompt concurrency 8) and profile it.")
+    ap.add_argument("--anatomy", default="", help="KV lengths (e.g. 32,256,1024,4096): time one --rows decode "
+                                                  "forward at each, without a cache, and the greedy sample.")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +130,10 @@ def main() -> None:
         return decode_run(lm, footprint, rows, args.prompt_tokens, args.max_tokens, profile)
 
     run(min(args.rows, 4))  # warm-up: compile, allocate
+    if args.anatomy:
+        doc = anatomy(lm, args.rows, [int(x) for x in args.anatomy.split(",")])
+        (args.out / "anatomy.json").write_text(json.dumps(doc, indent=2))
+        print(json.dumps(doc), flush=True)
     if args.waves:
         waves_run(lm, footprint, args.rows, args.waves, args.prompt_tokens, args.max_tokens)  # warm-up
         tok_s = waves_run(lm, footprint, args.rows, args.waves, args.prompt_tokens, args.max_tokens)

@@ -2,13 +2,13 @@
 
 One ``step()`` is a short list of phases:
 
-    _purge_cancelled -> _prefill (one chunk per joiner, bounded) -> _first_tokens -> _join
+    _purge_cancelled -> _prefill (one chunk per joiner, bounded) -> _start_decoding (join)
     -> _decode_step
 
-- A joiner prefills prompt[:-1] alone on its own solo caches, in the serial
-  lane's chunks. Joiners that finish in the same step get token 0 from one
-  forward of their last prompt tokens (one joiner: on its own caches; more:
-  merged), before they join; a row that ends at token 0 never joins.
+- A joiner prefills prompt[:-1] on its own solo caches, in the serial lane's
+  chunks (the chunks of joiners advancing in one step run as one forward).
+  Once prefilled it joins with its last prompt token as pending input, so the
+  batch's next decode step computes its token 0 with everyone's next token.
 - A row joining an empty batch *adopts* its caches: the B=1 step is the
   serial lane's graph. A second row merges both into mlx-lm's batched
   caches; when only one row is left it is extracted back to solo caches.
@@ -202,7 +202,7 @@ class BatchScheduler:
         self._purge_cancelled()
         ready = self._prefill()
         if ready:
-            self._first_tokens(ready)
+            self._start_decoding(ready)
         if self._rows:
             try:
                 self._decode_step()
@@ -337,15 +337,41 @@ class BatchScheduler:
             # allocator give back and re-acquire the running batch's buffers each time.
             mx.clear_cache()
 
+    def _start_decoding(self, ready: list[_Joiner]) -> None:
+        """Prefilled joiners join the batch with their last prompt token as pending input.
+
+        The batch's next decode step then computes their token 0 together with every
+        running row's next token: one forward and no host sync per burst of arrivals
+        (a separate token-0 forward streamed all the weights again and drained the
+        decode pipeline). The row's math is the serial lane's: the last prompt token
+        fed on caches holding the rest of the prompt. One-token prompts have empty
+        caches, which do not merge: they take the separate path.
+        """
+        empty = [j for j in ready if j.done == 0]
+        if empty:
+            self._first_tokens(empty)
+        joining = [j for j in ready if j.done > 0]
+        if not joining:
+            return
+        try:
+            if len(joining) == 1:
+                caches, batched = joining[0].caches, False
+            else:
+                caches, batched = merge_solo_rows([j.caches for j in joining]), True
+        except Exception as exc:
+            self._fail_joiners(joining, "join", exc)
+            return
+        lasts = mx.array([j.row.request.prompt_ids[-1] for j in joining], dtype=mx.uint32)
+        self._join([j.row for j in joining], caches, batched, lasts, [None] * len(joining))
+
     def _first_tokens(self, ready: list[_Joiner]) -> None:
-        """Token 0 of every ready joiner from one forward of their last prompt tokens, then join.
+        """Token 0 of one-token prompts from one forward of their only token, then join.
 
         One joiner runs on its own caches (the serial lane's graph); several are
         merged first, so a burst of arrivals costs one forward here, not one each.
         """
-        if self.scheme.quantized and len(ready) > 1 and any(j.done == 0 for j in ready):
-            # One-token prompts reach token 0 with empty caches, which the serial lane quantizes
-            # only after this forward: run each of those alone, in the same order.
+        if self.scheme.quantized and len(ready) > 1:
+            # The serial lane quantizes empty caches only after this forward: run each alone, in order.
             for joiner in ready:
                 self._first_tokens([joiner])
             return
@@ -384,7 +410,8 @@ class BatchScheduler:
                    tokens[mx.array(alive)], [logprobs[i] for i in alive])
 
     def _join(self, rows: list[Row], caches: list, batched: bool, tokens: mx.array, logprobs: list) -> None:
-        """Add rows whose token 0 was emitted; their caches hold the prompt, token 0 is pending."""
+        """Add rows whose pending input (``tokens``) needs no emission: a token 0 already
+        emitted, or the last prompt token. Their caches hold everything before it."""
         if not self._rows:
             # Adopt: a lone joiner keeps its own caches, zero copy, and runs the serial graph.
             self._caches, self._batched, self._rows = caches, batched, rows

@@ -34,8 +34,8 @@ def solo_logits(model, request: Request, tokens: list[int]) -> list[mx.array]:
     cache = make_prompt_cache(model)
     p = request.prompt_ids
     model(mx.array(p[:-1])[None], cache=cache)
-    model(mx.array(p[-1:])[None], cache=cache)
-    return [model(mx.array([[t]]), cache=cache)[0, -1] for t in tokens]
+    first = model(mx.array(p[-1:])[None], cache=cache)[0, -1]  # token 0's logits
+    return [first] + [model(mx.array([[t]]), cache=cache)[0, -1] for t in tokens]
 
 
 def main(model_dirs: list[str]) -> None:
@@ -63,7 +63,7 @@ def main(model_dirs: list[str]) -> None:
                 if solo != got[r.request_id]:
                     mismatched.append(f"trial{trial}:{r.request_id}")
                     continue
-                fed = [solo[0]] + solo[1:-1]  # the tokens each decode step fed
+                fed = solo[:-1]  # after token 0 (the last prompt token's step), the tokens each step fed
                 for a, b in zip(recorded.get(r.request_id, []), solo_logits(model, r, fed), strict=False):
                     max_diff = max(max_diff, mx.abs(a - b).max().item())
         sched.BatchScheduler._sample = original
