@@ -24,24 +24,30 @@ from pathlib import Path
 from mlxq.bench.servers import free_port, wait_healthy
 
 
-@contextlib.contextmanager
-def both_servers(model: str, batch: int, max_tokens: int, out: Path, mlxq_args=()):
-    """Start mlxq serve and mlx_lm.server on ``model``; yield their URLs; stop both."""
-    mlxq_port, mlx_lm_port = free_port(), free_port()
-    mlxq_cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", model, "--port", str(mlxq_port),
+def server_command(kind: str, model: str, port: int, batch: int, max_tokens: int, mlxq_args=()) -> list[str]:
+    """The command line that serves ``model`` on ``port``: kind "mlxq" or "mlx_lm"."""
+    if kind == "mlxq":
+        return [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", model, "--port", str(port),
                 "--log-level", "warning", "--batch", str(batch), *mlxq_args]
     # mlx_lm.server with mlxq imported first: the same BLAS for both.
-    mlx_lm_cmd = [sys.executable, "-c", "import mlxq, sys; from mlx_lm.server import main; sys.argv[0] = "
-                  "'mlx_lm.server'; main()", "--model", model, "--port", str(mlx_lm_port),
-                  "--decode-concurrency", str(batch), "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
-    logs = [open(out / "mlxq.log", "w"), open(out / "mlx_lm.log", "w")]
-    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-             for cmd, log in zip((mlxq_cmd, mlx_lm_cmd), logs, strict=True)]
+    return [sys.executable, "-c", "import mlxq, sys; from mlx_lm.server import main; sys.argv[0] = "
+            "'mlx_lm.server'; main()", "--model", model, "--port", str(port),
+            "--decode-concurrency", str(batch), "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
+
+
+@contextlib.contextmanager
+def servers(kinds: tuple[str, ...], model: str, batch: int, max_tokens: int, out: Path, mlxq_args=()):
+    """Start the servers in ``kinds`` on ``model``; yield their URLs in that order; stop them."""
+    ports = [free_port() for _ in kinds]
+    logs = [open(out / f"{kind}.log", "w") for kind in kinds]
+    procs = [subprocess.Popen(server_command(kind, model, port, batch, max_tokens, mlxq_args), stdout=log,
+                              stderr=subprocess.STDOUT, env=os.environ.copy())
+             for kind, port, log in zip(kinds, ports, logs, strict=True)]
     try:
-        a, b = f"http://127.0.0.1:{mlxq_port}", f"http://127.0.0.1:{mlx_lm_port}"
-        wait_healthy(a, procs[0])
-        wait_healthy(b, procs[1])
-        yield a, b
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url, proc in zip(urls, procs, strict=True):
+            wait_healthy(url, proc)
+        yield urls
     finally:
         for proc in procs:
             proc.terminate()
@@ -51,13 +57,21 @@ def both_servers(model: str, batch: int, max_tokens: int, out: Path, mlxq_args=(
                 proc.kill()
 
 
-def bench_command(a: str, b: str, concurrency: str, num_requests: int, prompt_len: int, max_tokens: int,
+@contextlib.contextmanager
+def both_servers(model: str, batch: int, max_tokens: int, out: Path, mlxq_args=()):
+    """Start mlxq serve and mlx_lm.server on ``model``; yield their URLs; stop both."""
+    with servers(("mlxq", "mlx_lm"), model, batch, max_tokens, out, mlxq_args) as (a, b):
+        yield a, b
+
+
+def bench_command(a: str, b: str | None, concurrency: str, num_requests: int, prompt_len: int, max_tokens: int,
                   rounds: int, dataset: str, json_path: Path, plot_path: Path | None,
                   fresh_prompts: bool = False) -> list[str]:
-    cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", a, "--compare", b,
-           "--concurrency", concurrency, "--num-requests", str(num_requests), "--prompt-len", str(prompt_len),
+    cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", a,
+           *(["--compare", b, "--compare-label", "mlx_lm.server"] if b else []), "--concurrency", concurrency,
+           "--num-requests", str(num_requests), "--prompt-len", str(prompt_len),
            "--max-tokens", str(max_tokens), "--rounds", str(rounds), "--dataset", dataset, "--ignore-eos",
-           "--warmup", "2", "--label", "mlxq", "--compare-label", "mlx_lm.server", "--json", str(json_path),
+           "--warmup", "2", "--label", "mlxq" if b else "server", "--json", str(json_path),
            "--quiet"]
     cmd += ["--fresh-prompts"] if fresh_prompts else []
     return cmd + (["--plot", str(plot_path)] if plot_path else [])

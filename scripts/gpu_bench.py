@@ -226,26 +226,44 @@ def phase_kvquant(args, results):
 
 
 def phase_http(args, results):
-    from compare_mlx_lm import bench_command, both_servers
+    """The sweep. Both servers up at once, levels alternating (default), or with --isolate each
+    server alone on the GPU (mlxq's levels, then mlx_lm.server's): two MLX processes on one GPU
+    compete for its memory (each allocator keeps what it freed), which at c=128 ran both out."""
+    from compare_mlx_lm import bench_command, both_servers, servers
 
     out = Path(args.out)
     levels = [int(x) for x in args.concurrency.split(",")]
     model = str(MODELS / args.preset)
-    sweep = {}
-    with both_servers(model, max(levels), args.max_tokens, out, ["--prompt-concurrency", "8"]) as (a, b):
+    extra = ["--prompt-concurrency", "8"]
+
+    def bench(a, b, level, path):
+        num = max(16, 2 * level)
+        cmd = bench_command(a, b, str(level), num, args.prompt_words, args.max_tokens, 1, "random", path, None)
+        t = time.perf_counter()
+        subprocess.run(cmd, env={**os.environ, "COLUMNS": "200"}, check=False)
+        log(f"http c={level} done in {time.perf_counter() - t:.0f}s")
+        return json.loads(path.read_text()) if path.exists() else None
+
+    docs = {}
+    if args.isolate:
+        alone = {}
+        for kind in ("mlxq", "mlx_lm"):
+            with servers((kind,), model, max(levels), args.max_tokens, out, extra) as (url,):
+                for level in levels:
+                    alone[kind, level] = bench(url, None, level, out / f"http-{kind}-c{level}.json")
         for level in levels:
-            path = out / f"http-c{level}.json"
-            num = max(16, 2 * level)
-            cmd = bench_command(a, b, str(level), num, args.prompt_words, args.max_tokens, 1, "random", path, None)
-            t = time.perf_counter()
-            subprocess.run(cmd, env={**os.environ, "COLUMNS": "200"}, check=False)
-            log(f"http c={level} done in {time.perf_counter() - t:.0f}s")
-            if path.exists():
-                doc = json.loads(path.read_text())
-                sweep[str(level)] = {
-                    key: {k: v for k, v in doc[key][0].items() if k != "records"} for key in ("a", "b")
-                }
-    results["http"] = sweep
+            a, b = alone["mlxq", level], alone["mlx_lm", level]
+            if a and b:
+                docs[level] = {"a": a["a"], "b": b["a"]}  # the side-by-side layout gpu_report.py reads
+                (out / f"http-c{level}.json").write_text(json.dumps(docs[level]))
+    else:
+        with both_servers(model, max(levels), args.max_tokens, out, extra) as (a, b):
+            for level in levels:
+                docs[level] = bench(a, b, level, out / f"http-c{level}.json")
+    results["http"] = {
+        str(level): {key: {k: v for k, v in doc[key][0].items() if k != "records"} for key in ("a", "b")}
+        for level, doc in docs.items() if doc
+    }
 
 
 PHASES = {"build": phase_build, "bandwidth": phase_bandwidth, "b1": phase_b1, "prefill": phase_prefill,
@@ -262,6 +280,7 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=130)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--isolate", action="store_true", help="http: each server alone on the GPU, one after the other")
     ap.add_argument("--restore-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
     ap.add_argument("--kv-prompt-tokens", type=int, default=2048)
     args = ap.parse_args()

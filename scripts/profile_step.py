@@ -124,6 +124,9 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     lm = load_model(args.model)
+    from mlxq.kv.cuda_attention import install
+
+    print(f"CUDA attention routing: {install()}", flush=True)  # as the engine does (CUDA only)
     footprint = measure_footprint(lm.model)
 
     def run(rows: int, profile=None):

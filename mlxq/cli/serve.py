@@ -32,6 +32,9 @@ def serve(
                                                "or config (per-layer bits from kv_config.json beside the "
                                                "model).")] = "off",
     kv_group_size: Annotated[int, typer.Option(help="Quantization group along head_dim: 32, 64 or 128.")] = 64,
+    warmup: Annotated[str, typer.Option(help="Run every generation path once on synthetic prompts before "
+                                             "reporting ready (GPU kernels compile on first use): on, off, "
+                                             "auto (on for GPU backends).")] = "auto",
     ssd_cache: Annotated[str | None, typer.Option(help="Directory of the SSD cold tier (.mlxkv files); "
                                                        "prompt-cache entries survive restarts.")] = None,
     ssd_cache_max: Annotated[str | None, typer.Option(help="Byte cap of the SSD tier, e.g. 100GB "
@@ -72,6 +75,7 @@ def serve(
             kv_budget_auto=kv_budget.strip().lower() == "auto",
             prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
             ssd=ssd, kv_quant=kv_quant.strip().lower(), kv_group_size=kv_group_size,
+            warmup=warmup.strip().lower(),
         )
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:

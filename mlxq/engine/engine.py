@@ -47,6 +47,7 @@ class EngineConfig:
     ssd: SsdConfig | None = None  # the SSD cold tier behind the prompt cache
     kv_quant: str = "off"  # --kv-quant: off, a bit width, or config (kv.scheme)
     kv_group_size: int = 64
+    warmup: str = "off"  # on, off, auto (on for GPU backends): engine/warmup.py before ready
 
     def __post_init__(self):
         if self.prefill_step_size < 1:
@@ -61,6 +62,8 @@ class EngineConfig:
             raise ValueError("prompt_cache must be >= 0")
         if self.ssd is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM prompt cache (--prompt-cache > 0): restores land there")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ValueError("warmup must be auto, on or off")
 
 
 @dataclass
@@ -104,6 +107,8 @@ class Engine:
         self.stats = EngineStats()
         self.gateway: GenerationGateway | None = None
         self.scheduler = None  # BatchScheduler once loaded, when the model can batch
+        self.warmup_done = False  # the start-up warm-up ran (engine/warmup.py)
+        self.cuda_attention = False  # attention routed past cuDNN builds and masked fallbacks (kv/cuda_attention.py)
         self.footprint = None  # KvFootprint once loaded
         self.kv_budget_bytes: int | None = config.kv_budget_bytes  # the effective budget (auto resolved at load)
         self.scheme = None  # kv.scheme.KvScheme once loaded
@@ -185,6 +190,7 @@ class Engine:
         try:
             self.loaded = self._load()
             self._setup_lanes()
+            self._warm_up()
             self.ready.set()
             log.info("model ready: %s (batch mode: %s)", self.loaded.description, self.gateway.mode)
             while not self._stopping.is_set():
@@ -231,9 +237,11 @@ class Engine:
 
     def _setup_lanes(self) -> None:
         from mlxq.kv.capabilities import UnknownCacheKind, model_cache_kinds
+        from mlxq.kv.cuda_attention import install as install_cuda_attention
         from mlxq.kv.projection import measure_footprint
         from mlxq.kv.scheme import head_dims, probe_caches, resolve_scheme
 
+        self.cuda_attention = install_cuda_attention()  # after the load: routes the model's attention calls
         probe = probe_caches(self.loaded.model)
         self.scheme = resolve_scheme(self.config.kv_quant, self.config.kv_group_size, self.loaded.path, probe,
                                      head_dims(probe))
@@ -262,6 +270,22 @@ class Engine:
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme,
             )
+
+    def _warm_up(self) -> None:
+        import mlx.core as mx
+
+        from mlxq.engine.warmup import warm_up
+
+        wanted = self.config.warmup
+        if wanted == "off" or (wanted == "auto" and mx.default_device().type != mx.DeviceType.gpu):
+            return
+        try:
+            seconds = warm_up(self.loaded.model, self.loaded.tokenizer, self.footprint, self.config.prefill_step_size,
+                              self.scheme, batch=self.scheduler is not None)
+            log.info("warm-up: every generation path ran once in %.1fs", seconds)
+        except Exception:  # serving may still work: say so and go on
+            log.warning("warm-up failed", exc_info=True)
+        self.warmup_done = True
 
     def _memory(self) -> tuple[int | None, int]:
         """(device memory, weight bytes): what the automatic sizes start from (read once)."""

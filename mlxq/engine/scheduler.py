@@ -42,6 +42,19 @@ log = logging.getLogger("mlxq.scheduler")
 CLEAR_CACHE_EVERY = 256  # decode steps between mx.clear_cache() calls (mlx-lm's serial cadence)
 
 
+def _release_cached_memory() -> None:
+    """After a fault, hand MLX's cached buffers back to the device.
+
+    The fault may have been memory: seen on a shared H200, "cudaMallocAsync ... out of
+    memory" while another process held most of the GPU, and every later prefill failed
+    too while this process kept its freed buffers cached.
+    """
+    try:
+        mx.clear_cache()
+    except Exception:  # best effort: never turn one fault into two
+        log.debug("clear_cache after a fault failed", exc_info=True)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_rows: int  # --batch: rows decoding together
@@ -213,6 +226,7 @@ class BatchScheduler:
                 for row in rows:
                     row.output.finish(FinishReason.ERROR, error=f"batch decode failed: {type(exc).__name__}: {exc}")
                     self._on_finish(row)
+                _release_cached_memory()
 
     def _purge_cancelled(self) -> None:
         for joiner in [j for j in self._joiners if j.row.request.cancelled.is_set()]:
@@ -462,6 +476,7 @@ class BatchScheduler:
                 self._joiners.remove(joiner)
             joiner.row.output.finish(FinishReason.ERROR, error=f"{phase} failed: {type(exc).__name__}: {exc}")
             self._on_finish(joiner.row)
+        _release_cached_memory()
 
     def _decode_step(self) -> None:
         inputs, logprobs_now, emitted = self._pending

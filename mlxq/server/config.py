@@ -24,6 +24,7 @@ class ServerConfig:
     ssd: SsdConfig | None = None  # --ssd-cache DIR and its sub-flags
     kv_quant: str = "off"  # off, 2/3/4/5/6/8 bits, or config (kv_config.json beside the model)
     kv_group_size: int = 64
+    warmup: str = "auto"  # run every generation path once before ready: on, off, auto (GPU backends)
     stall_timeout_s: float = 120.0  # /health turns 503 when work is pending and no step ran this long
     shutdown_timeout_s: float = 30.0  # on SIGINT/SIGTERM: how long in-flight requests may take to finish
     log_level: str = "info"
@@ -48,6 +49,8 @@ class ServerConfig:
             raise ValueError(f"--kv-quant must be off, 2, 3, 4, 5, 6, 8 or config; got {self.kv_quant!r}")
         if self.kv_group_size not in (32, 64, 128):
             raise ValueError(f"--kv-group-size must be 32, 64 or 128; got {self.kv_group_size}")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ValueError(f"--warmup must be auto, on or off; got {self.warmup!r}")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be > 0")
         if self.shutdown_timeout_s < 0:

@@ -87,6 +87,7 @@ class ServerState:
         scheme, footprint = self.engine.scheme, self.engine.footprint
         return {
             "scheme": scheme.key if scheme else None,
+            "cuda_attention": self.engine.cuda_attention,
             "group_size": scheme.group_size if scheme and scheme.quantized else None,
             "layer_bits": list(scheme.layer_bits) if scheme and scheme.quantized else None,
             "bytes_per_token": sum(layer.bytes_per_token for layer in footprint.layers) if footprint else None,
@@ -111,6 +112,7 @@ class ServerState:
                 "running": engine.num_running,
                 "waiting": engine.num_waiting,
                 "prefill_step_size": self.config.prefill_step_size,
+                "warmed_up": engine.warmup_done,
                 **asdict(engine.stats),
             },
             "batch": self._batch_stats(),

@@ -1,0 +1,59 @@
+"""Start-up warm-up: every generation code path runs once before the first user's request.
+
+MLX's GPU backends compile kernels the first time an operation meets a new
+kind of input (and cuDNN builds a graph per attention shape). Seen on the
+H200 (docs/benchmarks.md, run 10): the first time joiners prefilled
+together, every running row stalled for 7 s; the first batch merge and
+eviction stalled a c=8 sweep for seconds. Those costs belong to start-up,
+not to whichever users arrive first.
+
+The warm-up runs on the engine thread before the server reports ready, on
+synthetic prompts, with a scheduler of its own and no prompt cache: nothing
+is stored, nothing is counted. It covers: joiners of different lengths
+prefilled in one padded forward, a merge into a batch, batched decode (greedy
+and seeded sampling), a joiner extending a running batch, evictions at
+different times, and the return to a lone row's caches; with ``--batch 1``
+the serial lane instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mlxq.engine.types import Request, SamplingParams
+
+_TEXT = "The quick brown fox jumps over the lazy dog while the engine warms up its kernels. "
+
+
+def _prompt(tokenizer, length: int) -> list[int]:
+    ids = tokenizer.encode(_TEXT * 8)
+    return (ids * (length // max(len(ids), 1) + 1))[:length]
+
+
+def warm_up(model, tokenizer, footprint, prefill_step_size: int, scheme, batch: bool) -> float:
+    """Run the code paths above once; returns the seconds it took."""
+    start = time.perf_counter()
+    ignore = lambda event: None  # noqa: E731
+    if not batch:
+        from mlxq.engine.serial import run_serial
+
+        run_serial(model, tokenizer, Request("warmup", _prompt(tokenizer, 24), SamplingParams(), 4, ignore_eos=True),
+                   ignore, prefill_step_size=prefill_step_size, scheme=scheme)
+        return time.perf_counter() - start
+
+    from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+
+    sched = BatchScheduler(model, tokenizer, footprint, SchedulerConfig(4, 4, prefill_step_size, None), scheme=scheme)
+    sched.add(Request("warmup-0", _prompt(tokenizer, 33), SamplingParams(), 6, ignore_eos=True), ignore)
+    sched.add(Request("warmup-1", _prompt(tokenizer, 17), SamplingParams(temperature=0.7, seed=0), 4,
+                      ignore_eos=True), ignore)
+    for _ in range(8):  # both prefill in one step and join
+        if sched.num_rows == 2:
+            break
+        sched.step()
+    sched.add(Request("warmup-2", _prompt(tokenizer, 9), SamplingParams(), 3, ignore_eos=True), ignore)
+    for _ in range(64):
+        if sched.is_idle:
+            break
+        sched.step()
+    return time.perf_counter() - start

@@ -1,0 +1,61 @@
+"""Start-up warm-up (engine/warmup.py): every generation path runs before the server is
+ready, and leaves no trace a user could see — no counted request, no prompt-cache entry —
+and no difference in what the first real request generates."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from mlxq.engine.engine import Engine, EngineConfig
+from mlxq.engine.types import Request, SamplingParams
+from mlxq.models.loader import load_model
+from tests.conftest import ServerProcess
+from tests.engine.test_engine_thread import run
+
+
+def _engine(model_dir, **config) -> Engine:
+    engine = Engine(lambda: load_model(str(model_dir)), EngineConfig(**config))
+    engine.start()
+    assert engine.ready.wait(120)
+    return engine
+
+
+@pytest.mark.parametrize("batch", [4, 1])
+def test_warmup_leaves_no_trace_and_changes_no_output(tiny_model_dirs, batch):
+    request = lambda: Request("r", list(range(5, 45)), SamplingParams(), 12)  # noqa: E731
+    cold = _engine(tiny_model_dirs["llama"], max_rows=batch)
+    try:
+        want = [e.token_id for e in run(cold, request()) if e.token_id is not None]
+        assert cold.warmup_done is False
+    finally:
+        cold.stop()
+    warm = _engine(tiny_model_dirs["llama"], max_rows=batch, warmup="on")
+    try:
+        assert warm.warmup_done is True
+        assert warm.stats.requests_finished == 0 and warm.stats.generated_tokens == 0
+        assert warm.prompt_cache is None or len(warm.prompt_cache) == 0
+        got = [e.token_id for e in run(warm, request()) if e.token_id is not None]
+        assert got == want
+    finally:
+        warm.stop()
+
+
+def test_warmup_flag_reaches_a_real_server(tiny_model_dirs):
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--warmup", "on", "--log-level", "warning") as server:
+        stats = httpx.get(f"{server.url}/stats").json()
+        assert stats["engine"]["warmed_up"] is True
+        assert stats["engine"]["requests_finished"] == 0
+        assert stats["prompt_cache"]["entries"] == 0
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_bad_warmup_value_is_a_usage_error(tiny_model_dirs):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--model", str(tiny_model_dirs["llama"]),
+                           "--warmup", "sometimes"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--warmup must be auto, on or off" in proc.stderr

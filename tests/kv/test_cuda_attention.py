@@ -1,0 +1,65 @@
+"""CUDA attention routing (kv/cuda_attention.py): the plain-operations attention it uses for
+short prefill chunks equals MLX's attention for every mask kind, and on a machine without
+CUDA nothing is rerouted (so every other test here runs mlx-lm's own attention)."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import base
+
+from mlxq.kv import cuda_attention
+
+
+def _qkv(batch=2, heads=8, kv_heads=2, length=5, span=9, dim=32, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((batch, heads, length, dim))
+    k = mx.random.normal((batch, kv_heads, span, dim))
+    v = mx.random.normal((batch, kv_heads, span, dim))
+    return q, k, v
+
+
+def _masks(batch, length, span):
+    rows = mx.arange(span - length, span)[:, None]
+    causal = rows >= mx.arange(span)[None, :]
+    starts = mx.array([0, 3])[:batch]
+    padded = causal[None, None] & (mx.arange(span)[None, None, None, :] >= starts[:, None, None, None])
+    additive = mx.where(padded, 0.0, -1e9)
+    return {"none": None, "causal": "causal", "bool": padded, "additive": additive,
+            "bool-2d": causal}
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "additive", "bool-2d"])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+def test_ops_attention_equals_mlx_attention(kind, heads, kv_heads):
+    q, k, v = _qkv(heads=heads, kv_heads=kv_heads)
+    mask = _masks(2, 5, 9)[kind]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+    got = cuda_attention.ops_attention(q, k, v, 0.3, mask)
+    assert got.shape == want.shape
+    assert mx.abs(got - want).max().item() < 1e-5
+
+
+def test_ops_attention_single_query_with_history():
+    q, k, v = _qkv(length=1, span=12)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    assert mx.abs(cuda_attention.ops_attention(q, k, v, 0.2, "causal") - want).max().item() < 1e-5
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="checks the machine without CUDA")
+def test_nothing_is_rerouted_without_cuda():
+    import mlx_lm.models.llama  # noqa: F401  (a model module that imports the entry point)
+
+    assert cuda_attention.install() is False
+    assert sys.modules["mlx_lm.models.llama"].scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert base.scaled_dot_product_attention is not cuda_attention.route
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+def test_decode_kernel_matches_mlx_on_cuda():
+    from mlxq.kv.decode_kernel import self_check
+
+    assert self_check(mx.float32) < 1e-5
+    assert self_check(mx.bfloat16) < 2e-2
