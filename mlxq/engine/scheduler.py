@@ -92,6 +92,13 @@ class _Joiner:
         return self.done >= len(self.row.request.prompt_ids) - 1
 
 
+def _gathered(joiners: list[_Joiner]) -> tuple[list, bool]:
+    """(caches, batched): a lone joiner's own caches (the serial lane's graph), or all merged."""
+    if len(joiners) == 1:
+        return joiners[0].caches, False
+    return merge_solo_rows([j.caches for j in joiners]), True
+
+
 class BatchScheduler:
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
@@ -368,10 +375,7 @@ class BatchScheduler:
         if not joining:
             return
         try:
-            if len(joining) == 1:
-                caches, batched = joining[0].caches, False
-            else:
-                caches, batched = merge_solo_rows([j.caches for j in joining]), True
+            caches, batched = _gathered(joining)
         except Exception as exc:
             self._fail_joiners(joining, "join", exc)
             return
@@ -390,10 +394,7 @@ class BatchScheduler:
                 self._first_tokens([joiner])
             return
         try:
-            if len(ready) == 1:
-                caches, batched = ready[0].caches, False
-            else:
-                caches, batched = merge_solo_rows([j.caches for j in ready]), True
+            caches, batched = _gathered(ready)
             lasts = mx.array([j.row.request.prompt_ids[-1] for j in ready])
             with mx.stream(generation_stream):
                 logits = self.model(lasts[:, None], cache=caches)[:, -1, :]
