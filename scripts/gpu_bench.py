@@ -225,6 +225,28 @@ def phase_kvquant(args, results):
     results["kvquant"] = out
 
 
+_LATENCIES = ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")
+
+
+def _latency_sums(url: str) -> dict[str, float]:
+    """The _sum and _count of mlxq's latency histograms from /metrics (warm-up requests included)."""
+    import httpx
+
+    sums = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        for name in _LATENCIES:
+            for part in ("_sum", "_count"):
+                if line.startswith(f"mlxq:{name}{part} "):
+                    sums[name + part] = float(line.split()[-1])
+    return sums
+
+
+def _mean_ms(before: dict, after: dict, name: str) -> float | None:
+    count = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+    total = after.get(name + "_sum", 0) - before.get(name + "_sum", 0)
+    return round(1000 * total / count, 2) if count else None
+
+
 def phase_http(args, results):
     """The sweep. Both servers up at once, levels alternating (default), or with --isolate each
     server alone on the GPU (mlxq's levels, then mlx_lm.server's): two MLX processes on one GPU
@@ -244,13 +266,17 @@ def phase_http(args, results):
         log(f"http c={level} done in {time.perf_counter() - t:.0f}s")
         return json.loads(path.read_text()) if path.exists() else None
 
-    docs = {}
+    docs, server_side = {}, {}
     if args.isolate:
         alone = {}
         for kind in ("mlxq", "mlx_lm"):
             with servers((kind,), model, max(levels), args.max_tokens, out, extra) as (url,):
                 for level in levels:
+                    before = _latency_sums(url) if kind == "mlxq" else {}
                     alone[kind, level] = bench(url, None, level, out / f"http-{kind}-c{level}.json")
+                    if kind == "mlxq":
+                        after = _latency_sums(url)
+                        server_side[str(level)] = {name: _mean_ms(before, after, name) for name in _LATENCIES}
         for level in levels:
             a, b = alone["mlxq", level], alone["mlx_lm", level]
             if a and b:
@@ -260,6 +286,11 @@ def phase_http(args, results):
         with both_servers(model, max(levels), args.max_tokens, out, extra) as (a, b):
             for level in levels:
                 docs[level] = bench(a, b, level, out / f"http-c{level}.json")
+    if server_side:
+        # TTFT as the engine saw it (submit -> token 0 sampled) and its parts, per level: what the
+        # client's TTFT adds on top is HTTP, tokenization and the event loop.
+        results["http_server_side_ms"] = server_side
+        log(f"mlxq server-side means (ms): {server_side}")
     results["http"] = {
         str(level): {key: {k: v for k, v in doc[key][0].items() if k != "records"} for key in ("a", "b")}
         for level, doc in docs.items() if doc
