@@ -283,9 +283,9 @@ class Engine:
             seconds = warm_up(self.loaded.model, self.loaded.tokenizer, self.footprint, self.config.prefill_step_size,
                               self.scheme, batch=self.scheduler is not None)
             log.info("warm-up: every generation path ran once in %.1fs", seconds)
+            self.warmup_done = True
         except Exception:  # serving may still work: say so and go on
             log.warning("warm-up failed", exc_info=True)
-        self.warmup_done = True
 
     def _memory(self) -> tuple[int | None, int]:
         """(device memory, weight bytes): what the automatic sizes start from (read once)."""

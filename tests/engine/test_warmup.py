@@ -21,16 +21,17 @@ def _engine(model_dir, **config) -> Engine:
     return engine
 
 
-@pytest.mark.parametrize("batch", [4, 1])
-def test_warmup_leaves_no_trace_and_changes_no_output(tiny_model_dirs, batch):
+@pytest.mark.parametrize("arch,batch,kv_quant", [("llama", 4, "off"), ("llama", 1, "off"), ("llama", 4, "8"),
+                                                 ("gemma3_text", 4, "off"), ("qwen3_next", 4, "off")])
+def test_warmup_leaves_no_trace_and_changes_no_output(tiny_model_dirs, arch, batch, kv_quant):
     request = lambda: Request("r", list(range(5, 45)), SamplingParams(), 12)  # noqa: E731
-    cold = _engine(tiny_model_dirs["llama"], max_rows=batch)
+    cold = _engine(tiny_model_dirs[arch], max_rows=batch, kv_quant=kv_quant)
     try:
         want = [e.token_id for e in run(cold, request()) if e.token_id is not None]
         assert cold.warmup_done is False
     finally:
         cold.stop()
-    warm = _engine(tiny_model_dirs["llama"], max_rows=batch, warmup="on")
+    warm = _engine(tiny_model_dirs[arch], max_rows=batch, kv_quant=kv_quant, warmup="on")
     try:
         assert warm.warmup_done is True
         assert warm.stats.requests_finished == 0 and warm.stats.generated_tokens == 0
