@@ -63,3 +63,31 @@ def test_decode_kernel_matches_mlx_on_cuda():
 
     assert self_check(mx.float32) < 1e-5
     assert self_check(mx.bfloat16) < 2e-2
+
+
+def test_route_sends_each_call_where_it_belongs(monkeypatch):
+    """Short prefill chunks -> plain ops; long chunks, quantized caches and sinks -> mlx-lm's function."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    calls = []
+
+    def mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        calls.append(queries.shape[2])
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    monkeypatch.setattr(cuda_attention, "_mlx_lm_attention", mlx_lm_attention)
+    q, k, v = _qkv(length=5, span=9)
+    out = cuda_attention.route(q, k, v, KVCache(), 0.3, "causal")
+    assert calls == []  # ran as plain operations
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal")
+    assert mx.abs(out - want).max().item() < 1e-5
+
+    monkeypatch.setattr(cuda_attention, "OPS_MAX_SCORES", 5 * 9 - 1)
+    cuda_attention.route(q, k, v, KVCache(), 0.3, "causal")
+    assert calls == [5]  # a chunk over the limit stays on MLX's attention (cuDNN on CUDA)
+    monkeypatch.setattr(cuda_attention, "OPS_MAX_SCORES", 1 << 30)
+    cuda_attention.route(q, k, v, KVCache(), 0.3, "causal", sinks=mx.zeros((8,)))
+    cuda_attention.route(q, k, v, QuantizedKVCache(), 0.3, "causal")
+    one = _qkv(length=1, span=9)
+    cuda_attention.route(*one, KVCache(), 0.3, None)  # a solo decode step: MLX's fused kernel
+    assert calls == [5, 5, 5, 1]
