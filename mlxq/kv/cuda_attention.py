@@ -77,7 +77,9 @@ def route(queries, keys, values, cache, scale, mask, sinks=None):
     if sinks is None and not hasattr(cache, "bits") and keys.dtype == queries.dtype:
         length = queries.shape[2]
         if length == 1:
-            if type(cache) is BatchKVCache and isinstance(mask, mx.array) and queries.shape[-1] in HEAD_DIMS:
+            dim = queries.shape[-1]
+            if (type(cache) is BatchKVCache and isinstance(mask, mx.array) and dim in HEAD_DIMS
+                    and keys.shape[-1] == values.shape[-1] == dim and queries.shape[1] % keys.shape[1] == 0):
                 return masked_decode_attention(queries, keys, values, cache.left_padding, scale)
         elif length * keys.shape[2] <= OPS_MAX_SCORES:
             return ops_attention(queries, keys, values, scale, mask)

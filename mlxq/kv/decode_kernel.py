@@ -95,6 +95,7 @@ _SOURCE = """
 """
 
 _kernel = None
+_scales: dict[float, mx.array] = {}  # one device scalar per scale, not one per layer and step
 
 
 def masked_decode_attention(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
@@ -111,8 +112,10 @@ def masked_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
             ensure_row_contiguous=False,
         )
     batch, heads, _, dim = queries.shape
+    if scale not in _scales:
+        _scales[scale] = mx.array([scale], mx.float32)
     return _kernel(
-        inputs=[mx.contiguous(queries), keys, values, starts.astype(mx.int32), mx.array([scale], mx.float32)],
+        inputs=[mx.contiguous(queries), keys, values, mx.contiguous(starts.astype(mx.int32)), _scales[scale]],
         template=[("T", queries.dtype), ("D", dim), ("W", _WARPS)],
         grid=(heads * _WARPS * 32, batch, 1),
         threadgroup=(_WARPS * 32, 1, 1),
