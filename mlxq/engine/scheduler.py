@@ -505,7 +505,7 @@ class BatchScheduler:
         if all(row.is_plain_greedy for row in self._rows):
             # One vectorized argmax; per row the same math as the serial greedy sampler.
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return mx.argmax(logprobs, axis=-1), list(logprobs)
+            return mx.argmax(logprobs, axis=-1), [None] * len(self._rows)  # no row asked for logprobs
         tokens, logprobs = [], []
         for i, row in enumerate(self._rows):
             token, lp = row.sample(logits[i : i + 1], inputs[i : i + 1])
