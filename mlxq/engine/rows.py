@@ -28,6 +28,7 @@ class Row:
     processors: list  # mlx-lm logits processors
     key: mx.array | None  # this row's PRNG state (seeded rows only)
     history: mx.array | None = None  # tokens the processors see; None when there are none
+    awaiting_first: bool = False  # joined with its last prompt token pending: the next step draws token 0
 
     @property
     def is_plain_greedy(self) -> bool:

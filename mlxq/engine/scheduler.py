@@ -362,9 +362,9 @@ class BatchScheduler:
         """Prefilled joiners join the batch with their last prompt token as pending input.
 
         The batch's next decode step then computes their token 0 together with every
-        running row's next token: one forward and no host sync per burst of arrivals
-        (a separate token-0 forward streamed all the weights again and drained the
-        decode pipeline). The row's math is the serial lane's: the last prompt token
+        running row's next token, and hands it out as soon as that step is done: one
+        forward and one host sync per burst of arrivals (a separate token-0 forward
+        streamed all the weights again). The row's math is the serial lane's: the last prompt token
         fed on caches holding the rest of the prompt. One-token prompts have empty
         caches, which do not merge: they take the separate path.
         """
@@ -380,6 +380,8 @@ class BatchScheduler:
             self._fail_joiners(joining, "join", exc)
             return
         lasts = mx.array([j.row.request.prompt_ids[-1] for j in joining], dtype=mx.uint32)
+        for joiner in joining:
+            joiner.row.awaiting_first = True
         self._join([j.row for j in joining], caches, batched, lasts, [None] * len(joining))
 
     def _first_tokens(self, ready: list[_Joiner]) -> None:
@@ -494,7 +496,18 @@ class BatchScheduler:
                 continue
             if self._emit(row, tokens[i], logprobs_now[i]):
                 keep.append(i)
-        self._pending = (next_tokens, next_logprobs, [False] * len(self._rows))
+        done_now = [False] * len(self._rows)
+        joined = [i for i in keep if self._rows[i].awaiting_first]
+        if joined:
+            # This step computed token 0 of rows that joined before it: hand it out now, not one
+            # step later (time to first token). Waiting drains the pipeline once per admission.
+            drawn = next_tokens.tolist()
+            for i in joined:
+                row = self._rows[i]
+                row.awaiting_first, done_now[i] = False, True
+                if not self._emit(row, drawn[i], next_logprobs[i]):
+                    keep.remove(i)
+        self._pending = (next_tokens, next_logprobs, done_now)
         if len(keep) < len(self._rows):
             self._evict(keep)
         self._steps += 1
