@@ -260,12 +260,15 @@ class Engine:
         self._setup_prompt_cache()
         self.kv_budget_bytes = self._resolve_kv_budget()
         if self.gateway.mode == "batch":
+            import mlx.core as mx
+
             from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 
             self.scheduler = BatchScheduler(
                 self.loaded.model, self.loaded.tokenizer, self.footprint,
                 SchedulerConfig(self.config.max_rows, self.config.prompt_concurrency,
-                                self.config.prefill_step_size, self.kv_budget_bytes),
+                                self.config.prefill_step_size, self.kv_budget_bytes,
+                                token0_in_decode=mx.default_device().type != mx.DeviceType.cpu),
                 on_finish=lambda row: self._done(row.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme,

@@ -8,7 +8,9 @@ One ``step()`` is a short list of phases:
 - A joiner prefills prompt[:-1] on its own solo caches, in the serial lane's
   chunks (the chunks of joiners advancing in one step run as one forward).
   Once prefilled it joins with its last prompt token as pending input, so the
-  batch's next decode step computes its token 0 with everyone's next token.
+  batch's next decode step computes its token 0 with everyone's next token
+  (GPU); on the CPU, where a forward of the joiners alone is cheaper than a
+  batch step, token 0 comes from that forward before they join.
 - A row joining an empty batch *adopts* its caches: the B=1 step is the
   serial lane's graph. A second row merges both into mlx-lm's batched
   caches; when only one row is left it is extracted back to solo caches.
@@ -61,6 +63,10 @@ class SchedulerConfig:
     prompt_concurrency: int  # joiners prefilling at once
     prefill_step_size: int  # tokens per prefill chunk, and the per-step prefill budget
     kv_budget_bytes: int | None  # admission cap on projected KV bytes; None = unlimited
+    # Token 0 from the batch's decode step (True: on a GPU a forward of the joiners alone streams
+    # all the weights again) or from a forward of the joiners alone (False: on the compute-bound
+    # CPU that smaller forward gives the earlier first token). Same tokens either way.
+    token0_in_decode: bool = True
 
 
 # A joiner waits for another joiner's prefill only when they share at least this many new tokens.
@@ -368,6 +374,9 @@ class BatchScheduler:
         fed on caches holding the rest of the prompt. One-token prompts have empty
         caches, which do not merge: they take the separate path.
         """
+        if not self.config.token0_in_decode:
+            self._first_tokens(ready)
+            return
         empty = [j for j in ready if j.done == 0]
         if empty:
             self._first_tokens(empty)
@@ -385,13 +394,16 @@ class BatchScheduler:
         self._join([j.row for j in joining], caches, batched, lasts, [None] * len(joining))
 
     def _first_tokens(self, ready: list[_Joiner]) -> None:
-        """Token 0 of one-token prompts from one forward of their only token, then join.
+        """Token 0 of ready joiners from one forward of their last prompt tokens, then join.
 
-        One joiner runs on its own caches (the serial lane's graph); several are
-        merged first, so a burst of arrivals costs one forward here, not one each.
+        Used for every joiner when ``token0_in_decode`` is off, and for one-token
+        prompts always. One joiner runs on its own caches (the serial lane's graph);
+        several are merged first, so a burst of arrivals costs one forward, not one
+        each. Token 0 is emitted before the rows join; a row that ends there never joins.
         """
-        if self.scheme.quantized and len(ready) > 1:
-            # The serial lane quantizes empty caches only after this forward: run each alone, in order.
+        if self.scheme.quantized and len(ready) > 1 and any(j.done == 0 for j in ready):
+            # One-token prompts reach token 0 with empty caches, which the serial lane quantizes
+            # only after this forward: run each of those alone, in the same order.
             for joiner in ready:
                 self._first_tokens([joiner])
             return

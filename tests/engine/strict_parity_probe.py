@@ -57,14 +57,19 @@ def main(model_dirs: list[str]) -> None:
             reqs = requests(tokenizer, 12)
             recorded.clear()
             arrivals = [(rng.randint(0, 30), r) for r in reqs]
-            got, _ = run_schedule(model, tokenizer, arrivals, max_rows=8, prompt_concurrency=rng.choice([1, 3]))
+            in_decode = trial % 2 == 0  # both places token 0 can come from
+            got, _ = run_schedule(model, tokenizer, arrivals, max_rows=8, prompt_concurrency=rng.choice([1, 3]),
+                                  token0_in_decode=in_decode)
             for r in reqs:
                 solo = solo_tokens(model, tokenizer, r, 2048)
                 if solo != got[r.request_id]:
                     mismatched.append(f"trial{trial}:{r.request_id}")
                     continue
                 fed = solo[:-1]  # after token 0 (the last prompt token's step), the tokens each step fed
-                for a, b in zip(recorded.get(r.request_id, []), solo_logits(model, r, fed), strict=False):
+                want = solo_logits(model, r, fed)
+                if not in_decode:
+                    want = want[1:]  # token 0 came from the joiners' own forward, not a decode step
+                for a, b in zip(recorded.get(r.request_id, []), want, strict=False):
                     max_diff = max(max_diff, mx.abs(a - b).max().item())
         sched.BatchScheduler._sample = original
         report[path.rsplit("/", 1)[-1]] = {"mismatched_rows": mismatched, "max_logit_diff": max_diff}

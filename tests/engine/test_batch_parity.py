@@ -21,11 +21,12 @@ def solo_tokens(model, tokenizer, request: Request, step_size: int) -> list[int]
     return run_serial(model, tokenizer, fresh, lambda e: None, prefill_step_size=step_size).tokens
 
 
-def run_schedule(model, tokenizer, arrivals, *, max_rows=8, prompt_concurrency=2, step_size=2048, scheme=NATIVE):
+def run_schedule(model, tokenizer, arrivals, *, max_rows=8, prompt_concurrency=2, step_size=2048, scheme=NATIVE,
+                 token0_in_decode=True):
     """arrivals: [(step, Request)]; returns {request_id: tokens} and the max rows seen together."""
     finished: dict[str, list[int]] = {}
-    scheduler = BatchScheduler(model, tokenizer, measure_footprint(model, step_size, scheme),
-                               SchedulerConfig(max_rows, prompt_concurrency, step_size, None), scheme=scheme,
+    config = SchedulerConfig(max_rows, prompt_concurrency, step_size, None, token0_in_decode)
+    scheduler = BatchScheduler(model, tokenizer, measure_footprint(model, step_size, scheme), config, scheme=scheme,
                                on_finish=lambda row: finished.__setitem__(row.request.request_id, row.output.tokens))
     queue = sorted(arrivals, key=lambda a: a[0])
     step, widest = 0, 0
@@ -54,11 +55,12 @@ def staggered(tokenizer) -> list[tuple[int, Request]]:
     ]
 
 
+@pytest.mark.parametrize("token0_in_decode", [True, False], ids=["token0-in-decode", "token0-forward"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "qwen3_next"])
-def test_staggered_join_leave_equals_solo(arch, load_tiny):
+def test_staggered_join_leave_equals_solo(arch, token0_in_decode, load_tiny):
     model, tokenizer = load_tiny(arch)
     arrivals = staggered(tokenizer)
-    batched, widest = run_schedule(model, tokenizer, arrivals)
+    batched, widest = run_schedule(model, tokenizer, arrivals, token0_in_decode=token0_in_decode)
     assert widest >= 3, "the schedule must actually batch rows"
     for _, request in arrivals:
         assert batched[request.request_id] == solo_tokens(model, tokenizer, request, 2048), request.request_id
