@@ -284,7 +284,8 @@ class Engine:
             return
         try:
             seconds = warm_up(self.loaded.model, self.loaded.tokenizer, self.footprint, self.config.prefill_step_size,
-                              self.scheme, batch=self.scheduler is not None)
+                              self.scheme, batch=self.scheduler is not None,
+                              token0_in_decode=self.scheduler is None or self.scheduler.config.token0_in_decode)
             log.info("warm-up: every generation path ran once in %.1fs", seconds)
             self.warmup_done = True
         except Exception:  # serving may still work: say so and go on

@@ -30,8 +30,9 @@ def _prompt(tokenizer, length: int) -> list[int]:
     return (ids * (length // max(len(ids), 1) + 1))[:length]
 
 
-def warm_up(model, tokenizer, footprint, prefill_step_size: int, scheme, batch: bool) -> float:
-    """Run the code paths above once; returns the seconds it took."""
+def warm_up(model, tokenizer, footprint, prefill_step_size: int, scheme, batch: bool,
+            token0_in_decode: bool = True) -> float:
+    """Run the code paths above once (token 0 placed as the serving scheduler places it); returns seconds."""
     start = time.perf_counter()
     ignore = lambda event: None  # noqa: E731
     if not batch:
@@ -43,7 +44,8 @@ def warm_up(model, tokenizer, footprint, prefill_step_size: int, scheme, batch: 
 
     from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 
-    sched = BatchScheduler(model, tokenizer, footprint, SchedulerConfig(4, 4, prefill_step_size, None), scheme=scheme)
+    config = SchedulerConfig(4, 4, prefill_step_size, None, token0_in_decode)
+    sched = BatchScheduler(model, tokenizer, footprint, config, scheme=scheme)
     sched.add(Request("warmup-0", _prompt(tokenizer, 33), SamplingParams(), 6, ignore_eos=True), ignore)
     sched.add(Request("warmup-1", _prompt(tokenizer, 17), SamplingParams(temperature=0.7, seed=0), 4,
                       ignore_eos=True), ignore)
