@@ -68,7 +68,8 @@ def anatomy(lm, rows: int, lengths: list[int], reps: int = 20) -> dict:
     ``no_kv_ms``: the same forward without a cache (attention over one token: the
     weight-streaming floor); ``kv_ms[L]``: with mlx-lm's BatchKVCache holding L tokens
     per row (trimmed back after each forward, so L stays put); ``sample_ms``: the
-    vectorized greedy sample over the vocabulary.
+    vectorized greedy sample over the vocabulary; ``logits_max_diff_vs_mlx_lm``: the
+    same step's logits with attention routed (kv/cuda_attention.py) vs mlx-lm's own.
     """
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
@@ -102,6 +103,14 @@ def anatomy(lm, rows: int, lengths: list[int], reps: int = 20) -> dict:
             return logits
 
         out["kv_ms"][str(length)] = timed(step)
+        # The same step through mlx-lm's attention: how far the routed logits are from it.
+        from mlxq.kv.cuda_attention import mlx_lm_only
+
+        routed = step()
+        with mlx_lm_only():
+            reference = step()
+        diff = mx.abs(routed.astype(mx.float32) - reference.astype(mx.float32)).max().item()
+        out.setdefault("logits_max_diff_vs_mlx_lm", {})[str(length)] = diff
     logits = model(tokens)[:, -1, :]
     mx.eval(logits)
     out["sample_ms"] = timed(lambda: mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1))

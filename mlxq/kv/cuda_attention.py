@@ -24,6 +24,7 @@ there runs mlx-lm's path). ``MLXQ_CUDA_ATTENTION=mlx`` turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -43,6 +44,7 @@ OPS_MAX_SCORES = 1024 * 2048
 
 _mlx_lm_attention = base.scaled_dot_product_attention
 _installed = False
+_bypass = False  # set inside mlx_lm_only(): every call goes to mlx-lm's function
 
 
 def ops_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
@@ -74,7 +76,7 @@ def ops_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
 
 def route(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention entry point, with the two CUDA cases above sent elsewhere."""
-    if sinks is None and not hasattr(cache, "bits") and keys.dtype == queries.dtype:
+    if not _bypass and sinks is None and not hasattr(cache, "bits") and keys.dtype == queries.dtype:
         length = queries.shape[2]
         if length == 1:
             dim = queries.shape[-1]
@@ -84,6 +86,17 @@ def route(queries, keys, values, cache, scale, mask, sinks=None):
         elif length * keys.shape[2] <= OPS_MAX_SCORES:
             return ops_attention(queries, keys, values, scale, mask)
     return _mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks)
+
+
+@contextlib.contextmanager
+def mlx_lm_only():
+    """Within: every attention call takes mlx-lm's own path (for side-by-side checks)."""
+    global _bypass
+    _bypass = True
+    try:
+        yield
+    finally:
+        _bypass = False
 
 
 def install() -> bool:

@@ -91,3 +91,16 @@ def test_route_sends_each_call_where_it_belongs(monkeypatch):
     one = _qkv(length=1, span=9)
     cuda_attention.route(*one, KVCache(), 0.3, None)  # a solo decode step: MLX's fused kernel
     assert calls == [5, 5, 5, 1]
+
+
+def test_mlx_lm_only_bypasses_the_routing(monkeypatch):
+    from mlx_lm.models.cache import KVCache
+
+    calls = []
+    monkeypatch.setattr(cuda_attention, "_mlx_lm_attention", lambda *a, **k: calls.append(1) or a[0])
+    q, k, v = _qkv(length=5, span=9)
+    with cuda_attention.mlx_lm_only():
+        cuda_attention.route(q, k, v, KVCache(), 0.3, "causal")
+    assert calls == [1]
+    cuda_attention.route(q, k, v, KVCache(), 0.3, "causal")
+    assert calls == [1]  # routed again once outside
