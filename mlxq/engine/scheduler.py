@@ -369,10 +369,11 @@ class BatchScheduler:
 
         The batch's next decode step then computes their token 0 together with every
         running row's next token, and hands it out as soon as that step is done: one
-        forward and one host sync per burst of arrivals (a separate token-0 forward
-        streamed all the weights again). The row's math is the serial lane's: the last prompt token
-        fed on caches holding the rest of the prompt. One-token prompts have empty
-        caches, which do not merge: they take the separate path.
+        forward and one host sync per burst of arrivals (on a GPU a separate token-0
+        forward streams all the weights again). The row's math is the serial lane's:
+        the last prompt token fed on caches holding the rest of the prompt. One-token
+        prompts have empty caches, which do not merge: they take ``_first_tokens``,
+        as every joiner does when ``token0_in_decode`` is off (the CPU).
         """
         if not self.config.token0_in_decode:
             self._first_tokens(ready)
