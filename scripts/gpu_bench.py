@@ -231,14 +231,12 @@ _LATENCIES = ("time_to_first_token_seconds", "request_queue_time_seconds", "requ
 def _latency_sums(url: str) -> dict[str, float]:
     """The _sum and _count of mlxq's latency histograms from /metrics (warm-up requests included)."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-    sums = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        for name in _LATENCIES:
-            for part in ("_sum", "_count"):
-                if line.startswith(f"mlxq:{name}{part} "):
-                    sums[name + part] = float(line.split()[-1])
-    return sums
+    wanted = {f"mlxq:{name}{part}" for name in _LATENCIES for part in ("_sum", "_count")}
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {sample.name.removeprefix("mlxq:"): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples if sample.name in wanted}
 
 
 def _mean_ms(before: dict, after: dict, name: str) -> float | None:

@@ -74,6 +74,8 @@ def anatomy(lm, rows: int, lengths: list[int], reps: int = 20) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
+    from mlxq.kv.cuda_attention import mlx_lm_only
+
     model = lm.model
     tokens = mx.zeros((rows, 1), dtype=mx.uint32)
 
@@ -104,8 +106,6 @@ def anatomy(lm, rows: int, lengths: list[int], reps: int = 20) -> dict:
 
         out["kv_ms"][str(length)] = timed(step)
         # The same step through mlx-lm's attention: how far the routed logits are from it.
-        from mlxq.kv.cuda_attention import mlx_lm_only
-
         routed = step()
         with mlx_lm_only():
             reference = step()

@@ -66,6 +66,13 @@ class EngineConfig:
             raise ValueError("warmup must be auto, on or off")
 
 
+def _on_gpu() -> bool:
+    """MLX runs on a GPU backend (CUDA, Metal): forwards are bound by weight reads, kernels compile on first use."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 @dataclass
 class EngineStats:
     """Counters the engine thread updates and /stats reads (ints and floats only)."""
@@ -260,32 +267,27 @@ class Engine:
         self._setup_prompt_cache()
         self.kv_budget_bytes = self._resolve_kv_budget()
         if self.gateway.mode == "batch":
-            import mlx.core as mx
-
             from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 
             self.scheduler = BatchScheduler(
                 self.loaded.model, self.loaded.tokenizer, self.footprint,
                 SchedulerConfig(self.config.max_rows, self.config.prompt_concurrency,
                                 self.config.prefill_step_size, self.kv_budget_bytes,
-                                token0_in_decode=mx.default_device().type != mx.DeviceType.cpu),
+                                token0_in_decode=_on_gpu()),
                 on_finish=lambda row: self._done(row.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme,
             )
 
     def _warm_up(self) -> None:
-        import mlx.core as mx
-
         from mlxq.engine.warmup import warm_up
 
         wanted = self.config.warmup
-        if wanted == "off" or (wanted == "auto" and mx.default_device().type != mx.DeviceType.gpu):
+        if wanted == "off" or (wanted == "auto" and not _on_gpu()):
             return
         try:
-            seconds = warm_up(self.loaded.model, self.loaded.tokenizer, self.footprint, self.config.prefill_step_size,
-                              self.scheme, batch=self.scheduler is not None,
-                              token0_in_decode=self.scheduler is None or self.scheduler.config.token0_in_decode)
+            seconds = warm_up(self.loaded.model, self.loaded.tokenizer, self.scheme, self.config.prefill_step_size,
+                              self.scheduler)
             log.info("warm-up: every generation path ran once in %.1fs", seconds)
             self.warmup_done = True
         except Exception:  # serving may still work: say so and go on

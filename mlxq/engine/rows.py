@@ -28,12 +28,16 @@ class Row:
     processors: list  # mlx-lm logits processors
     key: mx.array | None  # this row's PRNG state (seeded rows only)
     history: mx.array | None = None  # tokens the processors see; None when there are none
-    awaiting_first: bool = False  # joined with its last prompt token pending: the next step draws token 0
 
     @property
     def is_plain_greedy(self) -> bool:
         """Sampling reduces to argmax over the row's logprobs: vectorizable across rows."""
         return self.request.params.is_greedy and not self.processors and not self.request.logprobs
+
+    @property
+    def awaiting_first(self) -> bool:
+        """Running without a token handed out yet: it joined with its last prompt token pending."""
+        return self.output.num_generated == 0 and self.output.finished is None
 
     def feed_history(self, tokens: mx.array) -> None:
         if self.processors:

@@ -390,8 +390,6 @@ class BatchScheduler:
             self._fail_joiners(joining, "join", exc)
             return
         lasts = mx.array([j.row.request.prompt_ids[-1] for j in joining], dtype=mx.uint32)
-        for joiner in joining:
-            joiner.row.awaiting_first = True
         self._join([j.row for j in joining], caches, batched, lasts, [None] * len(joining))
 
     def _first_tokens(self, ready: list[_Joiner]) -> None:
@@ -517,7 +515,7 @@ class BatchScheduler:
             drawn = next_tokens.tolist()
             for i in joined:
                 row = self._rows[i]
-                row.awaiting_first, done_now[i] = False, True
+                done_now[i] = True
                 if not self._emit(row, drawn[i], next_logprobs[i]):
                     keep.remove(i)
         self._pending = (next_tokens, next_logprobs, done_now)

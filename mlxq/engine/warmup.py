@@ -19,6 +19,7 @@ the serial lane instead.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from mlxq.engine.types import Request, SamplingParams
 
@@ -30,22 +31,22 @@ def _prompt(tokenizer, length: int) -> list[int]:
     return (ids * (length // max(len(ids), 1) + 1))[:length]
 
 
-def warm_up(model, tokenizer, footprint, prefill_step_size: int, scheme, batch: bool,
-            token0_in_decode: bool = True) -> float:
-    """Run the code paths above once (token 0 placed as the serving scheduler places it); returns seconds."""
+def warm_up(model, tokenizer, scheme, prefill_step_size: int, scheduler=None) -> float:
+    """Run the code paths above once, the batch lane's as ``scheduler`` (the serving one) is
+    configured, or the serial lane's without one; returns the seconds it took."""
     start = time.perf_counter()
     ignore = lambda event: None  # noqa: E731
-    if not batch:
+    if scheduler is None:
         from mlxq.engine.serial import run_serial
 
         run_serial(model, tokenizer, Request("warmup", _prompt(tokenizer, 24), SamplingParams(), 4, ignore_eos=True),
                    ignore, prefill_step_size=prefill_step_size, scheme=scheme)
         return time.perf_counter() - start
 
-    from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+    from mlxq.engine.scheduler import BatchScheduler
 
-    config = SchedulerConfig(4, 4, prefill_step_size, None, token0_in_decode)
-    sched = BatchScheduler(model, tokenizer, footprint, config, scheme=scheme)
+    config = replace(scheduler.config, max_rows=4, prompt_concurrency=4, kv_budget_bytes=None)
+    sched = BatchScheduler(model, tokenizer, scheduler.footprint, config, scheme=scheme)
     sched.add(Request("warmup-0", _prompt(tokenizer, 33), SamplingParams(), 6, ignore_eos=True), ignore)
     sched.add(Request("warmup-1", _prompt(tokenizer, 17), SamplingParams(temperature=0.7, seed=0), 4,
                       ignore_eos=True), ignore)
