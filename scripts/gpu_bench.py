@@ -95,10 +95,12 @@ def phase_b1(args, results):
 
     oracle()
     runs = {"mlx_lm_stream_generate": [], "mlxq_serial": [], "mlxq_batch_lane": []}
+    timings = []
     for r in range(args.rounds):
         runs["mlx_lm_stream_generate"].append(oracle())
         runs["mlxq_serial"].append(serial(lm, prompt, n)[0])
         runs["mlxq_batch_lane"].append(batch_lane(lm, footprint, prompt, n)[0])
+        timings.append(batch_lane.last_timing)
         log(f"b1 round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()))
     med = {k: statistics.median(v) for k, v in runs.items()}
     step_bytes = _weight_bytes_per_step(lm.model, lm.config)
@@ -110,6 +112,7 @@ def phase_b1(args, results):
         "roofline_fraction": {k: v * step_bytes / 1e12 / bw for k, v in med.items()} if bw else None,
         "serial_vs_mlx_lm": med["mlxq_serial"] / med["mlx_lm_stream_generate"],
         "batch_lane_vs_serial": med["mlxq_batch_lane"] / med["mlxq_serial"],
+        "batch_lane_decode_timing": timings,
     }
     log(f"b1 medians {med}")
 
@@ -245,6 +248,25 @@ def _mean_ms(before: dict, after: dict, name: str) -> float | None:
     return round(1000 * total / count, 2) if count else None
 
 
+def _decode_totals(url: str) -> dict:
+    import httpx
+
+    timing = httpx.get(f"{url}/stats", timeout=10).json()["batch"]["decode_timing"] or {}
+    return {"steps": timing.get("steps", 0), **timing.get("totals", {})}
+
+
+def _decode_split(before: dict, after: dict) -> dict:
+    """Per decode step over one level: host work vs device wait, and the clean loop cycle (ms)."""
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    cycles = after.get("cycles", 0) - before.get("cycles", 0)
+    parts = ("step_s", "build_s", "submit_s", "device_wait_s", "cycle_s")
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in parts}
+    if not steps:
+        return {}
+    split = {k.removesuffix("_s") + "_ms": round(1000 * delta[k] / steps, 3) for k in parts[:-1]}
+    return {"steps": steps, **split, "cycle_ms": round(1000 * delta["cycle_s"] / cycles, 3) if cycles else None}
+
+
 def phase_http(args, results):
     """The sweep. Both servers up at once, levels alternating (default), or with --isolate each
     server alone on the GPU (mlxq's levels, then mlx_lm.server's): two MLX processes on one GPU
@@ -270,11 +292,12 @@ def phase_http(args, results):
         for kind in ("mlxq", "mlx_lm"):
             with servers((kind,), model, max(levels), args.max_tokens, out, extra) as (url,):
                 for level in levels:
-                    before = _latency_sums(url) if kind == "mlxq" else {}
+                    before = (_latency_sums(url), _decode_totals(url)) if kind == "mlxq" else None
                     alone[kind, level] = bench(url, None, level, out / f"http-{kind}-c{level}.json")
-                    if kind == "mlxq":
-                        after = _latency_sums(url)
-                        server_side[str(level)] = {name: _mean_ms(before, after, name) for name in _LATENCIES}
+                    if before:
+                        after = _latency_sums(url), _decode_totals(url)
+                        server_side[str(level)] = {name: _mean_ms(before[0], after[0], name) for name in _LATENCIES}
+                        server_side[str(level)]["decode_step"] = _decode_split(before[1], after[1])
         for level in levels:
             a, b = alone["mlxq", level], alone["mlx_lm", level]
             if a and b:
@@ -286,7 +309,8 @@ def phase_http(args, results):
                 docs[level] = bench(a, b, level, out / f"http-c{level}.json")
     if server_side:
         # TTFT as the engine saw it (submit -> token 0 sampled) and its parts, per level: what the
-        # client's TTFT adds on top is HTTP, tokenization and the event loop.
+        # client's TTFT adds on top is HTTP, tokenization and the event loop. decode_step: host
+        # work vs device wait per decode step (a wait near 0 means the host is the bottleneck).
         results["http_server_side_ms"] = server_side
         log(f"mlxq server-side means (ms): {server_side}")
     results["http"] = {

@@ -13,10 +13,12 @@ decode forward by KV length against its no-cache floor (anatomy.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import pstats
+import sys
 import time
 from pathlib import Path
 
@@ -62,14 +64,37 @@ def waves_run(lm, footprint, rows: int, total: int, prompt_tokens: int, max_toke
     return total * max_tokens / (time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def float32_attention(model):
+    """Within: the model's attention computed in float32 (plain MLX operations)."""
+    import mlx.core as mx
+
+    from mlxq.kv.cuda_attention import ops_attention
+
+    def fp32(queries, keys, values, cache, scale, mask, sinks=None):
+        up = [x.astype(mx.float32) for x in (queries, keys, values)]
+        return ops_attention(*up, scale, mask).astype(queries.dtype)
+
+    module = sys.modules[type(model).__module__]
+    saved = module.scaled_dot_product_attention
+    module.scaled_dot_product_attention = fp32
+    try:
+        yield
+    finally:
+        module.scaled_dot_product_attention = saved
+
+
 def anatomy(lm, rows: int, lengths: list[int], reps: int = 20) -> dict:
     """Device time of one decode forward of ``rows`` rows, by KV length, against its floors.
 
     ``no_kv_ms``: the same forward without a cache (attention over one token: the
     weight-streaming floor); ``kv_ms[L]``: with mlx-lm's BatchKVCache holding L tokens
     per row (trimmed back after each forward, so L stays put); ``sample_ms``: the
-    vectorized greedy sample over the vocabulary; ``logits_max_diff_vs_mlx_lm``: the
-    same step's logits with attention routed (kv/cuda_attention.py) vs mlx-lm's own.
+    vectorized greedy sample over the vocabulary; ``logits_max_diff`` and
+    ``greedy_agreement``: the same step's logits with attention routed
+    (kv/cuda_attention.py), through mlx-lm's own, and through float32 attention,
+    pairwise (with the logits' scale: bf16 rounding through 32 random layers is
+    the noise floor any two bf16 paths share).
     """
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
@@ -105,12 +130,24 @@ def anatomy(lm, rows: int, lengths: list[int], reps: int = 20) -> dict:
             return logits
 
         out["kv_ms"][str(length)] = timed(step)
-        # The same step through mlx-lm's attention: how far the routed logits are from it.
-        routed = step()
+        # The same step through mlx-lm's attention, and through float32 attention (the closest
+        # to exact; the rest of the model unchanged): how far each bf16 path is from it, by the
+        # largest logit difference (against the logits' scale) and by greedy agreement.
+        routed = step()[:, -1].astype(mx.float32)
         with mlx_lm_only():
-            reference = step()
-        diff = mx.abs(routed.astype(mx.float32) - reference.astype(mx.float32)).max().item()
-        out.setdefault("logits_max_diff_vs_mlx_lm", {})[str(length)] = diff
+            reference = step()[:, -1].astype(mx.float32)
+        with float32_attention(model):
+            exact = step()[:, -1].astype(mx.float32)
+        picks = {name: mx.argmax(x, axis=-1) for name, x in (("routed", routed), ("mlx_lm", reference),
+                                                            ("fp32", exact))}
+        out.setdefault("logits_max_abs", {})[str(length)] = mx.abs(exact).max().item()
+        for name, (a, b) in {"routed_vs_mlx_lm": ("routed", "mlx_lm"), "routed_vs_fp32": ("routed", "fp32"),
+                             "mlx_lm_vs_fp32": ("mlx_lm", "fp32")}.items():
+            x, y = {"routed": routed, "mlx_lm": reference, "fp32": exact}[a], \
+                {"routed": routed, "mlx_lm": reference, "fp32": exact}[b]
+            out.setdefault("logits_max_diff", {}).setdefault(name, {})[str(length)] = mx.abs(x - y).max().item()
+            same = (picks[a] == picks[b]).astype(mx.float32).mean().item()
+            out.setdefault("greedy_agreement", {}).setdefault(name, {})[str(length)] = same
     logits = model(tokens)[:, -1, :]
     mx.eval(logits)
     out["sample_ms"] = timed(lambda: mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1))

@@ -24,6 +24,7 @@ One ``step()`` is a short list of phases:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.rows import Row, make_row
+from mlxq.engine.step_timing import DecodeTiming
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.projection import KvFootprint
@@ -122,6 +124,7 @@ class BatchScheduler:
         self._batched = False
         self._pending: tuple[mx.array, list, list[bool]] | None = None  # (tokens, logprobs, already emitted)
         self._steps = 0
+        self.timing = DecodeTiming()  # host work vs device wait per decode step (/stats)
         self.submitted_rows = 0
         self.shared_prefills = 0  # joiners that waited for another joiner's prefill instead of repeating it
 
@@ -226,6 +229,8 @@ class BatchScheduler:
     # --- one iteration ------------------------------------------------------------
     def step(self) -> None:
         self._purge_cancelled()
+        if self._joiners:
+            self.timing.interrupt()  # prefill work sits between these decode steps
         ready = self._prefill()
         if ready:
             self._start_decoding(ready)
@@ -493,13 +498,17 @@ class BatchScheduler:
         _release_cached_memory()
 
     def _decode_step(self) -> None:
+        start = time.perf_counter()
         inputs, logprobs_now, emitted = self._pending
         with mx.stream(generation_stream):
             logits = self.model(inputs[:, None], cache=self._caches)[:, -1, :]
             next_tokens, next_logprobs = self._sample(logits, inputs)
+        built = time.perf_counter()
         mx.async_eval(next_tokens, next_logprobs)
         # Read step n while step n+1 runs: one transfer for every row's token.
+        submitted = time.perf_counter()
         tokens = inputs.tolist()
+        waited = time.perf_counter() - submitted
         keep = []
         for i, row in enumerate(self._rows):
             if emitted[i]:
@@ -512,7 +521,9 @@ class BatchScheduler:
         if joined:
             # This step computed token 0 of rows that joined before it: hand it out now, not one
             # step later (time to first token). Waiting drains the pipeline once per admission.
+            read_at = time.perf_counter()
             drawn = next_tokens.tolist()
+            waited += time.perf_counter() - read_at
             for i in joined:
                 row = self._rows[i]
                 done_now[i] = True
@@ -524,6 +535,9 @@ class BatchScheduler:
         self._steps += 1
         if self._steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
+        self.timing.record(start, built, submitted, waited)
+        if not self._rows:
+            self.timing.interrupt()  # the batch ran dry: the next step starts after an idle gap
 
     def _sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list]:
         if all(row.is_plain_greedy for row in self._rows):

@@ -121,6 +121,22 @@ def test_ready_and_metrics_endpoints(ops_server):
     assert "# TYPE mlxq:time_to_first_token_seconds histogram" in r.text
 
 
+def test_stats_split_each_decode_step(ops_server):
+    """/stats.batch.decode_timing: one step per token of a lone request (CPU: token 0 comes
+    from the joiner's own forward), and the step's parts within its time."""
+    def timing():
+        return httpx.get(ops_server.url + "/stats").json()["batch"]["decode_timing"]
+
+    before = timing()
+    reply = asyncio.run(_completion(ops_server.url, {"prompt": [5, 6, 7], "max_tokens": 16, "ignore_eos": True}))
+    after = timing()
+    assert reply["usage"]["completion_tokens"] == 16
+    assert after["steps"] - before["steps"] == 16
+    assert after["totals"]["cycles"] - before["totals"]["cycles"] == 15
+    parts = sum(after["totals"][k] - before["totals"][k] for k in ("build_s", "submit_s", "device_wait_s"))
+    assert 0 < parts <= after["totals"]["step_s"] - before["totals"]["step_s"]
+
+
 def test_request_log_lines_are_json_without_prompts(tiny_model_dirs):
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-format", "json") as server:
         httpx.post(server.url + "/v1/completions", json={"prompt": "SECRET-PROMPT", "max_tokens": 3})

@@ -1,0 +1,65 @@
+"""Where a decode step's time goes: building the graph, queueing it, waiting, the output.
+
+A pipelined step builds step n+1's graph (Python through the model's
+layers: pure host time), queues it (``async_eval``), blocks reading step
+n's tokens, then hands them to each row's output (host time). The device's
+time shows up in the queueing and the read, split by MLX, not by us: ``async_eval``
+itself blocks when MLX holds too much work in flight (on the CPU backend it
+runs the previous step's compute), so a device-bound step can wait there
+rather than at the read. So ``build`` and ``output`` say how much of a step
+the host spends in Python; ``submit`` + ``device_wait`` is the rest.
+
+``cycle`` is the time from one decode step's start to the next one's when
+nothing else ran in between (no prefill, no token-0 forward): the engine
+loop's whole round, including time spent outside the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class DecodeTiming:
+    steps: int = 0
+    step_s: float = 0.0  # inside the decode step, everything
+    build_s: float = 0.0  # the model's forward and the sampler, as Python building the graph
+    submit_s: float = 0.0  # async_eval of that graph
+    device_wait_s: float = 0.0  # blocked reading tokens back: the device was still computing
+    cycles: int = 0
+    cycle_s: float = 0.0
+    _last_start: float | None = None
+
+    def record(self, start: float, built: float, submitted: float, waited: float) -> None:
+        """``built``/``submitted``: perf_counter when graph building / async_eval ended;
+        ``waited``: seconds blocked reading tokens."""
+        now = time.perf_counter()
+        self.steps += 1
+        self.step_s += now - start
+        self.build_s += built - start
+        self.submit_s += submitted - built
+        self.device_wait_s += waited
+        if self._last_start is not None:
+            self.cycles += 1
+            self.cycle_s += start - self._last_start
+        self._last_start = start
+
+    def interrupt(self) -> None:
+        """Other work ran (prefill, a forward of joiners): the next gap is not a decode cycle."""
+        self._last_start = None
+
+    def as_dict(self) -> dict:
+        per_step = (lambda s: round(1000 * s / self.steps, 3)) if self.steps else (lambda s: None)
+        output_s = self.step_s - self.build_s - self.submit_s - self.device_wait_s
+        return {
+            "steps": self.steps,
+            "step_ms": per_step(self.step_s),
+            "build_ms": per_step(self.build_s),
+            "submit_ms": per_step(self.submit_s),
+            "device_wait_ms": per_step(self.device_wait_s),
+            "output_ms": per_step(output_s),
+            "cycle_ms": round(1000 * self.cycle_s / self.cycles, 3) if self.cycles else None,
+            "totals": {"step_s": self.step_s, "build_s": self.build_s, "submit_s": self.submit_s,
+                       "device_wait_s": self.device_wait_s, "cycles": self.cycles, "cycle_s": self.cycle_s},
+        }

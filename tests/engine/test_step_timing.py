@@ -1,0 +1,61 @@
+"""The decode-step split (/stats.batch.decode_timing): parts add up, cycles skip interruptions."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+from mlxq.engine.types import Request, SamplingParams
+from mlxq.kv.projection import measure_footprint
+
+
+def _scheduler(load_tiny, token0_in_decode: bool = True) -> tuple[BatchScheduler, object]:
+    model, tokenizer = load_tiny("llama")
+    config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=token0_in_decode)
+    return BatchScheduler(model, tokenizer, measure_footprint(model), config), tokenizer
+
+
+def _run(scheduler: BatchScheduler, steps_before_second: int | None, tokenizer) -> None:
+    scheduler.add(Request("a", tokenizer.encode("A first prompt."), SamplingParams(), 24, ignore_eos=True),
+                  lambda e: None)
+    n = 0
+    while not scheduler.is_idle:
+        if n == steps_before_second:
+            scheduler.add(Request("b", tokenizer.encode("A second prompt, later."), SamplingParams(), 8,
+                                  ignore_eos=True), lambda e: None)
+        scheduler.step()
+        n += 1
+
+
+@pytest.mark.parametrize("token0_in_decode", [True, False])
+def test_one_row_every_step_is_a_cycle_and_the_parts_add_up(load_tiny, token0_in_decode):
+    scheduler, tokenizer = _scheduler(load_tiny, token0_in_decode)
+    _run(scheduler, None, tokenizer)
+    timing = scheduler.timing
+    # A step emits the token the step before computed, so 24 tokens take 24 steps (the last
+    # one computes a token nobody needs); computing token 0 in a decode step adds that step.
+    steps = 24 + token0_in_decode
+    assert timing.steps == steps
+    # The first step shares its iteration with the prefill; every later one follows a step.
+    assert timing.cycles == timing.steps - 1
+    parts = timing.build_s + timing.submit_s + timing.device_wait_s
+    assert 0 < parts <= timing.step_s
+    doc = timing.as_dict()
+    assert doc["steps"] == steps and doc["output_ms"] >= 0
+    assert abs(doc["step_ms"] - 1000 * timing.step_s / steps) < 1e-3
+    assert doc["cycle_ms"] >= doc["step_ms"] * 0.5
+
+
+def test_a_joiner_prefilling_between_steps_is_not_counted_as_a_cycle(load_tiny):
+    scheduler, tokenizer = _scheduler(load_tiny)
+    _run(scheduler, 5, tokenizer)
+    timing = scheduler.timing
+    assert timing.steps >= 24
+    # The step that ran the second prompt's prefill and its successor's gap are left out.
+    assert timing.cycles == timing.steps - 2
+
+
+def test_an_idle_scheduler_reports_no_split(load_tiny):
+    scheduler, _ = _scheduler(load_tiny)
+    doc = scheduler.timing.as_dict()
+    assert doc["steps"] == 0 and doc["step_ms"] is None and doc["cycle_ms"] is None
