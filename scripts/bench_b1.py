@@ -36,7 +36,7 @@ def batch_lane(lm, footprint, prompt, n):
     scheduler.add(Request("b", prompt, SamplingParams(), n, ignore_eos=True), lambda e: None)
     while not scheduler.is_idle:
         scheduler.step()
-    batch_lane.last_timing = scheduler.timing.as_dict()  # host work vs device wait per step
+    batch_lane.last_timing = scheduler.timing.as_dict()  # the decode steps timed in their parts
     return done["row"].output.usage().decode_tok_s, done["row"].output.tokens
 
 

@@ -256,7 +256,7 @@ def _decode_totals(url: str) -> dict:
 
 
 def _decode_split(before: dict, after: dict) -> dict:
-    """Per decode step over one level: host work vs device wait, and the clean loop cycle (ms)."""
+    """Per decode step over one level: its parts (build, submit, read) and the loop cycle (ms)."""
     steps = after.get("steps", 0) - before.get("steps", 0)
     cycles = after.get("cycles", 0) - before.get("cycles", 0)
     parts = ("step_s", "build_s", "submit_s", "device_wait_s", "cycle_s")

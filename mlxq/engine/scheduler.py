@@ -124,7 +124,7 @@ class BatchScheduler:
         self._batched = False
         self._pending: tuple[mx.array, list, list[bool]] | None = None  # (tokens, logprobs, already emitted)
         self._steps = 0
-        self.timing = DecodeTiming()  # host work vs device wait per decode step (/stats)
+        self.timing = DecodeTiming()  # each decode step timed in its parts (/stats.batch.decode_timing)
         self.submitted_rows = 0
         self.shared_prefills = 0  # joiners that waited for another joiner's prefill instead of repeating it
 

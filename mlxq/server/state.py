@@ -81,7 +81,7 @@ class ServerState:
             "kv_bytes": scheduler.projected_bytes() if scheduler else 0,
             "kv_budget_bytes": engine.kv_budget_bytes,
             "prompt_concurrency": engine.config.prompt_concurrency,
-            # host work vs waiting for the device per decode step (engine/step_timing.py)
+            # each decode step timed in its parts (engine/step_timing.py)
             "decode_timing": scheduler.timing.as_dict() if scheduler else None,
         }
 
