@@ -9,7 +9,9 @@ vLLM exports ``vllm:<name>``; mlxq exports ``mlxq:<name>`` with the same
 - mlxq's own: prompt_cache_bytes / _entries (the RAM tier), kv_bytes_per_token
   (all layers, under the KV scheme), ssd_cache_bytes / _entries / _pending
   and the counters ssd_cache_restores_total, ssd_cache_writes_total,
-  ssd_cache_write_failures_total, ssd_cache_dropped_total (with --ssd-cache);
+  ssd_cache_write_failures_total, ssd_cache_dropped_total (with --ssd-cache),
+  decode_steps_total and decode_step_seconds_total{part} (build, submit,
+  device_wait, output: where the batch's decode steps spend their time);
 - counters: prompt_tokens_total, generation_tokens_total,
   request_success_total{finished_reason} (stop, length, cancelled = vLLM's
   "abort", error), prefix_cache_queries_total and prefix_cache_hits_total
@@ -66,8 +68,23 @@ class _EngineGauges:
             for name, key in (("ssd_cache_restores", "restores"), ("ssd_cache_writes", "writes"),
                               ("ssd_cache_write_failures", "failed"), ("ssd_cache_dropped", "dropped")):
                 yield CounterMetricFamily(PREFIX + name, name.replace("_", " "), value=ssd[key])
+        if scheduler is not None:
+            yield from _decode_step_counters(scheduler.timing)
         for name, value in values.items():
             yield GaugeMetricFamily(PREFIX + name, name.replace("_", " "), value=value)
+
+
+def _decode_step_counters(timing):
+    """Batch decode steps and their time by part (engine/step_timing.py): rate() of the parts over
+    rate() of the steps is the split /stats.batch.decode_timing gives since start."""
+    yield CounterMetricFamily(PREFIX + "decode_steps", "batch decode steps", value=timing.steps)
+    seconds = CounterMetricFamily(PREFIX + "decode_step_seconds", "batch decode step time by part",
+                                  labels=["part"])
+    output = timing.step_s - timing.build_s - timing.submit_s - timing.device_wait_s
+    for part, value in (("build", timing.build_s), ("submit", timing.submit_s),
+                        ("device_wait", timing.device_wait_s), ("output", max(output, 0.0))):
+        seconds.add_metric([part], value)
+    yield seconds
 
 
 class ServerMetrics:

@@ -127,14 +127,19 @@ def test_stats_split_each_decode_step(ops_server):
     def timing():
         return httpx.get(ops_server.url + "/stats").json()["batch"]["decode_timing"]
 
-    before = timing()
+    before, scraped_before = timing(), scrape(ops_server.url)
     reply = asyncio.run(_completion(ops_server.url, {"prompt": [5, 6, 7], "max_tokens": 16, "ignore_eos": True}))
-    after = timing()
+    after, scraped = timing(), scrape(ops_server.url)
     assert reply["usage"]["completion_tokens"] == 16
     assert after["steps"] - before["steps"] == 16
     assert after["totals"]["cycles"] - before["totals"]["cycles"] == 15
     parts = sum(after["totals"][k] - before["totals"][k] for k in ("build_s", "submit_s", "device_wait_s"))
     assert 0 < parts <= after["totals"]["step_s"] - before["totals"]["step_s"]
+    # /metrics exports the same counters (Prometheus: rate() of a part over rate() of the steps).
+    assert scraped["mlxq:decode_steps_total"] - scraped_before["mlxq:decode_steps_total"] == 16
+    by_part = {part: scraped[f'mlxq:decode_step_seconds_total{{part="{part}"}}']
+               for part in ("build", "submit", "device_wait", "output")}
+    assert abs(sum(by_part.values()) - after["totals"]["step_s"]) < 1e-3
 
 
 def test_request_log_lines_are_json_without_prompts(tiny_model_dirs):
