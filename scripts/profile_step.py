@@ -28,12 +28,18 @@ from mlxq.kv.projection import measure_footprint
 from mlxq.models.loader import load_model
 
 
+def _prompt(lm, i: int, length: int) -> list[int]:
+    """Row ``i``'s synthetic prompt: distinct per row, inside the vocabulary (tiny models too)."""
+    span = min(20000, lm.model.args.vocab_size - 1001)
+    return [1000 + (i * 31 + j * 7) % span for j in range(length)]
+
+
 def decode_run(lm, footprint, rows: int, prompt_tokens: int, max_tokens: int, profile=None):
     """Admit ``rows`` rows, wait for all to join, then time (and optionally profile) decode to the end."""
     sched = BatchScheduler(lm.model, lm.tokenizer, footprint, SchedulerConfig(rows, rows, 2048, None))
     for i in range(rows):
-        prompt = [1000 + (i * 31 + j * 7) % 20000 for j in range(prompt_tokens)]
-        sched.add(Request(f"r{i}", prompt, SamplingParams(), max_tokens, ignore_eos=True), lambda e: None)
+        request = Request(f"r{i}", _prompt(lm, i, prompt_tokens), SamplingParams(), max_tokens, ignore_eos=True)
+        sched.add(request, lambda e: None)
     while sched.num_rows < rows:
         sched.step()
     steps, start = 0, time.perf_counter()
@@ -50,8 +56,8 @@ def decode_run(lm, footprint, rows: int, prompt_tokens: int, max_tokens: int, pr
 def waves_run(lm, footprint, rows: int, total: int, prompt_tokens: int, max_tokens: int, profile=None):
     """``total`` requests through ``rows`` slots, the next admitted as soon as one fits (a closed-loop load)."""
     sched = BatchScheduler(lm.model, lm.tokenizer, footprint, SchedulerConfig(rows, 8, 2048, None))
-    queue = [Request(f"w{i}", [1000 + (i * 31 + j * 7) % 20000 for j in range(prompt_tokens)], SamplingParams(),
-                     max_tokens, ignore_eos=True) for i in range(total)]
+    queue = [Request(f"w{i}", _prompt(lm, i, prompt_tokens), SamplingParams(), max_tokens, ignore_eos=True)
+             for i in range(total)]
     start = time.perf_counter()
     if profile:
         profile.enable()

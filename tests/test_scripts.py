@@ -1,0 +1,85 @@
+"""The GPU measurement scripts run end to end on the CPU on a small model.
+
+They are run by hand on a lent GPU with minutes of device time: a script that
+breaks there (a wrong argument, a renamed field) wastes the session. These
+runs are short versions of the same commands; the numbers are not checked,
+the documents they write are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxq.models.tiny import build_tiny_model
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> Path:
+    """The 33M "small" preset: its vocabulary holds the scripts' synthetic prompt ids."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("bench-models") / "small", preset="small")
+
+
+def run(script: str, *args: str, env: dict | None = None) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def test_ttft_probe(small_model, tmp_path):
+    run("ttft_probe.py", "--model", str(small_model), "--lengths", "40,46", "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "ttft-probe.json").read_text())
+    assert [r["length"] for r in doc["rows"]] == [40, 46]
+    assert set(doc["median_ms"]) == {"mlxq_first", "floor_first", "mlxq_again", "floor_again"}
+    assert doc["token0_in_decode"] is False  # the CPU's placement, as the server picks it
+
+
+def test_thread_probe(small_model, tmp_path):
+    out = tmp_path / "thread.json"
+    run("thread_probe.py", "--model", str(small_model), "--rounds", "2", "--tokens", "8", "--json", str(out))
+    doc = json.loads(out.read_text())
+    assert len(doc["runs"]["main"]) == len(doc["runs"]["thread"]) == 2
+    assert all(r["step_ms"] > 0 for r in doc["runs"]["thread"])
+
+
+def test_profile_step_anatomy(small_model, tmp_path):
+    run("profile_step.py", "--model", str(small_model), "--rows", "2", "--prompt-tokens", "16",
+        "--max-tokens", "4", "--anatomy", "8", "--out", str(tmp_path))
+    anatomy = json.loads((tmp_path / "anatomy.json").read_text())
+    # Nothing is rerouted on the CPU: all three attention paths are MLX's, float32 ones agree.
+    assert anatomy["greedy_agreement"]["routed_vs_mlx_lm"]["8"] == 1.0
+    assert json.loads((tmp_path / "profile.json").read_text())["rows"] == 2
+
+
+def test_gpu_bench_b1_phase(tmp_path):
+    run("gpu_bench.py", "--preset", "small", "--phases", "build,b1", "--rounds", "1", "--max-tokens", "8",
+        "--out", str(tmp_path), env={"MLXQ_BENCH_MODELS": str(tmp_path / "models")})
+    doc = json.loads((tmp_path / "gpu-bench-small.json").read_text())
+    b1 = doc["b1"]
+    assert set(b1["tok_s_median"]) == {"mlx_lm_stream_generate", "mlxq_serial", "mlxq_batch_lane"}
+    assert b1["batch_lane_decode_timing"][0]["steps"] >= 7
+
+
+def test_gpu_bench_isolated_http_sweep(small_model, tmp_path):
+    """Both servers, each alone, two levels: the sweep's documents and mlxq's server-side split
+    (--batch is the top level, 2: the batch lane, whose decode steps are timed)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "small").symlink_to(small_model)
+    run("gpu_bench.py", "--preset", "small", "--phases", "http", "--isolate", "--concurrency", "1,2",
+        "--max-tokens", "8", "--prompt-words", "20", "--out", str(tmp_path), env={"MLXQ_BENCH_MODELS": str(models)})
+    doc = json.loads((tmp_path / "gpu-bench-small.json").read_text())
+    for level in ("1", "2"):
+        both = doc["http"][level]
+        assert both["a"]["completed"] == both["b"]["completed"] == 16
+        assert both["a"]["failed"] == 0
+    split = doc["http_server_side_ms"]["1"]
+    assert split["time_to_first_token_seconds"] > 0
+    assert split["decode_step"]["steps"] >= 16 * 7  # one per token after each request's first
