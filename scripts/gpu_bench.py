@@ -251,12 +251,14 @@ def _mean_ms(before: dict, after: dict, name: str) -> float | None:
 def _decode_totals(url: str) -> dict:
     import httpx
 
-    timing = httpx.get(f"{url}/stats", timeout=10).json()["batch"]["decode_timing"] or {}
-    return {"steps": timing.get("steps", 0), **timing.get("totals", {})}
+    batch = httpx.get(f"{url}/stats", timeout=10).json()["batch"]
+    timing, phases = batch["decode_timing"] or {}, batch["phase_timing"] or {}
+    return {"steps": timing.get("steps", 0), **timing.get("totals", {}), **phases.get("totals", {})}
 
 
 def _decode_split(before: dict, after: dict) -> dict:
-    """Per decode step over one level: its parts (build, submit, read) and the loop cycle (ms)."""
+    """Per decode step over one level: its parts (build, submit, read) and the loop cycle (ms),
+    and the scheduler's busy time shared between decode, prefill and joins."""
     steps = after.get("steps", 0) - before.get("steps", 0)
     cycles = after.get("cycles", 0) - before.get("cycles", 0)
     parts = ("step_s", "build_s", "submit_s", "device_wait_s", "cycle_s")
@@ -264,7 +266,11 @@ def _decode_split(before: dict, after: dict) -> dict:
     if not steps:
         return {}
     split = {k.removesuffix("_s") + "_ms": round(1000 * delta[k] / steps, 3) for k in parts[:-1]}
-    return {"steps": steps, **split, "cycle_ms": round(1000 * delta["cycle_s"] / cycles, 3) if cycles else None}
+    phases = {k: after.get(k, 0) - before.get(k, 0) for k in ("prefill_s", "join_s")}
+    busy = delta["step_s"] + phases["prefill_s"] + phases["join_s"]
+    share = {"decode": delta["step_s"] / busy, "prefill": phases["prefill_s"] / busy, "join": phases["join_s"] / busy}
+    return {"steps": steps, **split, "cycle_ms": round(1000 * delta["cycle_s"] / cycles, 3) if cycles else None,
+            "busy_share": {k: round(v, 4) for k, v in share.items()}}
 
 
 def phase_http(args, results):

@@ -83,3 +83,4 @@ def test_gpu_bench_isolated_http_sweep(small_model, tmp_path):
     split = doc["http_server_side_ms"]["1"]
     assert split["time_to_first_token_seconds"] > 0
     assert split["decode_step"]["steps"] >= 16 * 7  # one per token after each request's first
+    assert abs(sum(split["decode_step"]["busy_share"].values()) - 1) < 1e-3

@@ -33,7 +33,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.rows import Row, make_row
-from mlxq.engine.step_timing import DecodeTiming
+from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.projection import KvFootprint
@@ -125,6 +125,7 @@ class BatchScheduler:
         self._pending: tuple[mx.array, list, list[bool]] | None = None  # (tokens, logprobs, already emitted)
         self._steps = 0
         self.timing = DecodeTiming()  # each decode step timed in its parts (/stats.batch.decode_timing)
+        self.phases = PhaseTiming()  # prefill and join wall time (/stats.batch.phase_timing)
         self.submitted_rows = 0
         self.shared_prefills = 0  # joiners that waited for another joiner's prefill instead of repeating it
 
@@ -233,7 +234,9 @@ class BatchScheduler:
             self.timing.interrupt()  # prefill work sits between these decode steps
         ready = self._prefill()
         if ready:
+            start = time.perf_counter()
             self._start_decoding(ready)
+            self.phases.add_join(time.perf_counter() - start)
         if self._rows:
             try:
                 self._decode_step()
@@ -271,6 +274,7 @@ class BatchScheduler:
                 continue
             group.append(joiner)
             budget -= self._chunk_len(joiner)
+        start = time.perf_counter()
         together = len(group) > 1 and not self.scheme.quantized
         if together:
             try:
@@ -285,6 +289,8 @@ class BatchScheduler:
                     self._advance(joiner)
                 except Exception as exc:
                     self._fail_joiners([joiner], "prefill", exc)
+        if group:
+            self.phases.add_prefill(time.perf_counter() - start)
         ready = []
         for joiner in list(self._joiners):
             if joiner in group and joiner.is_prefilled:

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: building the graph, queueing it, waiting, the output.
+"""Where the batch scheduler's time goes: each decode step in its parts, and prefill and joins.
 
 A pipelined step builds step n+1's graph (Python through the model's
 layers: pure host time), queues it (``async_eval``), blocks reading step
@@ -62,4 +62,43 @@ class DecodeTiming:
             "cycle_ms": round(1000 * self.cycle_s / self.cycles, 3) if self.cycles else None,
             "totals": {"step_s": self.step_s, "build_s": self.build_s, "submit_s": self.submit_s,
                        "device_wait_s": self.device_wait_s, "cycles": self.cycles, "cycle_s": self.cycle_s},
+        }
+
+
+@dataclass
+class PhaseTiming:
+    """The batch scheduler's other phases, by wall time: prefill (joiners' chunks, each evaluated
+    before the step goes on, so it also waits for a decode step still in flight) and the join
+    (token 0 or the pending last token, the merge into the batch)."""
+
+    prefill_iterations: int = 0  # steps that advanced at least one joiner
+    prefill_s: float = 0.0
+    joins: int = 0  # steps in which prefilled joiners joined
+    join_s: float = 0.0
+
+    def add_prefill(self, seconds: float) -> None:
+        self.prefill_iterations += 1
+        self.prefill_s += seconds
+
+    def add_join(self, seconds: float) -> None:
+        self.joins += 1
+        self.join_s += seconds
+
+    def as_dict(self, decode: DecodeTiming) -> dict:
+        """``busy_share``: each phase's part of the time the scheduler spent in all three."""
+        busy = decode.step_s + self.prefill_s + self.join_s
+        share = {name: round(value / busy, 4) if busy else None
+                 for name, value in (("decode", decode.step_s), ("prefill", self.prefill_s), ("join", self.join_s))}
+
+        def mean_ms(seconds: float, count: int) -> float | None:
+            return round(1000 * seconds / count, 3) if count else None
+
+        return {
+            "prefill_iterations": self.prefill_iterations,
+            "prefill_ms": mean_ms(self.prefill_s, self.prefill_iterations),
+            "joins": self.joins,
+            "join_ms": mean_ms(self.join_s, self.joins),
+            "busy_share": share,
+            "totals": {"prefill_s": self.prefill_s, "prefill_iterations": self.prefill_iterations,
+                       "join_s": self.join_s, "joins": self.joins},
         }

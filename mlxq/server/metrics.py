@@ -11,7 +11,8 @@ vLLM exports ``vllm:<name>``; mlxq exports ``mlxq:<name>`` with the same
   and the counters ssd_cache_restores_total, ssd_cache_writes_total,
   ssd_cache_write_failures_total, ssd_cache_dropped_total (with --ssd-cache),
   decode_steps_total and decode_step_seconds_total{part} (build, submit,
-  device_wait, output: where the batch's decode steps spend their time);
+  device_wait, output: where the batch's decode steps spend their time),
+  scheduler_phase_seconds_total{phase} (prefill, join, decode);
 - counters: prompt_tokens_total, generation_tokens_total,
   request_success_total{finished_reason} (stop, length, cancelled = vLLM's
   "abort", error), prefix_cache_queries_total and prefix_cache_hits_total
@@ -70,6 +71,12 @@ class _EngineGauges:
                 yield CounterMetricFamily(PREFIX + name, name.replace("_", " "), value=ssd[key])
         if scheduler is not None:
             yield from _decode_step_counters(scheduler.timing)
+            phases = CounterMetricFamily(PREFIX + "scheduler_phase_seconds",
+                                         "batch scheduler wall time by phase", labels=["phase"])
+            for phase, value in (("prefill", scheduler.phases.prefill_s), ("join", scheduler.phases.join_s),
+                                 ("decode", scheduler.timing.step_s)):
+                phases.add_metric([phase], value)
+            yield phases
         for name, value in values.items():
             yield GaugeMetricFamily(PREFIX + name, name.replace("_", " "), value=value)
 

@@ -83,6 +83,8 @@ class ServerState:
             "prompt_concurrency": engine.config.prompt_concurrency,
             # each decode step timed in its parts (engine/step_timing.py)
             "decode_timing": scheduler.timing.as_dict() if scheduler else None,
+            # wall time in prefill and joins, and each phase's share of the scheduler's busy time
+            "phase_timing": scheduler.phases.as_dict(scheduler.timing) if scheduler else None,
         }
 
     def _kv_stats(self) -> dict:

@@ -59,3 +59,15 @@ def test_an_idle_scheduler_reports_no_split(load_tiny):
     scheduler, _ = _scheduler(load_tiny)
     doc = scheduler.timing.as_dict()
     assert doc["steps"] == 0 and doc["step_ms"] is None and doc["cycle_ms"] is None
+
+
+def test_prefill_and_joins_are_timed_and_shares_add_up(load_tiny):
+    scheduler, tokenizer = _scheduler(load_tiny)
+    _run(scheduler, 5, tokenizer)
+    phases = scheduler.phases
+    # Two short prompts: one prefill chunk each (in different steps), one join each.
+    assert phases.prefill_iterations == 2 and phases.joins == 2
+    assert phases.prefill_s > 0 and phases.join_s > 0
+    doc = phases.as_dict(scheduler.timing)
+    assert abs(sum(doc["busy_share"].values()) - 1) < 1e-3
+    assert doc["busy_share"]["decode"] > 0

@@ -123,7 +123,8 @@ def test_ready_and_metrics_endpoints(ops_server):
 
 def test_stats_split_each_decode_step(ops_server):
     """/stats.batch.decode_timing: one step per token of a lone request (CPU: token 0 comes
-    from the joiner's own forward), and the step's parts within its time."""
+    from the joiner's own forward), and the step's parts within its time; phase_timing: the
+    prefill and join around them."""
     def timing():
         return httpx.get(ops_server.url + "/stats").json()["batch"]["decode_timing"]
 
@@ -140,6 +141,11 @@ def test_stats_split_each_decode_step(ops_server):
     by_part = {part: scraped[f'mlxq:decode_step_seconds_total{{part="{part}"}}']
                for part in ("build", "submit", "device_wait", "output")}
     assert abs(sum(by_part.values()) - after["totals"]["step_s"]) < 1e-3
+    # The prompt's one prefill chunk and its join, in /stats and /metrics.
+    phases = httpx.get(ops_server.url + "/stats").json()["batch"]["phase_timing"]
+    assert phases["prefill_iterations"] >= 1 and phases["joins"] >= 1
+    assert abs(sum(phases["busy_share"].values()) - 1) < 1e-3
+    assert scraped['mlxq:scheduler_phase_seconds_total{phase="prefill"}'] == phases["totals"]["prefill_s"]
 
 
 def test_request_log_lines_are_json_without_prompts(tiny_model_dirs):
