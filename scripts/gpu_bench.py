@@ -248,31 +248,6 @@ def _mean_ms(before: dict, after: dict, name: str) -> float | None:
     return round(1000 * total / count, 2) if count else None
 
 
-def _decode_totals(url: str) -> dict:
-    import httpx
-
-    batch = httpx.get(f"{url}/stats", timeout=10).json()["batch"]
-    timing, phases = batch["decode_timing"] or {}, batch["phase_timing"] or {}
-    return {"steps": timing.get("steps", 0), **timing.get("totals", {}), **phases.get("totals", {})}
-
-
-def _decode_split(before: dict, after: dict) -> dict:
-    """Per decode step over one level: its parts (build, submit, read) and the loop cycle (ms),
-    and the scheduler's busy time shared between decode, prefill and joins."""
-    steps = after.get("steps", 0) - before.get("steps", 0)
-    cycles = after.get("cycles", 0) - before.get("cycles", 0)
-    parts = ("step_s", "build_s", "submit_s", "device_wait_s", "cycle_s")
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in parts}
-    if not steps:
-        return {}
-    split = {k.removesuffix("_s") + "_ms": round(1000 * delta[k] / steps, 3) for k in parts[:-1]}
-    phases = {k: after.get(k, 0) - before.get(k, 0) for k in ("prefill_s", "join_s")}
-    busy = delta["step_s"] + phases["prefill_s"] + phases["join_s"]
-    share = {"decode": delta["step_s"] / busy, "prefill": phases["prefill_s"] / busy, "join": phases["join_s"] / busy}
-    return {"steps": steps, **split, "cycle_ms": round(1000 * delta["cycle_s"] / cycles, 3) if cycles else None,
-            "busy_share": {k: round(v, 4) for k, v in share.items()}}
-
-
 def phase_http(args, results):
     """The sweep. Both servers up at once, levels alternating (default), or with --isolate each
     server alone on the GPU (mlxq's levels, then mlx_lm.server's): two MLX processes on one GPU
@@ -298,12 +273,13 @@ def phase_http(args, results):
         for kind in ("mlxq", "mlx_lm"):
             with servers((kind,), model, max(levels), args.max_tokens, out, extra) as (url,):
                 for level in levels:
-                    before = (_latency_sums(url), _decode_totals(url)) if kind == "mlxq" else None
-                    alone[kind, level] = bench(url, None, level, out / f"http-{kind}-c{level}.json")
-                    if before:
-                        after = _latency_sums(url), _decode_totals(url)
-                        server_side[str(level)] = {name: _mean_ms(before[0], after[0], name) for name in _LATENCIES}
-                        server_side[str(level)]["decode_step"] = _decode_split(before[1], after[1])
+                    before = _latency_sums(url) if kind == "mlxq" else None
+                    alone[kind, level] = doc = bench(url, None, level, out / f"http-{kind}-c{level}.json")
+                    if before is not None:
+                        after = _latency_sums(url)
+                        server_side[str(level)] = {name: _mean_ms(before, after, name) for name in _LATENCIES}
+                        # the scheduler's split of the measurement (bench/server_timing.py)
+                        server_side[str(level)]["decode_step"] = doc["a"][0].get("server_timing") if doc else None
         for level in levels:
             a, b = alone["mlxq", level], alone["mlx_lm", level]
             if a and b:

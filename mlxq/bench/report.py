@@ -29,6 +29,14 @@ def print_sweep(result: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(results_table(result["a"] + result["b"], "serving-load"))
     for r in result["a"] + result["b"]:
+        timing = r.get("server_timing")
+        if timing:
+            share = timing["busy_share"]
+            console.print(f"{r['label']} c={r['concurrency']} server: decode step {timing['step_ms']:.2f} ms "
+                          f"(graph {timing['build_ms']:.2f}, async_eval {timing['submit_ms']:.2f}, "
+                          f"read {timing['device_wait_ms']:.2f}); busy: decode {share['decode']:.0%}, "
+                          f"prefill {share['prefill']:.0%}, join {share['join']:.0%}")
+    for r in result["a"] + result["b"]:
         if r["errors"]:
             console.print(f"[red]{r['label']} c={r['concurrency']}: {r['failed']} failed, e.g. {r['errors'][0]}")
     if result.get("ratios"):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mlxq.bench import server_timing
 from mlxq.bench.client import LoadConfig, run_load
 from mlxq.bench.datasets import make_workload
 from mlxq.bench.metrics import summarize
@@ -34,13 +35,16 @@ async def measure(cfg: LoadConfig, work: Workload, concurrency: int, label: str,
                   prompt_set: int = 0) -> dict:
     """One measurement: warm up, run the workload, summarize (with per-request records).
 
-    ``prompt_set`` picks the workload's seed offset: both servers of a round get the same set."""
+    ``prompt_set`` picks the workload's seed offset: both servers of a round get the same set.
+    Against an mlxq server the summary also has ``server_timing``: its scheduler's split of
+    the measurement (bench/server_timing.py); None for other servers."""
     if work.warmup:
         warm = make_workload("random", work.warmup, 8, seed=cfg.seed + 999)
         await run_load(dataclasses.replace(cfg, request_rate=float("inf")), warm, 1)
     conversations = make_workload(work.dataset, work.num_requests, work.prompt_len, seed=cfg.seed + 7919 * prompt_set,
                                   num_groups=work.num_groups, turns=work.turns)
     total = sum(len(c.turns) for c in conversations)
+    before = await server_timing.read_totals(cfg.url, cfg.api_key)
     with _progress(quiet) as progress:
         task = progress.add_task(f"{label} c={concurrency}", total=total, status="")
         failures = 0
@@ -52,7 +56,8 @@ async def measure(cfg: LoadConfig, work: Workload, concurrency: int, label: str,
 
         records = await run_load(cfg, conversations, concurrency, on_done)
     summary = summarize(records)
-    summary.update(label=label, url=cfg.url, concurrency=concurrency,
+    timing = server_timing.split(before, await server_timing.read_totals(cfg.url, cfg.api_key))
+    summary.update(label=label, url=cfg.url, concurrency=concurrency, server_timing=timing,
                    records=[r.as_dict() for r in records])
     return summary
 

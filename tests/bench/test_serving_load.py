@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from mlxq.bench.client import LoadConfig, arrival_offsets, run_load
 from mlxq.bench.datasets import make_workload
 from mlxq.bench.metrics import summarize
+from mlxq.bench.serving_load import Workload, sweep
 from mlxq.cli.main import app
 from tests.conftest import free_port, wait_healthy
 
@@ -90,6 +91,12 @@ def test_metric_definitions_match_known_timings(synthetic_server):
     assert s["duration_s"] < 2 * (TTFT_S + (TOKENS - 1) * ITL_S)
 
 
+def test_no_server_timing_from_a_server_without_mlxq_stats(synthetic_server):
+    doc = asyncio.run(sweep(LoadConfig(url=synthetic_server, max_tokens=TOKENS), Workload(num_requests=2, warmup=0),
+                            [1], quiet=True))
+    assert doc["a"][0]["completed"] == 2 and doc["a"][0]["server_timing"] is None
+
+
 def test_concurrency_bounds_requests_in_flight(synthetic_server):
     cfg = LoadConfig(url=synthetic_server, max_tokens=TOKENS)
     records = asyncio.run(run_load(cfg, make_workload("random", 4, 10), concurrency=1))
@@ -132,6 +139,7 @@ def test_cli_against_real_mlxq(llama_server, tmp_path):
         "--prompt-len", "20", "--max-tokens", "8", "--ignore-eos", "--dataset", "multi-turn", "--turns", "2",
         "--json", str(out), "--plot", str(png), "--quiet"])
     assert result.exit_code == 0, result.output
+    assert result.output.count("server: decode step") == 2  # one line per level
     doc = json.loads(out.read_text())
     assert [r["concurrency"] for r in doc["a"]] == [1, 2]
     for run in doc["a"]:
@@ -146,6 +154,14 @@ def test_cli_against_real_mlxq(llama_server, tmp_path):
         assert all(p[1] > p[0] for p in by_tag.values())
         assert sorted(rec["turn"] for rec in run["records"]) == [0, 0, 1, 1]
         assert run["ttft_by_turn_ms"]["first"]["count"] == 2 and run["ttft_by_turn_ms"]["later"]["count"] == 2
+        # mlxq's own account of the measurement (its /stats, read around it): one decode step
+        # per token after each request's first (CPU: token 0 from the joiner's forward) at
+        # c=1; fewer when rows share steps.
+        timing = run["server_timing"]
+        assert 0 < timing["steps"] <= 4 * 8
+        if run["concurrency"] == 1:
+            assert timing["steps"] == 4 * 8
+        assert abs(sum(timing["busy_share"].values()) - 1) < 1e-3
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
