@@ -36,8 +36,8 @@ def batch_lane(lm, footprint, prompt, n):
     scheduler.add(Request("b", prompt, SamplingParams(), n, ignore_eos=True), lambda e: None)
     while not scheduler.is_idle:
         scheduler.step()
-    batch_lane.last_timing = scheduler.timing.as_dict()  # the decode steps timed in their parts
-    return done["row"].output.usage().decode_tok_s, done["row"].output.tokens
+    output = done["row"].output
+    return output.usage().decode_tok_s, output.tokens, scheduler.timing.as_dict()
 
 
 def main() -> None:
@@ -59,7 +59,7 @@ def main() -> None:
         order = ("serial", "batch") if r % 2 == 0 else ("batch", "serial")
         for lane in order:
             tps, tokens = serial(lm, prompt, args.tokens) if lane == "serial" else batch_lane(
-                lm, footprint, prompt, args.tokens)
+                lm, footprint, prompt, args.tokens)[:2]
             runs[lane].append({"tok_s": tps, "tokens": tokens})
     same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["serial"], runs["batch"], strict=True))
     s = statistics.median(x["tok_s"] for x in runs["serial"])

@@ -99,8 +99,9 @@ def phase_b1(args, results):
     for r in range(args.rounds):
         runs["mlx_lm_stream_generate"].append(oracle())
         runs["mlxq_serial"].append(serial(lm, prompt, n)[0])
-        runs["mlxq_batch_lane"].append(batch_lane(lm, footprint, prompt, n)[0])
-        timings.append(batch_lane.last_timing)
+        tok_s, _, timing = batch_lane(lm, footprint, prompt, n)
+        runs["mlxq_batch_lane"].append(tok_s)
+        timings.append(timing)
         log(f"b1 round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()))
     med = {k: statistics.median(v) for k, v in runs.items()}
     step_bytes = _weight_bytes_per_step(lm.model, lm.config)

@@ -139,19 +139,17 @@ def anatomy(lm, rows: int, lengths: list[int], reps: int = 20) -> dict:
         # The same step through mlx-lm's attention, and through float32 attention (the closest
         # to exact; the rest of the model unchanged): how far each bf16 path is from it, by the
         # largest logit difference (against the logits' scale) and by greedy agreement.
-        routed = step()[:, -1].astype(mx.float32)
+        paths = {"routed": step()[:, -1].astype(mx.float32)}
         with mlx_lm_only():
-            reference = step()[:, -1].astype(mx.float32)
+            paths["mlx_lm"] = step()[:, -1].astype(mx.float32)
         with float32_attention(model):
-            exact = step()[:, -1].astype(mx.float32)
-        picks = {name: mx.argmax(x, axis=-1) for name, x in (("routed", routed), ("mlx_lm", reference),
-                                                            ("fp32", exact))}
-        out.setdefault("logits_max_abs", {})[str(length)] = mx.abs(exact).max().item()
-        for name, (a, b) in {"routed_vs_mlx_lm": ("routed", "mlx_lm"), "routed_vs_fp32": ("routed", "fp32"),
-                             "mlx_lm_vs_fp32": ("mlx_lm", "fp32")}.items():
-            x, y = {"routed": routed, "mlx_lm": reference, "fp32": exact}[a], \
-                {"routed": routed, "mlx_lm": reference, "fp32": exact}[b]
-            out.setdefault("logits_max_diff", {}).setdefault(name, {})[str(length)] = mx.abs(x - y).max().item()
+            paths["fp32"] = step()[:, -1].astype(mx.float32)
+        picks = {name: mx.argmax(x, axis=-1) for name, x in paths.items()}
+        out.setdefault("logits_max_abs", {})[str(length)] = mx.abs(paths["fp32"]).max().item()
+        for a, b in (("routed", "mlx_lm"), ("routed", "fp32"), ("mlx_lm", "fp32")):
+            name = f"{a}_vs_{b}"
+            diff = mx.abs(paths[a] - paths[b]).max().item()
+            out.setdefault("logits_max_diff", {}).setdefault(name, {})[str(length)] = diff
             same = (picks[a] == picks[b]).astype(mx.float32).mean().item()
             out.setdefault("greedy_agreement", {}).setdefault(name, {})[str(length)] = same
     logits = model(tokens)[:, -1, :]

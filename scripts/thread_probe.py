@@ -38,7 +38,8 @@ def main() -> None:
     prompt = [1000 + i for i in range(180)]
 
     def run():
-        return batch_lane(lm, footprint, prompt, args.tokens)[0], batch_lane.last_timing
+        tok_s, _, timing = batch_lane(lm, footprint, prompt, args.tokens)
+        return tok_s, timing
 
     jobs: queue.Queue = queue.Queue()
     results: queue.Queue = queue.Queue()

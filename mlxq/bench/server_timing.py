@@ -40,6 +40,8 @@ def split(before: dict | None, after: dict | None) -> dict | None:
     out = {"steps": steps}
     out.update({k.removesuffix("_s") + "_ms": round(1000 * delta[k] / steps, 3) for k in _DECODE_PARTS[:-1]})
     out["cycle_ms"] = round(1000 * delta["cycle_s"] / cycles, 3) if cycles else None
+    # The same share /stats.batch.phase_timing reports since start, over this measurement only
+    # (computed here: bench is a client of any server and imports nothing of the engine).
     busy = delta["step_s"] + delta["prefill_s"] + delta["join_s"]
     out["busy_share"] = {name: round(delta[key] / busy, 4) if busy else None
                          for name, key in (("decode", "step_s"), ("prefill", "prefill_s"), ("join", "join_s"))}

@@ -123,7 +123,6 @@ class BatchScheduler:
         self._caches: list | None = None  # solo caches when one row runs, batched otherwise
         self._batched = False
         self._pending: tuple[mx.array, list, list[bool]] | None = None  # (tokens, logprobs, already emitted)
-        self._steps = 0
         self.timing = DecodeTiming()  # each decode step timed in its parts (/stats.batch.decode_timing)
         self.phases = PhaseTiming()  # prefill and join wall time (/stats.batch.phase_timing)
         self.submitted_rows = 0
@@ -538,10 +537,9 @@ class BatchScheduler:
         self._pending = (next_tokens, next_logprobs, done_now)
         if len(keep) < len(self._rows):
             self._evict(keep)
-        self._steps += 1
-        if self._steps % CLEAR_CACHE_EVERY == 0:
-            mx.clear_cache()
         self.timing.record(start, built, submitted, waited)
+        if self.timing.steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
         if not self._rows:
             self.timing.interrupt()  # the batch ran dry: the next step starts after an idle gap
 

@@ -45,20 +45,24 @@ class DecodeTiming:
             self.cycle_s += start - self._last_start
         self._last_start = start
 
+    @property
+    def output_s(self) -> float:
+        """What the step spent after the read: handing tokens to each row's output."""
+        return max(self.step_s - self.build_s - self.submit_s - self.device_wait_s, 0.0)
+
     def interrupt(self) -> None:
         """Other work ran (prefill, a forward of joiners): the next gap is not a decode cycle."""
         self._last_start = None
 
     def as_dict(self) -> dict:
         per_step = (lambda s: round(1000 * s / self.steps, 3)) if self.steps else (lambda s: None)
-        output_s = self.step_s - self.build_s - self.submit_s - self.device_wait_s
         return {
             "steps": self.steps,
             "step_ms": per_step(self.step_s),
             "build_ms": per_step(self.build_s),
             "submit_ms": per_step(self.submit_s),
             "device_wait_ms": per_step(self.device_wait_s),
-            "output_ms": per_step(output_s),
+            "output_ms": per_step(self.output_s),
             "cycle_ms": round(1000 * self.cycle_s / self.cycles, 3) if self.cycles else None,
             "totals": {"step_s": self.step_s, "build_s": self.build_s, "submit_s": self.submit_s,
                        "device_wait_s": self.device_wait_s, "cycles": self.cycles, "cycle_s": self.cycle_s},
@@ -86,9 +90,6 @@ class PhaseTiming:
 
     def as_dict(self, decode: DecodeTiming) -> dict:
         """``busy_share``: each phase's part of the time the scheduler spent in all three."""
-        busy = decode.step_s + self.prefill_s + self.join_s
-        share = {name: round(value / busy, 4) if busy else None
-                 for name, value in (("decode", decode.step_s), ("prefill", self.prefill_s), ("join", self.join_s))}
 
         def mean_ms(seconds: float, count: int) -> float | None:
             return round(1000 * seconds / count, 3) if count else None
@@ -98,7 +99,14 @@ class PhaseTiming:
             "prefill_ms": mean_ms(self.prefill_s, self.prefill_iterations),
             "joins": self.joins,
             "join_ms": mean_ms(self.join_s, self.joins),
-            "busy_share": share,
+            "busy_share": busy_share(decode.step_s, self.prefill_s, self.join_s),
             "totals": {"prefill_s": self.prefill_s, "prefill_iterations": self.prefill_iterations,
                        "join_s": self.join_s, "joins": self.joins},
         }
+
+
+def busy_share(decode_s: float, prefill_s: float, join_s: float) -> dict[str, float | None]:
+    """Each phase's part of the scheduler's busy time (decode + prefill + join)."""
+    busy = decode_s + prefill_s + join_s
+    return {name: round(value / busy, 4) if busy else None
+            for name, value in (("decode", decode_s), ("prefill", prefill_s), ("join", join_s))}

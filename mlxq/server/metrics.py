@@ -87,9 +87,8 @@ def _decode_step_counters(timing):
     yield CounterMetricFamily(PREFIX + "decode_steps", "batch decode steps", value=timing.steps)
     seconds = CounterMetricFamily(PREFIX + "decode_step_seconds", "batch decode step time by part",
                                   labels=["part"])
-    output = timing.step_s - timing.build_s - timing.submit_s - timing.device_wait_s
     for part, value in (("build", timing.build_s), ("submit", timing.submit_s),
-                        ("device_wait", timing.device_wait_s), ("output", max(output, 0.0))):
+                        ("device_wait", timing.device_wait_s), ("output", timing.output_s)):
         seconds.add_metric([part], value)
     yield seconds
 
