@@ -84,3 +84,16 @@ def test_gpu_bench_isolated_http_sweep(small_model, tmp_path):
     assert split["time_to_first_token_seconds"] > 0
     assert split["decode_step"]["steps"] >= 16 * 7  # one per token after each request's first
     assert abs(sum(split["decode_step"]["busy_share"].values()) - 1) < 1e-3
+
+
+def test_server_gap_probe(small_model, tmp_path):
+    """Every layer from the bare scheduler to a real HTTP server, each measured with its step split."""
+    run("server_gap_probe.py", "--model", str(small_model), "--rounds", "1", "--requests", "2", "--tokens", "8",
+        "--prompt-tokens", "24", "--prompt-words", "20", "--switch-interval", "0.05", "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "server-gap-probe.json").read_text())
+    assert set(doc["summary"]) == {"stream_generate", "scheduler", "engine", "engine+loop", "engine+loop si=50ms",
+                                   "http"}
+    for name, runs in doc["runs"].items():
+        assert runs[0]["tok_s"] > 0, name
+        if name != "stream_generate":  # mlx-lm's loop has no split
+            assert runs[0]["split"]["steps"] >= 2 * 7, name  # two requests' decode steps, each read from its source
