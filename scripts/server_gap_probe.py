@@ -48,7 +48,8 @@ def totals(timing) -> dict:
 
 
 class Prompts:
-    """Fresh random prompts (no prompt-cache hits), the same sequence for every variant's n-th use."""
+    """Fresh random prompts, a sequence of its own per variant: the engine layers share one Engine and
+    its prompt cache, so a prompt repeated across them would skip its prefill."""
 
     def __init__(self, length: int, vocab: int, seed: int = 0):
         self.length, self.seed, self.used = length, seed, {}
@@ -56,7 +57,7 @@ class Prompts:
 
     def next(self, variant: str) -> list[int]:
         i = self.used[variant] = self.used.get(variant, -1) + 1
-        rng = random.Random(self.seed * 1_000_003 + i)
+        rng = random.Random(f"{self.seed}/{variant}/{i}")
         return [rng.randrange(*self.ids) for _ in range(self.length)]
 
 
