@@ -104,7 +104,12 @@ class _Flush:
 
 class Engine:
     """Owns MLX. ``load`` runs first on the engine thread, so even weight loading
-    happens where every later MLX call does; ``ready`` is set once it returns."""
+    happens where every later MLX call does; ``ready`` is set once it returns.
+
+    Load inside ``load``, not before: on CUDA, arrays a model leaves lazy at load
+    (mlx-lm's RoPE frequencies) belong to the loading thread's stream, and a model
+    loaded on another thread fails here with "There is no Stream(gpu, 0) in current
+    thread" (seen on the H200) unless that thread ran a forward first."""
 
     def __init__(self, load: Callable[[], LoadedModel], config: EngineConfig):
         self._load = load
