@@ -2,7 +2,8 @@
 
 Accepts every field mlx_lm.server reads (with its defaults), validates types
 and ranges, and refuses what mlxq does not do yet (``n`` > 1, structured
-``response_format``, adapters, draft models) instead of ignoring it.
+``response_format``, adapters, draft models; for completions ``echo``,
+``suffix``, ``best_of`` > 1) instead of ignoring it.
 """
 
 from __future__ import annotations
@@ -52,10 +53,8 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
     tokenizer = lm.tokenizer
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    _refuse_unsupported(body)
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise invalid("'tools' must be a list of objects", "tools")
+    _refuse_unsupported(body, kind)
+    tools = _read_tools(body)
     if body.get("tool_choice") == "none":
         tools = None
     if kind == "chat":
@@ -89,10 +88,36 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
     )
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _read_tools(body: dict) -> list | None:
+    """Function tools as OpenAI defines them: a malformed one is a 400 naming it, not a template error."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise invalid("'tools' must be a list of objects", "tools")
+    for i, tool in enumerate(tools):
+        if tool.get("type", "function") != "function":
+            raise invalid(f"tools[{i}].type must be 'function', got {tool.get('type')!r}", "tools")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise invalid(f"tools[{i}].function must be an object with a non-empty 'name'", "tools")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise invalid(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+    return tools
+
+
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    """Fields that would change the answer if they were ignored."""
     n = read_int(body, "n", 1, lo=1)
     if n != 1:
         raise invalid("'n' other than 1 is not supported yet", "n", "unsupported")
+    if kind == "completion":
+        if read_bool(body, "echo", False):
+            raise invalid("'echo' is not supported yet", "echo", "unsupported")
+        if read_str(body, "suffix", ""):
+            raise invalid("'suffix' (insertion) is not supported yet", "suffix", "unsupported")
+        if read_int(body, "best_of", 1, lo=1) != 1:
+            raise invalid("'best_of' other than 1 is not supported yet", "best_of", "unsupported")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise invalid("'response_format' is not supported yet (only {\"type\": \"text\"})", "response_format",

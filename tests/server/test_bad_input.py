@@ -44,9 +44,19 @@ BAD_BODIES = [
      "response_format"),
     (CHAT, {"messages": MSG, "adapters": "lora"}, 400, "not supported yet", "adapters"),
     (CHAT, {"messages": MSG, "tools": "get_weather"}, 400, "tools", "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function", "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": ""}}]}, 400, "name", "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400, "'function'",
+     "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, 400,
+     "JSON Schema", "tools"),
     (CHAT, {"messages": MSG, "stream_options": 3}, 400, "object", "stream_options"),
     (CHAT, [1, 2, 3], 400, "JSON object", None),
     (COMPLETIONS, {"prompt": ""}, 400, "empty", "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "not supported yet", "echo"),
+    (COMPLETIONS, {"prompt": "hi", "suffix": "end"}, 400, "not supported yet", "suffix"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "not supported yet", "best_of"),
+    (COMPLETIONS, {"prompt": "hi", "echo": "yes"}, 400, "boolean", "echo"),
     (COMPLETIONS, {"prompt": 42}, 400, "prompt", "prompt"),
     (COMPLETIONS, {"prompt": [1, -5]}, 400, "token ids", "prompt"),
     (COMPLETIONS, {"prompt": [1, 2], "max_tokens": 4095}, 400, "context", "max_tokens"),
@@ -89,6 +99,16 @@ def test_unknown_route_and_method(llama_server):
 def test_unknown_fields_are_ignored(llama_server):
     r = httpx.post(llama_server.url + CHAT, json={"messages": MSG, "max_tokens": 2, "user": "me", "foo": [1]})
     assert r.status_code == 200
+
+
+def test_defaults_of_refused_fields_are_accepted(llama_server):
+    """What SDKs send by default (echo false, best_of 1, an empty suffix, a well-formed tool) still works."""
+    r = httpx.post(llama_server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "echo": False,
+                                                         "best_of": 1, "suffix": None})
+    assert r.status_code == 200, r.text
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    r = httpx.post(llama_server.url + CHAT, json={"messages": MSG, "max_tokens": 2, "tools": [tool]})
+    assert r.status_code == 200, r.text
 
 
 def test_context_limit_exact_fit_is_accepted(llama_server):
