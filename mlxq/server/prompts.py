@@ -55,6 +55,9 @@ def tokenize_completion(tokenizer, prompt) -> list[int]:
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid("'prompt' as a list of prompts (a batch) is not supported yet: send one request per prompt",
+                      "prompt", "unsupported")
     raise invalid("'prompt' must be a non-empty string or a list of token ids", "prompt")
 
 

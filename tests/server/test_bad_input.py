@@ -53,6 +53,8 @@ BAD_BODIES = [
     (CHAT, {"messages": MSG, "stream_options": 3}, 400, "object", "stream_options"),
     (CHAT, [1, 2, 3], 400, "JSON object", None),
     (COMPLETIONS, {"prompt": ""}, 400, "empty", "prompt"),
+    (COMPLETIONS, {"prompt": ["one", "two"]}, 400, "one request per prompt", "prompt"),
+    (COMPLETIONS, {"prompt": [[1, 2], [3]]}, 400, "one request per prompt", "prompt"),
     (COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "not supported yet", "echo"),
     (COMPLETIONS, {"prompt": "hi", "suffix": "end"}, 400, "not supported yet", "suffix"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "not supported yet", "best_of"),
