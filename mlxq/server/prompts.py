@@ -28,6 +28,26 @@ def _check_message(i: int, message) -> None:
             raise invalid(f"{where}.content is required", "messages")
     elif not isinstance(content, str):
         raise invalid(f"{where}.content must be a string or a list of text parts", "messages")
+    if message.get("name") is not None and not isinstance(message["name"], str):
+        raise invalid(f"{where}.name must be a string", "messages")
+    if message.get("tool_calls") is not None:
+        _check_tool_calls(where, message)
+
+
+def _check_tool_calls(where: str, message: dict) -> None:
+    """An assistant turn's earlier tool calls, as OpenAI sends them back: the chat template reads
+    ``function.name`` and ``function.arguments`` (a JSON string, or an object some templates take)."""
+    calls = message["tool_calls"]
+    if message.get("role") != "assistant":
+        raise invalid(f"{where}.tool_calls is only valid on assistant messages", "messages")
+    if not isinstance(calls, list):
+        raise invalid(f"{where}.tool_calls must be a list", "messages")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments", ""), (str, dict))):
+            raise invalid(f"{where}.tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                          "{\"name\": ..., \"arguments\": ...}}", "messages")
 
 
 def tokenize_chat(tokenizer, messages, tools, template_kwargs: dict) -> list[int]:

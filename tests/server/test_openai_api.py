@@ -114,6 +114,19 @@ def test_chat_with_tools_renders_through_the_template(client):
     assert got.usage.prompt_tokens > plain.usage.prompt_tokens
 
 
+def test_tool_round_trip_is_accepted(client):
+    """The turn after a tool call, as the SDK sends it: the assistant's call, then the tool's result."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    got = client.chat.completions.create(model="x", messages=messages, tools=tools, max_tokens=3)
+    assert got.usage.completion_tokens == 3
+    first_turn = client.chat.completions.create(model="x", messages=messages[:1], tools=tools, max_tokens=3)
+    assert got.usage.prompt_tokens > first_turn.usage.prompt_tokens  # the call and its result are in the prompt
+
+
 def test_stats_report_engine_model_and_blas(llama_server):
     stats = httpx.get(f"{llama_server.url}/stats").json()
     assert stats["engine"]["alive"] is True
