@@ -8,6 +8,24 @@ from mlxq.engine.types import FinishReason, TokenEvent, Usage
 from mlxq.server.tools import make_splitter
 
 
+def combined_usage(usages: list[Usage]) -> Usage:
+    """One response's usage over its n choices: the prompt once (as it was computed for the first
+    choice; the others took it from the prompt cache), every choice's completion tokens."""
+    first = usages[0]
+    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_tokens=first.cached_tokens, queue_s=first.queue_s, ttft_s=first.ttft_s,
+                 decode_s=max(u.decode_s for u in usages))
+
+
+def merged_final(builders: list[ChoiceBuilder]) -> dict:
+    """The non-streamed response of n choices: each builder's choice, one usage."""
+    body = builders[0].final()
+    body["choices"] = [b.final()["choices"][0] for b in builders]
+    usages = [b.usage for b in builders]
+    body["usage"] = usage_json(combined_usage(usages)) if all(usages) else None
+    return body
+
+
 def usage_json(usage: Usage) -> dict:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -20,8 +38,9 @@ def usage_json(usage: Usage) -> dict:
 class ChoiceBuilder:
     """Accumulates one request's events; renders stream deltas and the final object."""
 
-    def __init__(self, spec, tokenizer, request_id: str, model: str):
+    def __init__(self, spec, tokenizer, request_id: str, model: str, index: int = 0):
         self.spec = spec
+        self.index = index  # the choice's place among the request's n
         self.kind = spec.kind
         self.id = request_id
         self.model = model
@@ -92,10 +111,10 @@ class ChoiceBuilder:
                 delta["content"] = text
             if calls:
                 delta["tool_calls"] = calls
-            choice = {"index": 0, "delta": delta, "logprobs": {"content": [entry]} if entry else None,
-                      "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta,
+                      "logprobs": {"content": [entry]} if entry else None, "finish_reason": finish}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": entry, "finish_reason": finish}
+        choice = {"index": self.index, "text": text, "logprobs": entry, "finish_reason": finish}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self) -> dict:
@@ -111,11 +130,13 @@ class ChoiceBuilder:
             if calls:
                 message["tool_calls"] = calls
             logprobs = {"content": self._chat_logprobs} if self.spec.logprobs else None
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason}
+            choice = {"index": self.index, "message": message, "logprobs": logprobs,
+                      "finish_reason": self.finish_reason}
             body = self._envelope("chat.completion", [choice])
         else:
             logprobs = self._text_logprobs if self.spec.logprobs else None
-            choice = {"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+            choice = {"index": self.index, "text": self.text, "logprobs": logprobs,
+                      "finish_reason": self.finish_reason}
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage_json(self.usage) if self.usage else None
         return body

@@ -1,7 +1,7 @@
 """Parse an OpenAI-style completion body into a validated ``GenerationSpec``.
 
 Accepts every field mlx_lm.server reads (with its defaults), validates types
-and ranges, and refuses what mlxq does not do yet (``n`` > 1, structured
+and ranges, and refuses what mlxq does not do yet (structured
 ``response_format``, adapters, draft models; for completions ``echo``,
 ``suffix``, ``best_of`` > 1) instead of ignoring it.
 """
@@ -25,6 +25,7 @@ from mlxq.server.validate import (
 
 DEFAULT_MAX_TOKENS = 512  # mlx_lm.server's default
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n: each choice is a request of its own in the batch
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class GenerationSpec:
     deterministic: bool  # mlxq's extension: run on the serial lane (bits independent of other requests)
     snapshot_at: int | None  # end of the shared system prompt: a prompt-cache snapshot point
     tools: list | None  # tool definitions given: parse tool calls out of the output
+    n: int = 1  # choices: n requests on the same prompt (choice i samples with seed + i when seeded)
 
 
 def parse_generation(body, kind: Literal["chat", "completion"], lm,
@@ -85,6 +87,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
         deterministic=read_bool(body, "deterministic", False),
         snapshot_at=snapshot_at,
         tools=tools or None,
+        n=read_int(body, "n", 1, lo=1, hi=MAX_CHOICES),
     )
 
 
@@ -108,9 +111,6 @@ def _read_tools(body: dict) -> list | None:
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
     """Fields that would change the answer if they were ignored."""
-    n = read_int(body, "n", 1, lo=1)
-    if n != 1:
-        raise invalid("'n' other than 1 is not supported yet", "n", "unsupported")
     if kind == "completion":
         if read_bool(body, "echo", False):
             raise invalid("'echo' is not supported yet", "echo", "unsupported")

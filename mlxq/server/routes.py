@@ -14,8 +14,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from mlxq.engine.admission import AdmissionError
 from mlxq.engine.types import FinishReason, Request
 from mlxq.server.bridge import stream_event_batches, stream_events
+from mlxq.server.choices import choice_params, collect, merged
 from mlxq.server.errors import APIError, invalid
-from mlxq.server.openai_format import ChoiceBuilder
+from mlxq.server.openai_format import ChoiceBuilder, combined_usage, merged_final, usage_json
 from mlxq.server.protocol import GenerationSpec, parse_generation
 from mlxq.server.state import ServerState
 
@@ -57,11 +58,11 @@ def _check_limits(spec: GenerationSpec, config) -> None:
                        code="max_tokens_too_large")
 
 
-def _new_request(spec: GenerationSpec, prefix: str) -> Request:
+def _new_request(spec: GenerationSpec, prefix: str, index: int = 0) -> Request:
     return Request(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_ids=spec.prompt_ids,
-        params=spec.params,
+        params=choice_params(spec.params, index),
         max_tokens=spec.max_tokens,
         stop=spec.stop,
         logprobs=spec.logprobs,
@@ -90,18 +91,25 @@ async def _generate(http: HTTPRequest, kind):
         state.engine.check_admissible(len(spec.prompt_ids), spec.max_tokens)
     except AdmissionError as exc:
         raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
-    request = _new_request(spec, "chatcmpl" if kind == "chat" else "cmpl")
-    builder = ChoiceBuilder(spec, state.loaded.tokenizer, request.request_id, state.model_name)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    requests = [_new_request(spec, prefix, i) for i in range(spec.n)]
+    response_id = requests[0].request_id
+    builders = [ChoiceBuilder(spec, state.loaded.tokenizer, response_id, state.model_name, index=i)
+                for i in range(spec.n)]
     if spec.stream:
-        return StreamingResponse(_sse(state, request, builder), media_type="text/event-stream",
+        return StreamingResponse(_sse(state, requests, builders), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    async for event in stream_events(state.engine, request, http.is_disconnected):
-        builder.add(event)
-        if event.finish_reason is FinishReason.ERROR:
-            raise APIError(500, event.error or "generation failed", code="engine_error")
-    if builder.finish_reason is None or builder.finish_reason == FinishReason.CANCELLED.value:
+    if spec.n == 1:
+        builder, request = builders[0], requests[0]
+        async for event in stream_events(state.engine, request, http.is_disconnected):
+            builder.add(event)
+            if event.finish_reason is FinishReason.ERROR:
+                raise APIError(500, event.error or "generation failed", code="engine_error")
+    else:
+        await collect(state.engine, requests, builders, http.is_disconnected)
+    if any(b.finish_reason is None or b.finish_reason == FinishReason.CANCELLED.value for b in builders):
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
-    return JSONResponse(builder.final())
+    return JSONResponse(builders[0].final() if spec.n == 1 else merged_final(builders))
 
 
 def _sse_line(payload: dict) -> str:
@@ -121,12 +129,25 @@ async def _batches(state: ServerState, request: Request):
             yield [event]
 
 
-async def _sse(state: ServerState, request: Request, builder: ChoiceBuilder):
+async def _choice_batches(state: ServerState, requests: list[Request]):
+    """(choice index, events) of one request's n choices (one: its own stream, no merging)."""
+    if len(requests) == 1:
+        async for batch in _batches(state, requests[0]):
+            yield 0, batch
+    else:
+        async for item in merged([_batches(state, r) for r in requests]):
+            yield item
+
+
+async def _sse(state: ServerState, requests: list[Request], builders: list[ChoiceBuilder]):
     # Starlette cancels this generator when the client disconnects; leaving
-    # stream_event_batches cancels the engine request. Plain text tokens that
+    # stream_event_batches cancels the engine request(s). Plain text tokens that
     # arrived together are sent as one chunk (one JSON encode, one write);
     # tokens with logprobs or tool calls keep a chunk each, aligned with their text.
-    async for batch in _batches(state, request):
+    # With n choices, each chunk carries its choice's index.
+    failed = False
+    async for index, batch in _choice_batches(state, requests):
+        builder = builders[index]
         pending = ""
         for event in batch:
             if event.finish_reason is FinishReason.ERROR:
@@ -135,6 +156,7 @@ async def _sse(state: ServerState, request: Request, builder: ChoiceBuilder):
                     pending = ""
                 err = APIError(500, event.error or "generation failed", code="engine_error")
                 yield _sse_line(err.body())
+                failed = True
                 break
             text, calls, entry = builder.add(event)
             finish = builder.finish_reason if event.finish_reason is not None else None
@@ -148,8 +170,13 @@ async def _sse(state: ServerState, request: Request, builder: ChoiceBuilder):
             pending = ""
         if pending:
             yield _sse_line(builder.chunk(pending, [], None, None))
-    if builder.spec.include_usage and builder.usage is not None:
-        yield _sse_line(builder.usage_chunk())
+        if failed:
+            break  # one choice failed: the others are cancelled as the merged streams close
+    usages = [b.usage for b in builders]
+    if builders[0].spec.include_usage and all(usages):
+        body = builders[0].usage_chunk()
+        body["usage"] = usage_json(combined_usage(usages))
+        yield _sse_line(body)
     yield "data: [DONE]\n\n"
 
 

@@ -45,7 +45,9 @@ BAD_BODIES = [
     (CHAT, {"messages": MSG, "logit_bias": {"99999999": 1}}, 400, "vocabulary", "logit_bias"),
     (CHAT, {"messages": MSG, "logit_bias": [1, 2]}, 400, "object", "logit_bias"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs", "top_logprobs"),
-    (CHAT, {"messages": MSG, "n": 2}, 400, "not supported yet", "n"),
+    (CHAT, {"messages": MSG, "n": 0}, 400, "'n' must be >= 1", "n"),
+    (CHAT, {"messages": MSG, "n": 17}, 400, "'n' must be <= 16", "n"),
+    (CHAT, {"messages": MSG, "n": "2"}, 400, "integer", "n"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "not supported yet",
      "response_format"),
     (CHAT, {"messages": MSG, "adapters": "lora"}, 400, "not supported yet", "adapters"),
@@ -143,6 +145,23 @@ def test_client_disconnect_mid_stream_cancels_generation(llama_server):
     assert httpx.get(llama_server.url + "/health").status_code == 200
     r = httpx.post(llama_server.url + COMPLETIONS, json={"prompt": "y", "max_tokens": 3})
     assert r.status_code == 200
+
+
+def test_client_disconnect_cancels_every_choice(llama_server):
+    before = httpx.get(llama_server.url + "/stats").json()["engine"]["requests_cancelled"]
+    with httpx.stream("POST", llama_server.url + COMPLETIONS,
+                      json={"prompt": "x", "max_tokens": 4000, "n": 3, "stream": True, "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = httpx.get(llama_server.url + "/stats").json()["engine"]
+        if stats["requests_cancelled"] >= before + 3 and stats["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["requests_cancelled"] == before + 3
+    assert stats["running"] == 0
 
 
 def test_server_healthy_after_all_of_the_above(llama_server):

@@ -127,6 +127,36 @@ def test_tool_round_trip_is_accepted(client):
     assert got.usage.prompt_tokens > first_turn.usage.prompt_tokens  # the call and its result are in the prompt
 
 
+def test_n_greedy_choices_equal_one_request(client):
+    messages = [{"role": "user", "content": "Count with me"}]
+    one = client.chat.completions.create(model="x", messages=messages, max_tokens=8)
+    three = client.chat.completions.create(model="x", messages=messages, max_tokens=8, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+
+def test_n_seeded_choices_are_single_requests_with_seed_plus_index(client):
+    """Choice i samples as a lone request with seed + i would: the rows decode batched, each equal to
+    its solo run; streamed, each index assembles the same text."""
+    args = dict(model="x", prompt="Once upon a time", max_tokens=10, temperature=0.9, seed=5)
+    singles = [client.completions.create(**{**args, "seed": 5 + i}).choices[0].text for i in range(3)]
+    assert len(set(singles)) > 1  # the seeds give different samples: the test can tell choices apart
+    together = client.completions.create(**args, n=3)
+    assert [c.text for c in together.choices] == singles
+    texts, finishes, usage = {}, {}, None
+    for chunk in client.completions.create(**args, n=3, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(3)] == singles
+    assert finishes == {c.index: c.finish_reason for c in together.choices}
+    assert usage.completion_tokens == together.usage.completion_tokens
+
+
 def test_stats_report_engine_model_and_blas(llama_server):
     stats = httpx.get(f"{llama_server.url}/stats").json()
     assert stats["engine"]["alive"] is True
