@@ -2,7 +2,8 @@
 
 Each choice is a request of its own in the batch. They arrive together with
 one prompt, so the scheduler prefills it once and the others take it from
-the prompt cache (agents arriving together, engine/scheduler.py). A seeded
+the prompt cache (agents arriving together, engine/scheduler.py; prompts of
+at least MIN_SHARED_PREFILL new tokens, shorter ones prefill in one forward). A seeded
 request gives choice i the seed ``seed + i``: the choices differ, and each
 equals a single request with that seed. Leaving early (client gone, an
 error in one choice) cancels every choice.

@@ -137,6 +137,18 @@ def test_n_greedy_choices_equal_one_request(client):
     assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
 
 
+def test_n_choices_prefill_their_prompt_once(llama_server):
+    def shared():
+        return httpx.get(f"{llama_server.url}/stats").json()["batch"]["shared_prefills"]
+
+    before = shared()
+    prompt = [7 + (i * 37) % 500 for i in range(200)]  # long enough to share (scheduler.MIN_SHARED_PREFILL)
+    body = httpx.post(f"{llama_server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 3, "n": 3},
+                      timeout=60).json()
+    assert len(body["choices"]) == 3 and body["usage"]["prompt_tokens"] == 200
+    assert shared() == before + 2  # choices 1 and 2 took choice 0's prefill from the prompt cache
+
+
 def test_n_seeded_choices_are_single_requests_with_seed_plus_index(client):
     """Choice i samples as a lone request with seed + i would: the rows decode batched, each equal to
     its solo run; streamed, each index assembles the same text."""
