@@ -18,11 +18,18 @@ def combined_usage(usages: list[Usage]) -> Usage:
 
 
 def merged_final(builders: list[ChoiceBuilder]) -> dict:
-    """The non-streamed response of n choices: each builder's choice, one usage."""
+    """The non-streamed response of a request's choices (one or n): each builder's choice, one usage."""
     body = builders[0].final()
     body["choices"] = [b.final()["choices"][0] for b in builders]
     usages = [b.usage for b in builders]
     body["usage"] = usage_json(combined_usage(usages)) if all(usages) else None
+    return body
+
+
+def merged_usage_chunk(builders: list[ChoiceBuilder]) -> dict:
+    """The stream's last chunk (``stream_options.include_usage``): the choices' usage, combined."""
+    body = builders[0].usage_chunk()
+    body["usage"] = usage_json(combined_usage([b.usage for b in builders]))
     return body
 
 

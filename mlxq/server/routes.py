@@ -16,7 +16,7 @@ from mlxq.engine.types import FinishReason, Request
 from mlxq.server.bridge import stream_event_batches, stream_events
 from mlxq.server.choices import choice_params, collect, merged
 from mlxq.server.errors import APIError, invalid
-from mlxq.server.openai_format import ChoiceBuilder, combined_usage, merged_final, usage_json
+from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk
 from mlxq.server.protocol import GenerationSpec, parse_generation
 from mlxq.server.state import ServerState
 
@@ -99,17 +99,10 @@ async def _generate(http: HTTPRequest, kind):
     if spec.stream:
         return StreamingResponse(_sse(state, requests, builders), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    if spec.n == 1:
-        builder, request = builders[0], requests[0]
-        async for event in stream_events(state.engine, request, http.is_disconnected):
-            builder.add(event)
-            if event.finish_reason is FinishReason.ERROR:
-                raise APIError(500, event.error or "generation failed", code="engine_error")
-    else:
-        await collect(state.engine, requests, builders, http.is_disconnected)
+    await collect(state.engine, requests, builders, http.is_disconnected)
     if any(b.finish_reason is None or b.finish_reason == FinishReason.CANCELLED.value for b in builders):
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
-    return JSONResponse(builders[0].final() if spec.n == 1 else merged_final(builders))
+    return JSONResponse(merged_final(builders))
 
 
 def _sse_line(payload: dict) -> str:
@@ -172,11 +165,8 @@ async def _sse(state: ServerState, requests: list[Request], builders: list[Choic
             yield _sse_line(builder.chunk(pending, [], None, None))
         if failed:
             break  # one choice failed: the others are cancelled as the merged streams close
-    usages = [b.usage for b in builders]
-    if builders[0].spec.include_usage and all(usages):
-        body = builders[0].usage_chunk()
-        body["usage"] = usage_json(combined_usage(usages))
-        yield _sse_line(body)
+    if builders[0].spec.include_usage and all(b.usage for b in builders):
+        yield _sse_line(merged_usage_chunk(builders))
     yield "data: [DONE]\n\n"
 
 
