@@ -3,8 +3,8 @@
 Each choice is a request of its own in the batch. They arrive together with
 one prompt, so the scheduler prefills it once and the others take it from
 the prompt cache (agents arriving together, engine/scheduler.py; prompts of
-at least MIN_SHARED_PREFILL new tokens, shorter ones prefill in one forward). A seeded
-request gives choice i the seed ``seed + i``: the choices differ, and each
+at least MIN_SHARED_PREFILL new tokens, shorter ones prefill in one forward).
+A seeded request gives choice i the seed ``seed + i``: the choices differ, and each
 equals a single request with that seed. Leaving early (client gone, an
 error in one choice) cancels every choice.
 """
@@ -41,8 +41,9 @@ async def collect(engine: Engine, requests: list[Request], builders: list,
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
-            if task.exception() is not None:
-                raise task.exception()
+            error = task.exception()
+            if error is not None:
+                raise error
     finally:
         for task in tasks:
             task.cancel()  # a no-op for finished ones; the others' streams cancel their requests

@@ -19,8 +19,9 @@ def combined_usage(usages: list[Usage]) -> Usage:
 
 def merged_final(builders: list[ChoiceBuilder]) -> dict:
     """The non-streamed response of a request's choices (one or n): each builder's choice, one usage."""
-    body = builders[0].final()
-    body["choices"] = [b.final()["choices"][0] for b in builders]
+    finals = [b.final() for b in builders]
+    body = finals[0]
+    body["choices"] = [final["choices"][0] for final in finals]
     usages = [b.usage for b in builders]
     body["usage"] = usage_json(combined_usage(usages)) if all(usages) else None
     return body
