@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.rows import Row, make_row
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
 from mlxq.engine.types import FinishReason, Request
@@ -110,11 +111,12 @@ def _gathered(joiners: list[_Joiner]) -> tuple[list, bool]:
 class BatchScheduler:
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
-                 scheme: KvScheme = NATIVE):
+                 scheme: KvScheme = NATIVE, grammar_timing: GrammarTiming | None = None):
         self.model = model
         self.scheme = scheme  # KV representation: joiners convert where the serial lane does
         self.prompt_cache = prompt_cache  # store.PromptCache: joiners take at admission, rows put at finish
         self.tokenizer = tokenizer
+        self.grammar_timing = grammar_timing  # rows with a grammar add their mask time here
         self.footprint = footprint
         self.config = config
         self._on_finish = on_finish
@@ -163,7 +165,7 @@ class BatchScheduler:
 
     # --- intake -------------------------------------------------------------------
     def add(self, request: Request, emit) -> None:
-        joiner = _Joiner(make_row(request, self.tokenizer, emit), [])
+        joiner = _Joiner(make_row(request, self.tokenizer, emit, self.grammar_timing), [])
         if self.prompt_cache is None:
             joiner.caches = make_prompt_cache(self.model)
         else:
