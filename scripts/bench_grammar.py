@@ -5,7 +5,8 @@ tokenizer (the tiny models' 512-token vocabulary and the 128256-token
 ``llama3-1b`` preset's), it builds one matcher per row for a typical tool
 schema, then walks every row through a valid JSON instance token by token,
 timing the masks of all B rows at each step (the work a decode step waits
-for). Compile time is the schema -> grammar for that tokenizer. Coverage
+for). Compile time is schema -> grammar -> one matcher -> its first mask
+(llguidance builds its lexer lazily, at the first matcher). Coverage
 tries a handful of JSON-Schema features and reports which each library
 accepts.
 
