@@ -16,7 +16,12 @@ def serve(
     api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY",
                                                    help="Require 'Authorization: Bearer KEY' "
                                                         "(all endpoints but /health).")] = None,
-    allowed_origins: Annotated[str, typer.Option(help="CORS origins, comma-separated.")] = "*",
+    allowed_origins: Annotated[str, typer.Option(help="Browser origins allowed besides loopback ones "
+                                                      "(http(s)://localhost|127.0.0.1|[::1]), comma-separated; "
+                                                      "'*' allows any web page.")] = "",
+    allowed_hosts: Annotated[str, typer.Option(help="Host header names allowed besides localhost, 127.0.0.1 and "
+                                                    "::1 on a loopback bind, comma-separated; '*' turns the "
+                                                    "check off.")] = "",
     prefill_step_size: Annotated[int, typer.Option(help="Prompt tokens per prefill pass.")] = 2048,
     batch: Annotated[int, typer.Option("--batch", "--decode-concurrency",
                                        help="Rows decoding together (continuous batching); "
@@ -65,7 +70,7 @@ def serve(
         ssd = _ssd_config(ssd_cache, ssd_cache_max, ssd_cache_verify, ssd_demote_idle)
         config = ServerConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
-            allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+            allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts),
             prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=log_level,
             shutdown_timeout_s=shutdown_timeout,
             batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
@@ -99,6 +104,10 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
         extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
     return SsdConfig(directory, parse_bytes(max_bytes) if max_bytes else None, verify, demote_idle,
                      write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def _prompt_cache_bytes(text: str) -> int | None:

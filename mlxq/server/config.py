@@ -14,7 +14,8 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback by default, like mlx_lm.server
     port: int = 8080
     api_key: str | None = None  # when set, every endpoint but /health needs "Bearer <key>"
-    allowed_origins: tuple[str, ...] = ("*",)  # CORS
+    allowed_origins: tuple[str, ...] = ()  # browser origins beyond loopback ones (server/guard.py); "*": any
+    allowed_hosts: tuple[str, ...] = ()  # Host names beyond loopback ones on a loopback bind; "*": any
     prefill_step_size: int = 2048  # prompt tokens per prefill pass
     batch: int = 8  # rows decoding together; 1 = the strict serial lane
     prompt_concurrency: int = 4  # batch joiners prefilling at once
