@@ -14,6 +14,7 @@ from typing import Literal
 from mlxq.engine.types import SamplingParams
 from mlxq.server.errors import APIError, invalid
 from mlxq.server.prompts import system_prefix_length, tokenize_chat, tokenize_completion
+from mlxq.server.template_kwargs import read_template_kwargs
 from mlxq.server.validate import (
     read_bool,
     read_dict,
@@ -60,7 +61,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
     if body.get("tool_choice") == "none":
         tools = None
     if kind == "chat":
-        template_kwargs = read_dict(body, "chat_template_kwargs") or {}
+        template_kwargs = read_template_kwargs(body)
         prompt_ids = tokenize_chat(tokenizer, body.get("messages"), tools or None, template_kwargs)
         snapshot_at = system_prefix_length(tokenizer, body["messages"], tools or None, template_kwargs, prompt_ids)
     else:
