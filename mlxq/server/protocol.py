@@ -185,11 +185,16 @@ def _read_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return bias
 
 
+def _read_top_k(body: dict, vocab_size: int) -> int:
+    top_k = read_int(body, "top_k", 0, lo=0)
+    return 0 if top_k >= vocab_size else top_k  # keeping every token is no filter (mlx-lm refuses k >= vocab)
+
+
 def _read_sampling(body: dict, vocab_size: int) -> SamplingParams:
     return SamplingParams(
         temperature=read_number(body, "temperature", 0.0, lo=0, hi=100),
         top_p=read_number(body, "top_p", 1.0, lo=0, hi=1),
-        top_k=read_int(body, "top_k", 0, lo=0),
+        top_k=_read_top_k(body, vocab_size),
         min_p=read_number(body, "min_p", 0.0, lo=0, hi=1),
         repetition_penalty=read_number(body, "repetition_penalty", 0.0, lo=0, hi=100),
         repetition_context_size=read_int(body, "repetition_context_size", 20, lo=0, hi=1 << 20),

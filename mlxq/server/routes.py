@@ -15,7 +15,8 @@ from mlxq.engine.admission import AdmissionError
 from mlxq.engine.types import FinishReason, Request
 from mlxq.server.bridge import stream_event_batches, stream_events
 from mlxq.server.choices import choice_params, collect, merged
-from mlxq.server.errors import APIError, invalid
+from mlxq.server.errors import APIError
+from mlxq.server.json_body import parse_json_body
 from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk
 from mlxq.server.protocol import GenerationSpec, parse_generation
 from mlxq.server.state import ServerState
@@ -32,13 +33,7 @@ async def _read_json(http: HTTPRequest, limit: int):
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw:
-        raise invalid("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
+    return parse_json_body(b"".join(chunks))
 
 
 def _too_large(limit: int) -> APIError:
