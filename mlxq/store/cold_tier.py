@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mlxq.store.fingerprint import model_fingerprint
+from mlxq.store.fingerprint import FINGERPRINT_MEMO, model_fingerprint
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
@@ -43,8 +43,9 @@ DEMOTE_CHECK_EVERY_S = 1.0
 def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_name: str,
                    kv_scheme: str = "native") -> ColdTier:
     """Fingerprint the model, scan its directory, and bind the tier to ``ram`` (engine thread)."""
-    identity = Identity(model_fingerprint(model_dir), kv_scheme, "")
-    store = SsdStore(Path(config.directory).expanduser(), identity, config.max_bytes, model_name)
+    root = Path(config.directory).expanduser()
+    identity = Identity(model_fingerprint(model_dir, root / FINGERPRINT_MEMO), kv_scheme, "")
+    store = SsdStore(root, identity, config.max_bytes, model_name)
     try:
         store.scan(verify=config.verify)
     except OSError as exc:
