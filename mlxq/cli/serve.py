@@ -57,6 +57,11 @@ def serve(
     log_prompts: Annotated[bool, typer.Option(help="Include prompt text in request log lines.")] = False,
     max_request_bytes: Annotated[str, typer.Option(help="Refuse larger request bodies (413) before "
                                                         "parsing, e.g. 16MiB.")] = "16MiB",
+    max_connections: Annotated[int, typer.Option(help="Open connections at once; more get 503 (lowered to fit "
+                                                     "the open-file limit).")] = 4096,
+    request_read_timeout: Annotated[float, typer.Option(help="Seconds a client has to send a whole request "
+                                                             "(headers and body) before it is disconnected.")]
+    = 60.0,
     max_tokens_limit: Annotated[int | None, typer.Option(help="Server-wide cap on max_tokens.")] = None,
     max_prompt_tokens: Annotated[int | None, typer.Option(help="Per-request cap on prompt tokens.")] = None,
 ) -> None:
@@ -75,7 +80,8 @@ def serve(
             shutdown_timeout_s=shutdown_timeout,
             batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
             max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
-            max_prompt_tokens=max_prompt_tokens,
+            max_prompt_tokens=max_prompt_tokens, max_connections=max_connections,
+            request_read_timeout_s=request_read_timeout,
             kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none") else parse_bytes(kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
             prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),

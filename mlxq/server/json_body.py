@@ -6,12 +6,38 @@ from __future__ import annotations
 import json
 import re
 
-from mlxq.server.errors import invalid
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HTTPRequest
+
+from mlxq.server.errors import APIError, invalid
 
 MAX_DEPTH = 128  # objects/arrays inside each other; JSON Schemas in tools stay far below it
 # A surrogate can only reach a string through a \uD800-\uDFFF escape (the bytes are decoded strictly).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+async def read_json(http: HTTPRequest, limit: int):
+    """The body as JSON; bodies over ``limit`` bytes are refused before parsing (413)."""
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-body (or cut by --request-read-timeout): nobody reads the answer
+        raise APIError(408, "the client disconnected before sending the whole body", code="body_incomplete") \
+            from None
+    return parse_json_body(b"".join(chunks))
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body larger than the server's limit of {limit} bytes (--max-request-bytes)",
+                    code="request_too_large")
 
 
 def parse_json_body(raw: bytes):
