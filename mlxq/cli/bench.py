@@ -51,12 +51,15 @@ def serving_load(
     label: Annotated[str | None, typer.Option(help="Name of the first server in tables and plots.")] = None,
     compare_label: Annotated[str | None, typer.Option(help="Name of the --compare server.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY", help="Bearer key.")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write results JSON here.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the summaries (JSON) here.")] = None,
+    records: Annotated[Path | None, typer.Option(help="Write per-request records here (gzipped JSON lines, "
+                                                      "e.g. run.jsonl.gz); --json holds summaries only.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: TTFT and tok/s vs concurrency.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Load-test an OpenAI-compatible server (mlxq, mlx_lm.server, ...) with vLLM's metric definitions."""
     from mlxq.bench.client import LoadConfig
+    from mlxq.bench.records import without_records, write_records
     from mlxq.bench.report import plot_sweep, print_sweep
     from mlxq.bench.serving_load import Workload, sweep
 
@@ -74,7 +77,9 @@ def serving_load(
                                labels=(label or "a", compare_label or "b")))
     print_sweep(result)
     if json_path:
-        json_path.write_text(json.dumps(result, indent=1))
+        json_path.write_text(json.dumps(without_records(result), indent=1))
+    if records:
+        write_records(result, records)
     if plot:
         plot_sweep(result, str(plot))
     if any(r["failed"] for r in result["a"] + result["b"]):
