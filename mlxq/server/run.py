@@ -17,12 +17,14 @@ import threading
 
 import uvicorn
 
+from mlxq import fd_limit
 from mlxq.blas import active as active_blas
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.models.default import ensure_default_model
 from mlxq.models.loader import load_model, resolve_model_path
 from mlxq.server.app import build_app
 from mlxq.server.config import ServerConfig
+from mlxq.server.connections import connection_cap, deadline_protocol
 from mlxq.server.state import ServerState
 
 log = logging.getLogger("mlxq.server")
@@ -95,12 +97,19 @@ def serve(config: ServerConfig) -> None:
     state = make_state(config)
     app = build_app(state)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                    timeout_graceful_shutdown=config.shutdown_timeout_s))
+                                    timeout_graceful_shutdown=config.shutdown_timeout_s, **_connection_limits(config)))
     threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
     server.run(sockets=[listener])
     if state.engine.fatal_error and not state.engine.ready.is_set():
         raise SystemExit(1)
+
+
+def _connection_limits(config: ServerConfig) -> dict:
+    """uvicorn settings that keep slow or numerous clients from locking others out (server/connections.py)."""
+    cap = connection_cap(config.max_connections, fd_limit.restore())
+    return {"http": deadline_protocol(config.request_read_timeout_s), "limit_concurrency": cap,
+            "backlog": min(cap, 4096)}
 
 
 def _exit_if_load_fails(state: ServerState, server: uvicorn.Server) -> None:
