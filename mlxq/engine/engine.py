@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxq.engine.admission import AdmissionError, check_fits_alone
+from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
@@ -140,6 +141,7 @@ class Engine:
         self.last_progress_at = time.monotonic()  # heartbeat for /health
         self.fatal_error: str | None = None
         self._observers: list[Callable[[RequestDone], None]] = []
+        self.evaluator = Evaluator(FaultInjector.from_env())  # MLXQ_FAULT_INJECT: a bad spec fails here, at start
 
     # --- called from any thread -------------------------------------------------
     def start(self) -> None:
@@ -190,7 +192,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self._inbox.qsize() + len(self._waiting)
+        preempted = self.scheduler.num_preempted if self.scheduler else 0
+        return self._inbox.qsize() + len(self._waiting) + preempted
 
     @property
     def num_running(self) -> int:
@@ -279,9 +282,9 @@ class Engine:
                 SchedulerConfig(self.config.max_rows, self.config.prompt_concurrency,
                                 self.config.prefill_step_size, self.kv_budget_bytes,
                                 token0_in_decode=_on_gpu()),
-                on_finish=lambda row: self._done(row.request, Lane.CONTINUOUS, row.output.finished,
+                on_finish=lambda row: self._done(row.output.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
-                prompt_cache=self.prompt_cache, scheme=self.scheme,
+                prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
             )
 
     def _warm_up(self) -> None:

@@ -69,6 +69,11 @@ class _EngineGauges:
             for name, key in (("ssd_cache_restores", "restores"), ("ssd_cache_writes", "writes"),
                               ("ssd_cache_write_failures", "failed"), ("ssd_cache_dropped", "dropped")):
                 yield CounterMetricFamily(PREFIX + name, name.replace("_", " "), value=ssd[key])
+        faults = engine.evaluator.counters
+        yield CounterMetricFamily(PREFIX + "num_preemptions", "rows requeued after an allocation fault",
+                                  value=faults.preemptions)
+        yield CounterMetricFamily(PREFIX + "memory_faults", "allocation failures at an evaluation",
+                                  value=faults.memory_faults)
         if scheduler is not None:
             yield from _decode_step_counters(scheduler.timing)
             phases = CounterMetricFamily(PREFIX + "scheduler_phase_seconds",

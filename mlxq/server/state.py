@@ -81,6 +81,10 @@ class ServerState:
             "kv_bytes": scheduler.projected_bytes() if scheduler else 0,
             "kv_budget_bytes": engine.kv_budget_bytes,
             "prompt_concurrency": engine.config.prompt_concurrency,
+            # allocation faults: retried, rows requeued (preempted) and waiting, the caps they lowered
+            "faults": asdict(engine.evaluator.counters),
+            "preempted_rows": scheduler.num_preempted if scheduler else 0,
+            "row_cap": scheduler.caps.rows if scheduler else engine.config.max_rows,
             # each decode step timed in its parts (engine/step_timing.py)
             "decode_timing": scheduler.timing.as_dict() if scheduler else None,
             # wall time in prefill and joins, and each phase's share of the scheduler's busy time
