@@ -39,6 +39,7 @@ from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
 from mlxq.engine.preempt import MAX_PREEMPTIONS, LoadCaps, plan_decode_preemption, split_prefill_group
 from mlxq.engine.rows import Row, make_row, resume_row
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
+from mlxq.engine.transient import ModelShape, joiners_transient
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.projection import KvFootprint
@@ -61,6 +62,8 @@ class SchedulerConfig:
     # all the weights again) or from a forward of the joiners alone (False: on the compute-bound
     # CPU that smaller forward gives the earlier first token). Same tokens either way.
     token0_in_decode: bool = True
+    transient_budget_bytes: int | None = None  # prefill transients of joiners together (engine/transient.py)
+    shape: ModelShape | None = None  # what those transients are computed from
 
 
 # A joiner waits for another joiner's prefill only when they share at least this many new tokens.
@@ -162,8 +165,17 @@ class BatchScheduler:
             return False
         if len(self._joiners) >= self.config.prompt_concurrency:
             return False
+        if self._joiners and self.transient_bytes(request) > (self.config.transient_budget_bytes or float("inf")):
+            return False  # a lone joiner always runs: only joiners together are held to the reserve
         budget = self.config.kv_budget_bytes
         return budget is None or self.projected_bytes(request) <= budget
+
+    def transient_bytes(self, extra: Request | None = None) -> int:
+        """The worst prefill step of the joiners (and ``extra``): activations, logits, attention scores."""
+        prompts = [len(j.row.request.prompt_ids) for j in self._joiners]
+        if extra is not None:
+            prompts.append(len(extra.prompt_ids))
+        return joiners_transient(self.config.shape, prompts, self.config.prefill_step_size, self.caps.group)
 
     def _all_rows(self) -> list[Row]:
         return self._rows + [j.row for j in self._joiners]
