@@ -22,6 +22,8 @@ class ServerConfig:
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     kv_budget_auto: bool = True  # no explicit budget: derive one from the device's memory (--kv-budget off: none)
     prompt_cache_bytes: int | None = None  # RAM prompt cache cap; 0 disables it; None: auto
+    memory_limit_bytes: int | None = None  # MLX's memory limit; None: auto (90% of the device, within free)
+    memory_limit_auto: bool = True  # --memory-limit off: leave MLX's own limits alone
     ssd: SsdConfig | None = None  # --ssd-cache DIR and its sub-flags
     kv_quant: str = "off"  # off, 2/3/4/5/6/8 bits, or config (kv_config.json beside the model)
     kv_group_size: int = 64

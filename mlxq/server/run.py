@@ -75,6 +75,8 @@ def make_state(config: ServerConfig) -> ServerState:
                                  prompt_concurrency=config.prompt_concurrency,
                                  kv_budget_bytes=config.kv_budget_bytes, kv_budget_auto=config.kv_budget_auto,
                                  prompt_cache_bytes=config.prompt_cache_bytes, ssd=config.ssd,
+                                 memory_limit_bytes=config.memory_limit_bytes,
+                                 memory_limit_auto=config.memory_limit_auto,
                                  kv_quant=config.kv_quant, kv_group_size=config.kv_group_size,
                                  warmup=config.warmup))
     return ServerState(config=config, engine=engine)
