@@ -36,6 +36,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
+from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.preempt import MAX_PREEMPTIONS, LoadCaps, plan_decode_preemption, split_prefill_group
 from mlxq.engine.rows import Row, make_row, resume_row
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
@@ -107,11 +108,13 @@ def _gathered(joiners: list[_Joiner]) -> tuple[list, bool]:
 class BatchScheduler:
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
-                 scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None):
+                 scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None,
+                 grammar_timing: GrammarTiming | None = None):
         self.model = model
         self.scheme = scheme  # KV representation: joiners convert where the serial lane does
         self.prompt_cache = prompt_cache  # store.PromptCache: joiners take at admission, rows put at finish
         self.tokenizer = tokenizer
+        self.grammar_timing = grammar_timing  # rows with a grammar add their mask time here
         self.footprint = footprint
         self.config = config
 
@@ -182,7 +185,7 @@ class BatchScheduler:
 
     # --- intake -------------------------------------------------------------------
     def add(self, request: Request, emit) -> None:
-        self._enter(_Joiner(make_row(request, self.tokenizer, emit), []))
+        self._enter(_Joiner(make_row(request, self.tokenizer, emit, self.grammar_timing), []))
         self.submitted_rows += 1
 
     def _enter(self, joiner: _Joiner) -> None:
