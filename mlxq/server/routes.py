@@ -15,35 +15,11 @@ from mlxq.engine.admission import AdmissionError
 from mlxq.engine.types import FinishReason, Request
 from mlxq.server.bridge import stream_event_batches, stream_events
 from mlxq.server.choices import choice_params, collect, merged
-from mlxq.server.errors import APIError, invalid
+from mlxq.server.errors import APIError
+from mlxq.server.json_body import read_json
 from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk
 from mlxq.server.protocol import GenerationSpec, parse_generation
 from mlxq.server.state import ServerState
-
-
-async def _read_json(http: HTTPRequest, limit: int):
-    """The body as JSON; bodies over ``limit`` bytes are refused before parsing (413)."""
-    declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw:
-        raise invalid("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body larger than the server's limit of {limit} bytes (--max-request-bytes)",
-                    code="request_too_large")
 
 
 def _check_limits(spec: GenerationSpec, config) -> None:
@@ -85,7 +61,7 @@ async def completions(http: HTTPRequest):
 async def _generate(http: HTTPRequest, kind):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
-    spec = parse_generation(await _read_json(http, state.config.max_request_bytes), kind, state.loaded,
+    spec = parse_generation(await read_json(http, state.config.max_request_bytes), kind, state.loaded,
                             default_max_tokens=state.config.max_tokens_limit)
     _check_limits(spec, state.config)
     try:
