@@ -8,10 +8,12 @@ input, and the matcher consumes it when the next mask is asked for. When the
 grammar is complete only EOS is allowed, so the row ends as any row does.
 
 Pipelining: the decode loop builds step n+1 before it reads token n. The
-mask for step n+1 needs token n, so ``constrain`` first starts the forward
-(``async_eval`` of the logits), then reads token n (a sync the loop does
-anyway), then computes the mask on the host while the forward runs. Rows
-without a grammar never wait for it: the mask only gates this row's draw.
+mask for step n+1 needs token n, so the forward is started first
+(``async_eval`` of the logits: by the batch scheduler, under its fault
+handling, or by ``processor`` in the serial lane), then ``constrain`` reads
+token n (a sync the loop does anyway) and computes the mask on the host
+while the forward runs. Rows without a grammar never wait for it: the mask
+only gates this row's draw.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class GrammarState:
         self._timing = timing
         self._matcher = None  # built at the first draw, as wide as the model's logits
         self._input_is_drawn = False  # the next ``inputs`` is a token this state allowed, not the prompt's
+        self._consumed = 0  # generated tokens the matcher has consumed
 
     def _start(self, vocab_size: int) -> None:
         import llguidance
@@ -66,19 +69,34 @@ class GrammarState:
         self._vocab_size = vocab_size
         self._bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
 
+    @property
+    def reads_input(self) -> bool:
+        """The next ``constrain`` reads its input token from the device (start the forward first)."""
+        return self._input_is_drawn
+
     def constrain(self, logits: mx.array, inputs: mx.array) -> mx.array:
         """``logits`` [1, V] for the token after ``inputs`` [1], with forbidden tokens at -inf."""
         if self._matcher is None:
             self._start(logits.shape[-1])
         if self._input_is_drawn:
-            mx.async_eval(logits)  # the forward runs while the host reads the token and builds the mask
-            self._matcher.consume_token(int(inputs.item()))
+            self._consume([int(inputs.item())])
         self._input_is_drawn = True
         start = time.perf_counter()
         allowed = self._allowed()
         if self._timing is not None:
             self._timing.add(time.perf_counter() - start)
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def resume(self, generated: list[int]) -> None:
+        """The row restarts from a prompt that ends with its ``generated`` tokens (KV recomputed after
+        a preemption): consume the ones not consumed yet; the next ``inputs`` is then a prompt token."""
+        if self._matcher is not None:
+            self._consume(generated[self._consumed :])
+        self._input_is_drawn = False
+
+    def _consume(self, tokens: list[int]) -> None:
+        self._matcher.consume_tokens(tokens)
+        self._consumed += len(tokens)
 
     def _allowed(self) -> mx.array:
         from llguidance.numpy import fill_next_token_bitmask
@@ -93,4 +111,9 @@ class GrammarState:
 
     def processor(self):
         """The same constraint as an mlx-lm logits processor ``(tokens, logits) -> logits`` (serial lane)."""
-        return lambda tokens, logits: self.constrain(logits, tokens[-1:])
+        def process(tokens: mx.array, logits: mx.array) -> mx.array:
+            if self._input_is_drawn:
+                mx.async_eval(logits)  # the forward runs while the host reads the token and builds the mask
+            return self.constrain(logits, tokens[-1:])
+
+        return process

@@ -612,6 +612,9 @@ class BatchScheduler:
         inputs, logprobs_now, emitted = self._pending
         with mx.stream(generation_stream):
             logits = self.model(inputs[:, None], cache=self._caches)[:, -1, :]
+            if any(row.grammar is not None and row.grammar.reads_input for row in self._rows):
+                # Start the forward, then grammar rows read token n and build their masks while it runs.
+                self.faults.run("decode", lambda: mx.async_eval(logits))
             next_tokens, next_logprobs = self._sample(logits, inputs)
         built = time.perf_counter()
         self.faults.run("decode", lambda: mx.async_eval(next_tokens, next_logprobs))

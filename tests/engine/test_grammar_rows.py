@@ -9,10 +9,14 @@ import jsonschema
 import llguidance
 import pytest
 
+from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.grammar_timing import GrammarTiming
+from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 from mlxq.engine.serial import run_serial
 from mlxq.engine.types import FinishReason, GrammarSpec, Request, SamplingParams
 from mlxq.golden.cases import LONG, SHORT
+from mlxq.kv.projection import measure_footprint
+from mlxq.kv.scheme import NATIVE
 from tests.engine.test_batch_parity import SEEDED, run_schedule, solo_tokens
 
 SCHEMA = {
@@ -79,3 +83,29 @@ def test_grammar_rows_batch_with_free_rows_and_equal_their_serial_runs(arch, tok
             assert batched[request.request_id] == tokens, request.request_id  # serial lane == batch lane
             assert finished == FinishReason.STOP
             assert_valid(tokenizer, tokens)
+
+
+def test_preempted_grammar_rows_resume_where_they_stopped(load_tiny):
+    """Allocation faults drop every row's KV (engine/faults.py injects MLX's own error): grammar rows are
+    recomputed from their tokens, their matchers continue, and the output equals an undisturbed run."""
+    model, tokenizer = load_tiny("llama")
+    grammar = schema_grammar(SCHEMA)
+    requests = [Request(f"json-{i}", tokenizer.encode(SHORT)[: 9 + i], SamplingParams(temperature=0.8, seed=i), 120,
+                        grammar=grammar) for i in range(3)] + [Request("free", tokenizer.encode(LONG), SEEDED, 40)]
+    config = SchedulerConfig(8, 4, 2048, None, True)
+    # Pairs fail an evaluation and its retry (rows preempted); singles fail once (the retry clears it).
+    plan = {"decode": frozenset({6, 7, 15, 21, 22, 40, 41})}
+    finished: dict[str, list[int]] = {}
+    scheduler = BatchScheduler(model, tokenizer, measure_footprint(model, 2048, NATIVE), config,
+                               on_finish=lambda row: finished.__setitem__(row.request.request_id, row.output.tokens),
+                               evaluator=Evaluator(FaultInjector(plan)))
+    for request in requests:
+        scheduler.add(request, lambda e: None)
+    for _ in range(2000):
+        if scheduler.is_idle:
+            break
+        scheduler.step()
+    assert scheduler.faults.counters.preemptions >= 2 and scheduler.faults.counters.failed_out_of_memory == 0
+    for request in requests:
+        tokens, _ = solo(model, tokenizer, request)
+        assert finished[request.request_id] == tokens, request.request_id
