@@ -51,7 +51,8 @@ def _unpack(bitmask: np.ndarray, vocab_size: int) -> mx.array:
 
 
 class GrammarState:
-    """One request's matcher. ``constrain`` is called once per drawn token, in order."""
+    """One request's matcher. One mask per drawn token, in order: ``prepare_masks`` (a decode
+    step's grammar rows together) or ``constrain`` alone, then ``constrain`` applies it."""
 
     def __init__(self, spec: GrammarSpec, tokenizer, timing: GrammarTiming | None = None):
         self.spec = spec
@@ -60,31 +61,41 @@ class GrammarState:
         self._matcher = None  # built at the first draw, as wide as the model's logits
         self._input_is_drawn = False  # the next ``inputs`` is a token this state allowed, not the prompt's
         self._consumed = 0  # generated tokens the matcher has consumed
+        self._prepared: np.ndarray | None = None  # the next draw's bitmask [1, W], when computed ahead
 
-    def _start(self, vocab_size: int) -> None:
+    def start(self, vocab_size: int) -> None:
         import llguidance
 
-        self._matcher = llguidance.LLMatcher(llg_tokenizer(self._tokenizer, vocab_size), self.spec.grammar)
-        self._eos = sorted(self._tokenizer.eos_token_ids)
-        self._vocab_size = vocab_size
-        self._bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
+        if self._matcher is None:
+            self._matcher = llguidance.LLMatcher(llg_tokenizer(self._tokenizer, vocab_size), self.spec.grammar)
+            self._vocab_size = vocab_size
 
     @property
     def reads_input(self) -> bool:
-        """The next ``constrain`` reads its input token from the device (start the forward first)."""
+        """The next mask needs the input token from the device (start the forward first)."""
         return self._input_is_drawn
+
+    @property
+    def live(self) -> bool:
+        """More text can follow (else only EOS is allowed: the grammar is complete or the matcher broke)."""
+        return not (self._matcher.is_error() or self._matcher.is_stopped())
+
+    def catch_up(self, read_input) -> None:
+        """Before computing a mask: consume the previous draw (``read_input()`` gives it)."""
+        if self._input_is_drawn:
+            self._consume([read_input()])
+        self._input_is_drawn = True  # the token drawn under the coming mask is the next input
 
     def constrain(self, logits: mx.array, inputs: mx.array) -> mx.array:
         """``logits`` [1, V] for the token after ``inputs`` [1], with forbidden tokens at -inf."""
-        if self._matcher is None:
-            self._start(logits.shape[-1])
-        if self._input_is_drawn:
-            self._consume([int(inputs.item())])
-        self._input_is_drawn = True
-        start = time.perf_counter()
-        allowed = self._allowed()
-        if self._timing is not None:
-            self._timing.add(time.perf_counter() - start)
+        if self._prepared is None:
+            self.start(logits.shape[-1])
+            self.catch_up(lambda: int(inputs.item()))
+            started = time.perf_counter()
+            self._prepared = _masks([self])
+            if self._timing is not None:
+                self._timing.add(time.perf_counter() - started)
+        allowed, self._prepared = _unpack(self._prepared, self._vocab_size), None
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def resume(self, generated: list[int]) -> None:
@@ -92,22 +103,11 @@ class GrammarState:
         a preemption): consume the ones not consumed yet; the next ``inputs`` is then a prompt token."""
         if self._matcher is not None:
             self._consume(generated[self._consumed :])
-        self._input_is_drawn = False
+        self._input_is_drawn, self._prepared = False, None
 
     def _consume(self, tokens: list[int]) -> None:
         self._matcher.consume_tokens(tokens)
         self._consumed += len(tokens)
-
-    def _allowed(self) -> mx.array:
-        from llguidance.numpy import fill_next_token_bitmask
-
-        if self._matcher.is_error() or self._matcher.is_stopped():
-            # Nothing more can follow (or the matcher broke): end the row.
-            allowed = np.zeros(self._vocab_size, dtype=bool)
-            allowed[self._eos] = True
-            return mx.array(allowed)[None]
-        fill_next_token_bitmask(self._matcher, self._bitmask)
-        return _unpack(self._bitmask, self._vocab_size)
 
     def processor(self):
         """The same constraint as an mlx-lm logits processor ``(tokens, logits) -> logits`` (serial lane)."""
@@ -117,3 +117,48 @@ class GrammarState:
             return self.constrain(logits, tokens[-1:])
 
         return process
+
+
+_executor = None
+
+
+def _masks(states: list[GrammarState]) -> np.ndarray:
+    """Bitmasks [len(states), W] of the states' next draws; several live matchers on llguidance's threads."""
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
+
+    global _executor
+    bitmask = allocate_token_bitmask(len(states), states[0]._vocab_size)
+    live = [(s._matcher, k) for k, s in enumerate(states) if s.live]
+    if len(live) == 1:
+        fill_next_token_bitmask(live[0][0], bitmask, live[0][1])
+    elif live:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor()
+        fill_next_token_bitmask_par(_executor, live, bitmask)
+    for k, state in enumerate(states):
+        if not state.live:
+            bitmask[k] = 0
+            words = bitmask[k].view(np.uint32)
+            for eos in state._tokenizer.eos_token_ids:
+                words[eos // 32] |= np.uint32(1 << (eos % 32))
+    return bitmask
+
+
+def prepare_masks(rows: list[tuple[GrammarState, int]], inputs: mx.array, vocab_size: int,
+                  timing: GrammarTiming | None) -> None:
+    """A decode step's grammar rows (state, index into ``inputs``): read the tokens drawn last step
+    once, feed them to the matchers, and compute every mask together (llguidance's threads) while
+    the already started forward runs. Each row's ``constrain`` then applies its own."""
+    states = [state for state, _ in rows]
+    tokens = inputs.tolist() if any(s.reads_input for s in states) else []
+    for state, i in rows:
+        state.start(vocab_size)
+        state.catch_up(lambda i=i: tokens[i])
+    started = time.perf_counter()
+    bitmask = _masks(states)
+    if timing is not None:
+        timing.add(time.perf_counter() - started, masks=len(states))
+    for k, state in enumerate(states):
+        state._prepared = bitmask[k : k + 1]

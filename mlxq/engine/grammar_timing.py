@@ -17,9 +17,9 @@ class GrammarTiming:
     seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, masks: int = 1) -> None:
         with self.lock:
-            self.masks += 1
+            self.masks += masks
             self.seconds += seconds
 
     def as_dict(self) -> dict:

@@ -36,6 +36,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
+from mlxq.engine.grammar import prepare_masks
 from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.preempt import MAX_PREEMPTIONS, LoadCaps, plan_decode_preemption, split_prefill_group
 from mlxq.engine.rows import Row, make_row, resume_row
@@ -612,9 +613,11 @@ class BatchScheduler:
         inputs, logprobs_now, emitted = self._pending
         with mx.stream(generation_stream):
             logits = self.model(inputs[:, None], cache=self._caches)[:, -1, :]
-            if any(row.grammar is not None and row.grammar.reads_input for row in self._rows):
-                # Start the forward, then grammar rows read token n and build their masks while it runs.
+            grammar_rows = [(row.grammar, i) for i, row in enumerate(self._rows) if row.grammar is not None]
+            if grammar_rows:
+                # Start the forward, then read token n and build the grammar rows' masks while it runs.
                 self.faults.run("decode", lambda: mx.async_eval(logits))
+                prepare_masks(grammar_rows, inputs, logits.shape[-1], self.grammar_timing)
             next_tokens, next_logprobs = self._sample(logits, inputs)
         built = time.perf_counter()
         self.faults.run("decode", lambda: mx.async_eval(next_tokens, next_logprobs))

@@ -59,8 +59,8 @@ def test_serial_lane_output_follows_the_schema_and_ends_at_eos(load_tiny):
     assert timing.masks > 0
 
 
-@pytest.mark.parametrize("token0_in_decode", [True, False], ids=["token0-in-decode", "token0-forward"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("arch,token0_in_decode", [("llama", True), ("llama", False), ("qwen3_next", True)],
+                         ids=["llama-token0-in-decode", "llama-token0-forward", "qwen3_next-token0-in-decode"])
 def test_grammar_rows_batch_with_free_rows_and_equal_their_serial_runs(arch, token0_in_decode, load_tiny):
     model, tokenizer = load_tiny(arch)
     short, long = tokenizer.encode(SHORT), tokenizer.encode(LONG)
