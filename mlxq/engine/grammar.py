@@ -57,6 +57,7 @@ class GrammarState:
         self._timing = timing
         self._matcher = None  # built at the first draw, as wide as the model's logits
         self._input_is_drawn = False  # the next ``inputs`` is a token this state allowed, not the prompt's
+        self._consumed = 0  # drawn tokens the matcher has consumed
 
     def _start(self, vocab_size: int) -> None:
         import llguidance
@@ -73,12 +74,25 @@ class GrammarState:
         if self._input_is_drawn:
             mx.async_eval(logits)  # the forward runs while the host reads the token and builds the mask
             self._matcher.consume_token(int(inputs.item()))
+            self._consumed += 1
         self._input_is_drawn = True
         start = time.perf_counter()
         allowed = self._allowed()
         if self._timing is not None:
             self._timing.add(time.perf_counter() - start)
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def resume(self, emitted: int) -> None:
+        """Continue after ``emitted`` tokens were handed out, the next draw's input being the last of them.
+
+        A row recomputed after a preemption feeds its last emitted token again; the step
+        that failed may already have consumed it, so the matcher goes back to the tokens
+        before it (llguidance rolls back token by token)."""
+        target = max(0, emitted - 1)
+        if self._matcher is not None and self._consumed > target:
+            self._matcher.rollback(self._consumed - target)
+            self._consumed = target
+        self._input_is_drawn = emitted > 0
 
     def _allowed(self) -> mx.array:
         from llguidance.numpy import fill_next_token_bitmask

@@ -86,4 +86,6 @@ def resume_row(row: Row) -> Row:
     first = row.output.request  # as submitted; its max_tokens still ends the row (RequestOutput)
     request = replace(first, prompt_ids=first.prompt_ids + row.output.tokens,
                       max_tokens=max(1, first.max_tokens - row.output.num_generated))
+    if row.grammar is not None:
+        row.grammar.resume(len(row.output.tokens))
     return replace(row, request=request, history=None)
