@@ -13,7 +13,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from mlxq.server import admin, messages_route, routes
+from mlxq.server import admin, messages_route, responses_route, routes
 from mlxq.server.errors import (
     APIError,
     error_response,
@@ -89,6 +89,8 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             Route("/completions", routes.completions, methods=["POST"]),
             Route("/v1/messages", messages_route.create_message, methods=["POST"]),
             Route("/v1/messages/count_tokens", messages_route.count_tokens, methods=["POST"]),
+            Route("/v1/responses", responses_route.create_response, methods=["POST"]),
+            Route("/responses", responses_route.create_response, methods=["POST"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
