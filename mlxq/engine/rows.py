@@ -11,7 +11,7 @@ neighbours do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -66,3 +66,16 @@ def make_row(request: Request, tokenizer, emit) -> Row:
         processors=make_request_processors(request.params),
         key=mx.random.key(params.seed) if keyed else None,
     )
+
+
+def resume_row(row: Row) -> Row:
+    """A row whose KV was dropped, as a new joiner: the tokens it already emitted extend its prompt.
+
+    Prefilling that sequence and feeding its last token continues the row where it
+    stopped: its output (text, stop-string state, counts) and its PRNG key carry on,
+    and its processors see the same history once the prefill has fed it again.
+    """
+    first = row.output.request  # as submitted; its max_tokens still ends the row (RequestOutput)
+    request = replace(first, prompt_ids=first.prompt_ids + row.output.tokens,
+                      max_tokens=max(1, first.max_tokens - row.output.num_generated))
+    return replace(row, request=request, history=None)

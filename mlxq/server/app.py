@@ -21,6 +21,7 @@ from mlxq.server.errors import (
     handle_http_exception,
     handle_unexpected,
 )
+from mlxq.server.guard import LOOPBACK_ORIGIN_REGEX, Guard, GuardPolicy
 from mlxq.server.state import ServerState
 
 log = logging.getLogger("mlxq.server")
@@ -101,8 +102,9 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             Route("/admin/cache/flush", admin.flush_cache, methods=["POST"]),
         ],
         middleware=[
+            Middleware(Guard, policy=GuardPolicy.of(state.config)),
             Middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),
-                       allow_methods=["*"], allow_headers=["*"]),
+                       allow_origin_regex=LOOPBACK_ORIGIN_REGEX, allow_methods=["*"], allow_headers=["*"]),
             Middleware(ApiKeyAuth, api_key=state.config.api_key),
         ],
         exception_handlers={

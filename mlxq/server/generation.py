@@ -6,47 +6,20 @@ run it; the renderer it picks decides what the client sees.
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 
-from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 
 from mlxq.engine.admission import AdmissionError
 from mlxq.engine.types import Request
 from mlxq.server.bridge import stream_event_batches, stream_events
 from mlxq.server.choices import choice_params, merged
-from mlxq.server.errors import APIError, invalid
+from mlxq.server.errors import APIError
 from mlxq.server.protocol import GenerationSpec
 from mlxq.server.state import ServerState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def read_json(http: HTTPRequest, limit: int):
-    """The body as JSON; bodies over ``limit`` bytes are refused before parsing (413)."""
-    declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw:
-        raise invalid("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body larger than the server's limit of {limit} bytes (--max-request-bytes)",
-                    code="request_too_large")
 
 
 def check_limits(spec: GenerationSpec, config) -> None:

@@ -11,7 +11,8 @@ from mlxq.server.anthropic_format import MessageStream, message_json, new_messag
 from mlxq.server.anthropic_request import parse_count_tokens, parse_messages
 from mlxq.server.choices import collect
 from mlxq.server.errors import APIError
-from mlxq.server.generation import admit, event_batches, read_json, sse_response
+from mlxq.server.generation import admit, event_batches, sse_response
+from mlxq.server.json_body import read_json
 from mlxq.server.openai_format import is_unfinished
 from mlxq.server.state import ServerState
 

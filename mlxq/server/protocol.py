@@ -14,6 +14,7 @@ from typing import Literal
 from mlxq.engine.types import SamplingParams
 from mlxq.server.errors import APIError, invalid
 from mlxq.server.prompts import system_prefix_length, tokenize_chat, tokenize_completion
+from mlxq.server.template_kwargs import read_template_kwargs
 from mlxq.server.validate import (
     read_bool,
     read_dict,
@@ -68,7 +69,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
     if body.get("tool_choice") == "none":
         tools = None
     if kind == "chat":
-        template_kwargs = read_dict(body, "chat_template_kwargs") or {}
+        template_kwargs = read_template_kwargs(body)
         prompt_ids = tokenize_chat(tokenizer, body.get("messages"), tools or None, template_kwargs)
         snapshot_at = system_prefix_length(tokenizer, body["messages"], tools or None, template_kwargs, prompt_ids)
     else:
@@ -196,11 +197,16 @@ def _read_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return bias
 
 
+def _read_top_k(body: dict, vocab_size: int) -> int:
+    top_k = read_int(body, "top_k", 0, lo=0)
+    return 0 if top_k >= vocab_size else top_k  # keeping every token is no filter (mlx-lm refuses k >= vocab)
+
+
 def _read_sampling(body: dict, vocab_size: int) -> SamplingParams:
     return SamplingParams(
         temperature=read_number(body, "temperature", 0.0, lo=0, hi=100),
         top_p=read_number(body, "top_p", 1.0, lo=0, hi=1),
-        top_k=read_int(body, "top_k", 0, lo=0),
+        top_k=_read_top_k(body, vocab_size),
         min_p=read_number(body, "min_p", 0.0, lo=0, hi=1),
         repetition_penalty=read_number(body, "repetition_penalty", 0.0, lo=0, hi=100),
         repetition_context_size=read_int(body, "repetition_context_size", 20, lo=0, hi=1 << 20),

@@ -9,7 +9,8 @@ from mlxq.engine.types import FinishReason, Request
 from mlxq.server.accumulator import Accumulator
 from mlxq.server.choices import collect
 from mlxq.server.errors import APIError
-from mlxq.server.generation import admit, event_batches, read_json, sse_response
+from mlxq.server.generation import admit, event_batches, sse_response
+from mlxq.server.json_body import read_json
 from mlxq.server.openai_format import is_unfinished
 from mlxq.server.responses_format import ResponseRenderer
 from mlxq.server.responses_request import parse_responses

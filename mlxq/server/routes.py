@@ -11,7 +11,8 @@ from starlette.responses import JSONResponse, Response
 from mlxq.engine.types import FinishReason, Request
 from mlxq.server.choices import collect
 from mlxq.server.errors import APIError
-from mlxq.server.generation import admit, choice_batches, read_json, sse_response
+from mlxq.server.generation import admit, choice_batches, sse_response
+from mlxq.server.json_body import read_json
 from mlxq.server.openai_format import ChoiceBuilder, is_unfinished, merged_final, merged_usage_chunk, sse_line
 from mlxq.server.protocol import parse_generation
 from mlxq.server.state import ServerState

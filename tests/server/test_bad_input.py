@@ -97,6 +97,45 @@ def test_non_finite_numbers_are_refused(llama_server, number):
     assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
 
 
+HOSTILE = [
+    # (path, raw body, words the message must contain): each was a 500 once
+    (CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper"),
+    (CHAT, b'{"messages": ' + b"[" * 200 + b"]" * 200 + b"}", "nests deeper"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "seed": ' + b"7" * 5000 + b"}", "not valid json"),
+    (COMPLETIONS, b'{"prompt": "abc\\ud800def", "max_tokens": 1}', "surrogate"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}', "surrogate"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "model": "\\ud83d", "max_tokens": 1}', "surrogate"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "chat_template_kwargs": '
+           b'{"return_tensors": "np"}}', "return_tensors"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "\\ud800": 1}', "surrogate"),
+    (COMPLETIONS, b'{"prompt": "\xed\xa0\x80", "max_tokens": 1}', "utf-8"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "words"), HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_bodies_are_a_400(llama_server, path, raw, words):
+    r = httpx.post(llama_server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"].lower()
+
+
+@pytest.mark.parametrize("top_k", [2**64, 2**31, 10**6, 4096])
+def test_top_k_beyond_the_vocabulary_keeps_every_token(llama_server, top_k):
+    """top_k >= vocab is no filter at all: the same greedy answer as no top_k."""
+    body = {"messages": MSG, "max_tokens": 4}
+    plain = httpx.post(llama_server.url + CHAT, json=body).json()
+    r = httpx.post(llama_server.url + CHAT, json=body | {"top_k": top_k})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+
+
+def test_paired_surrogate_escapes_are_text(llama_server):
+    """What ensure_ascii JSON encoders send for emoji is fine."""
+    raw = b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 1}'
+    r = httpx.post(llama_server.url + COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_route_and_method(llama_server):
     r = httpx.get(llama_server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
