@@ -68,6 +68,8 @@ def serve(
     = 60.0,
     max_tokens_limit: Annotated[int | None, typer.Option(help="Server-wide cap on max_tokens.")] = None,
     max_prompt_tokens: Annotated[int | None, typer.Option(help="Per-request cap on prompt tokens.")] = None,
+    max_tokens_policy: Annotated[str, typer.Option(help="max_tokens above the room left in the context (or "
+                                                        "--max-tokens-limit): clamp or reject (400).")] = "clamp",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     from mlxq.cli.units import parse_bytes
@@ -85,7 +87,7 @@ def serve(
             batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
             max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
             max_prompt_tokens=max_prompt_tokens, max_connections=max_connections,
-            request_read_timeout_s=request_read_timeout,
+            request_read_timeout_s=request_read_timeout, max_tokens_policy=max_tokens_policy.strip().lower(),
             kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none") else parse_bytes(kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
             prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
