@@ -5,7 +5,8 @@ tokenizer (the tiny models' 512-token vocabulary and the 128256-token
 ``llama3-1b`` preset's), it builds one matcher per row for a typical tool
 schema, then walks every row through a valid JSON instance token by token,
 timing the masks of all B rows at each step (the work a decode step waits
-for). Compile time is the schema -> grammar for that tokenizer. Coverage
+for). Compile time is schema -> grammar -> one matcher -> its first mask
+(llguidance builds its lexer lazily, at the first matcher). Coverage
 tries a handful of JSON-Schema features and reports which each library
 accepts.
 
@@ -40,18 +41,26 @@ TOOL_SCHEMA = {
 TOOL_INSTANCE = ('{"city": "Paris", "unit": "celsius", "days": 3, "hourly": false, '
                  '"fields": ["temp", "wind"], "location": {"lat": 48.85, "lon": 2.35}}')
 
+# feature -> (schema, an instance it accepts, one it must refuse). Covered = compiles, accepts, refuses.
 COVERAGE = {
-    "nested objects": {"type": "object", "properties": {"a": {"type": "object", "properties": {
-        "b": {"type": "object", "properties": {"c": {"type": "integer"}}}}}}},
-    "arrays": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
-    "enum": {"enum": ["red", "green", 3, None]},
-    "anyOf": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
-    "$ref": {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
-             "$ref": "#/$defs/node"},
-    "pattern": {"type": "string", "pattern": "^[a-z]{2}-[0-9]{3}$"},
-    "min/maxLength": {"type": "string", "minLength": 2, "maxLength": 8},
-    "additionalProperties false": {"type": "object", "properties": {"x": {"type": "integer"}},
-                                   "required": ["x"], "additionalProperties": False},
+    "nested objects": ({"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "integer"}}, "required": ["b"]}}, "required": ["a"]}, {"a": {"b": 1}}, {"a": {"b": "x"}}),
+    "arrays": ({"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3}, [1, 2], [1, 2, 3, 4]),
+    "enum": ({"enum": ["red", "green", 3]}, "green", "blue"),
+    "const": ({"const": "fixed"}, "fixed", "other"),
+    "anyOf": ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, 5, 1.5),
+    "oneOf": ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "x", [1]),
+    "$ref": ({"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/n"}},
+                              "required": ["v"], "additionalProperties": False}}, "$ref": "#/$defs/n"},
+             {"v": 1, "next": {"v": 2}}, {"v": 1, "next": {"w": 2}}),
+    "pattern": ({"type": "string", "pattern": "^[a-z]{2}-[0-9]{3}$"}, "ab-123", "ab-12"),
+    "min/maxLength": ({"type": "string", "minLength": 2, "maxLength": 4}, "abc", "abcde"),
+    "minimum/maximum": ({"type": "integer", "minimum": 3, "maximum": 7}, 5, 9),
+    "additionalProperties false": ({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                                    "additionalProperties": False}, {"x": 1}, {"x": 1, "y": 2}),
+    "format date": ({"type": "string", "format": "date"}, "2026-11-30", "30/11/2026"),
+    "prefixItems": ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
+                    [1, "a"], ["a", 1]),
 }
 
 
@@ -97,6 +106,12 @@ class Llguidance:
         return mask
 
 
+    def accepts(self, compiled, tok, text):
+        matcher = self.lib.LLMatcher(self.tok, compiled, log_level=0)
+        ok = all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+        return ok and matcher.is_accepting()
+
+
 class LlguidanceSerial(Llguidance):
     """One mask after another on the calling thread: what mlxq's decode loop does per grammar row."""
 
@@ -139,6 +154,12 @@ class Xgrammar:
         return mask
 
 
+    def accepts(self, compiled, tok, text):
+        matcher = self.lib.GrammarMatcher(compiled)
+        ok = all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+        return ok and matcher.accept_token(tok.convert_tokens_to_ids("<|im_end|>"))
+
+
 class OutlinesCore:
     name = "outlines-core"
 
@@ -174,6 +195,15 @@ class OutlinesCore:
         return mask
 
 
+    def accepts(self, compiled, tok, text):
+        guide = self.lib.Guide(compiled)
+        for t in tok.encode(text, add_special_tokens=False):
+            if t not in guide.get_tokens():
+                return False
+            guide.advance(t)
+        return guide.is_finished() or self.vocabulary.get_eos_token_id() in guide.get_tokens()
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte <-> printable character map (byte-level BPE token spelling)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -200,14 +230,17 @@ def measure(lib, tok, rows_list) -> dict:
         for token in tokens:
             lib.step(matchers, token)
         result[f"mask_ms_B{rows}"] = (time.perf_counter() - start) * 1e3 / len(tokens)
-    result["coverage"] = []
-    for feature, schema in COVERAGE.items():
-        try:
-            lib.compile(schema)
-            result["coverage"].append(feature)
-        except Exception:
-            pass
+    result["coverage"] = [feature for feature, case in COVERAGE.items() if enforces(lib, tok, *case)]
     return result
+
+
+def enforces(lib, tok, schema, good, bad) -> bool:
+    """Compiles ``schema``, lets ``good`` through to the end and stops ``bad`` somewhere."""
+    try:
+        compiled = lib.compile(schema)
+    except Exception:
+        return False
+    return lib.accepts(compiled, tok, json.dumps(good)) and not lib.accepts(compiled, tok, json.dumps(bad))
 
 
 def main() -> None:
