@@ -71,13 +71,18 @@ def test_metrics_add_up_to_the_requests_sent(ops_server):
 
 def test_gauges_show_work_in_flight(ops_server):
     url = ops_server.url
+    generated = lambda: httpx.get(url + "/stats").json()["engine"]["generated_tokens"]  # noqa: E731
+    before = generated()
     with httpx.stream("POST", url + "/v1/completions",
                       json={"prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
         lines = r.iter_lines()
-        next(lines)
+        for _ in range(6):
+            next(lines)
         during = scrape(url)
+        generated_during = generated()  # tokens count as they are handed out (the dashboard's tok/s)
         for _ in lines:
             pass
+    assert before < generated_during < before + 200
     assert during["mlxq:num_requests_running"] == 1
     assert during["mlxq:kv_cache_usage_bytes"] > 0
     deadline = time.monotonic() + 10
