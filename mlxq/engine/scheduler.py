@@ -35,7 +35,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
+from mlxq.engine.faults import Evaluator, MemoryFault, is_allocation_failure, release_cached_memory
 from mlxq.engine.grammar import prepare_masks
 from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.preempt import MAX_PREEMPTIONS, LoadCaps, plan_decode_preemption, split_prefill_group
@@ -333,6 +333,8 @@ class BatchScheduler:
                     row.output.finish(FinishReason.ERROR, error=f"batch decode failed: {type(exc).__name__}: {exc}")
                     self._on_finish(row)
                 release_cached_memory()
+        if self.is_idle and self.caps.lowered:
+            self.caps.reset()
 
     def _purge_cancelled(self) -> None:
         for joiner in [j for j in self._joiners if j.row.request.cancelled.is_set()]:
@@ -373,6 +375,7 @@ class BatchScheduler:
                 keep, _ = split_prefill_group(len(group))
                 log.warning("batched prefill of %d joiners out of memory; %d go on, one by one", len(group), keep)
                 self.caps.lower_group(keep)
+                self.caps.lower_rows(len(self._rows) + len(self._joiners))  # admit no more until it drains
                 group, together = group[:keep], False
             except Exception:
                 # Find the joiner at fault: each one alone (their caches are untouched until success).
@@ -383,6 +386,7 @@ class BatchScheduler:
                 try:
                     self._advance(joiner)
                 except MemoryFault:
+                    self.caps.lower_rows(len(self._rows) + len(self._joiners) - 1)  # admit no more until it drains
                     self._joiners.remove(joiner)  # its caches took part of the failed forward: start over
                     self._requeue([joiner.row])
                 except Exception as exc:
@@ -597,7 +601,13 @@ class BatchScheduler:
             return
         fed = caches[0].offset
         first = row.output.request  # the request as submitted (a resumed row's prompt holds its tokens)
-        self.prompt_cache.put(first.namespace, (first.prompt_ids + row.output.tokens)[:fed], caches)
+        try:
+            self.prompt_cache.put(first.namespace, (first.prompt_ids + row.output.tokens)[:fed], caches)
+        except Exception as exc:  # storing is an optimization: short of memory, skip it
+            if not is_allocation_failure(exc):
+                raise
+            log.warning("prompt cache put skipped: %s", exc)
+            release_cached_memory()
 
     def _fail_joiners(self, joiners: list[_Joiner], phase: str, exc: Exception) -> None:
         log.error("%s failed for %d joiner(s)", phase, len(joiners), exc_info=True)

@@ -124,6 +124,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the request, when one did
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,14 @@ MAX_CHOICES = 16  # n: each choice is a request of its own in the batch
 
 
 @dataclass(frozen=True)
+class TokenLimits:
+    """How a request's max_tokens meets the server's limits."""
+
+    cap: int | None = None  # --max-tokens-limit: the most tokens one request may generate
+    policy: Literal["clamp", "reject"] = "clamp"  # --max-tokens-policy: above the room left, clamp or 400
+
+
+@dataclass(frozen=True)
 class GenerationSpec:
     """A validated request, ready to become an ``engine.Request``."""
 
@@ -53,7 +61,7 @@ class GenerationSpec:
 
 
 def parse_generation(body, kind: Literal["chat", "completion"], lm,
-                     default_max_tokens: int | None = None) -> GenerationSpec:
+                     limits: TokenLimits = TokenLimits()) -> GenerationSpec:
     """Validate ``body`` against the loaded model ``lm`` (a models.LoadedModel)."""
     tokenizer = lm.tokenizer
     if not isinstance(body, dict):
@@ -71,7 +79,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
         prompt_ids = tokenize_completion(tokenizer, body.get("prompt"))
         if any(not 0 <= t < lm.vocab_size for t in prompt_ids):
             raise invalid(f"'prompt' token ids must be in 0-{lm.vocab_size - 1}", "prompt")
-    max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length, default_max_tokens)
+    max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length, limits)
     logprobs, top_logprobs = _read_logprobs(body, kind)
     stream = read_bool(body, "stream", False)
     stream_options = read_dict(body, "stream_options") or {}
@@ -134,7 +142,7 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     read_int(body, "num_draft_tokens", 0, lo=0)
 
 
-def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, default_cap: int | None) -> int:
+def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, limits: TokenLimits) -> int:
     requested = read_int(body, "max_completion_tokens", None, lo=1)
     if requested is None:
         requested = read_int(body, "max_tokens", None, lo=1)
@@ -148,8 +156,12 @@ def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, de
             code="context_length_exceeded",
         )
     if requested is None:
-        default = DEFAULT_MAX_TOKENS if default_cap is None else min(DEFAULT_MAX_TOKENS, default_cap)
+        default = DEFAULT_MAX_TOKENS if limits.cap is None else min(DEFAULT_MAX_TOKENS, limits.cap)
         return default if room is None else min(default, room)
+    if limits.policy == "clamp":
+        # Agents ask for their own model's maximum (Claude Code: 64000) whatever the server runs:
+        # generate as much as fits, and say finish_reason "length" when that is what ended it.
+        return min(x for x in (requested, room, limits.cap) if x is not None)
     if room is not None and requested > room:
         raise APIError(
             400,
