@@ -18,6 +18,7 @@ only gates this row's draw.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -120,23 +121,29 @@ class GrammarState:
 
 
 _executor = None
+# Several rows' masks go to llguidance's thread pool only on hosts with this many cores: on a 2-core
+# host one after another on the engine thread was 2.5-5x faster (docs/benchmarks.md, "Structured
+# outputs: constrained vs unconstrained decode"); many-core hosts are not measured yet.
+PARALLEL_MASKS_MIN_CPUS = 8
 
 
 def _masks(states: list[GrammarState]) -> np.ndarray:
-    """Bitmasks [len(states), W] of the states' next draws; several live matchers on llguidance's threads."""
+    """Bitmasks [len(states), W] of the states' next draws (several live matchers on llguidance's threads
+    when the host has the cores for it)."""
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
     global _executor
     bitmask = allocate_token_bitmask(len(states), states[0]._vocab_size)
     live = [(s._matcher, k) for k, s in enumerate(states) if s.live]
-    if len(live) == 1:
-        fill_next_token_bitmask(live[0][0], bitmask, live[0][1])
-    elif live:
+    if len(live) > 1 and (os.cpu_count() or 1) >= PARALLEL_MASKS_MIN_CPUS:
         if _executor is None:
             import llguidance
 
             _executor = llguidance.LLExecutor()
         fill_next_token_bitmask_par(_executor, live, bitmask)
+    else:
+        for matcher, k in live:
+            fill_next_token_bitmask(matcher, bitmask, k)
     for k, state in enumerate(states):
         if not state.live:
             bitmask[k] = 0
@@ -149,8 +156,8 @@ def _masks(states: list[GrammarState]) -> np.ndarray:
 def prepare_masks(rows: list[tuple[GrammarState, int]], inputs: mx.array, vocab_size: int,
                   timing: GrammarTiming | None) -> None:
     """A decode step's grammar rows (state, index into ``inputs``): read the tokens drawn last step
-    once, feed them to the matchers, and compute every mask together (llguidance's threads) while
-    the already started forward runs. Each row's ``constrain`` then applies its own."""
+    once, feed them to the matchers, and compute every mask together while the already started
+    forward runs. Each row's ``constrain`` then applies its own."""
     states = [state for state, _ in rows]
     tokens = inputs.tolist() if any(s.reads_input for s in states) else []
     for state, i in rows:
