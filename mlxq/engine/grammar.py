@@ -18,6 +18,7 @@ only gates this row's draw.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -51,6 +52,26 @@ def _unpack(bitmask: np.ndarray, vocab_size: int) -> mx.array:
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(mx.bool_)
 
 
+_templates: collections.OrderedDict = collections.OrderedDict()  # (tokenizer, grammar) -> unused matcher
+TEMPLATES_KEPT = 64  # distinct grammars whose compiled form is kept (LRU)
+
+
+def _fresh_matcher(llg_tok, grammar: str):
+    """A matcher at the grammar's start. Requests repeating a schema (the common case: the same tools or
+    response format on every turn) copy a kept one instead of compiling the grammar again."""
+    import llguidance
+
+    key = (id(llg_tok), grammar)
+    with _lock:
+        template = _templates.get(key)
+        if template is None:
+            template = _templates[key] = llguidance.LLMatcher(llg_tok, grammar)
+            if len(_templates) > TEMPLATES_KEPT:
+                _templates.popitem(last=False)
+        _templates.move_to_end(key)
+        return template.deep_copy()
+
+
 class GrammarState:
     """One request's matcher. One mask per drawn token, in order: ``prepare_masks`` (a decode
     step's grammar rows together) or ``constrain`` alone, then ``constrain`` applies it."""
@@ -65,10 +86,8 @@ class GrammarState:
         self._prepared: np.ndarray | None = None  # the next draw's bitmask [1, W], when computed ahead
 
     def start(self, vocab_size: int) -> None:
-        import llguidance
-
         if self._matcher is None:
-            self._matcher = llguidance.LLMatcher(llg_tokenizer(self._tokenizer, vocab_size), self.spec.grammar)
+            self._matcher = _fresh_matcher(llg_tokenizer(self._tokenizer, vocab_size), self.spec.grammar)
             self._vocab_size = vocab_size
 
     @property
