@@ -347,7 +347,7 @@ class Engine:
             from mlxq.store.cold_tier import open_cold_tier
 
             self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name,
-                                       kv_scheme=self.scheme.key)
+                                       kv_scheme=self.scheme.key, prototype=self._prototype)
 
     def _background_work(self) -> bool:
         """SSD work waiting (asked only when idle: never a cost on the decode loop)."""
