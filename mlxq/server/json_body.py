@@ -19,6 +19,11 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 async def read_json(http: HTTPRequest, limit: int):
     """The body as JSON; bodies over ``limit`` bytes are refused before parsing (413)."""
+    return parse_json_body(await read_body(http, limit))
+
+
+async def read_body(http: HTTPRequest, limit: int) -> bytes:
+    """The raw body; over ``limit`` bytes is a 413 (before reading it all when the length is declared)."""
     declared = http.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -32,7 +37,7 @@ async def read_json(http: HTTPRequest, limit: int):
     except ClientDisconnect:  # gone mid-body (or cut by --request-read-timeout): nobody reads the answer
         raise APIError(408, "the client disconnected before sending the whole body", code="body_incomplete") \
             from None
-    return parse_json_body(b"".join(chunks))
+    return b"".join(chunks)
 
 
 def _too_large(limit: int) -> APIError:
@@ -72,4 +77,4 @@ def _check_tree(body, *, check_strings: bool) -> None:
             continue
         if depth > MAX_DEPTH:
             raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels")
-        stack.extend((child, depth + 1) for child in children)
+        stack.extend((child, depth + 1) for child in children if check_strings or isinstance(child, (dict, list)))

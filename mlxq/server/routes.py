@@ -16,7 +16,7 @@ from mlxq.engine.types import FinishReason, Request
 from mlxq.server.bridge import stream_event_batches, stream_events
 from mlxq.server.choices import choice_params, collect, merged
 from mlxq.server.errors import APIError
-from mlxq.server.json_body import read_json
+from mlxq.server.offload import parse_request
 from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk
 from mlxq.server.protocol import GenerationSpec, parse_generation
 from mlxq.server.state import ServerState
@@ -60,8 +60,8 @@ async def completions(http: HTTPRequest):
 async def _generate(http: HTTPRequest, kind):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
-    spec = parse_generation(await read_json(http, state.config.max_request_bytes), kind, state.loaded,
-                            default_max_tokens=state.config.max_tokens_limit)
+    spec = await parse_request(http, state.config.max_request_bytes, parse_generation, kind, state.loaded,
+                               default_max_tokens=state.config.max_tokens_limit)
     _check_limits(spec, state.config)
     try:
         state.engine.check_admissible(len(spec.prompt_ids), spec.max_tokens)
