@@ -33,6 +33,10 @@ def serve(
     prompt_cache: Annotated[str, typer.Option(help="RAM prompt cache size, e.g. 8GB; 0 disables it; auto: a "
                                                     "quarter of the memory the weights leave, at most 8GB.")]
     = "auto",
+    memory_limit: Annotated[str, typer.Option(help="Memory MLX may use (its allocator's limit; the budgets and "
+                                                    "its buffer cache are sized within it), e.g. 120GB. auto: 90% "
+                                                    "of the device, at most what is free at start; off: MLX's "
+                                                    "own limits.")] = "auto",
     kv_quant: Annotated[str, typer.Option(help="KV cache representation: off, 8, 4 (also 2, 3, 5, 6) bits, "
                                                "or config (per-layer bits from kv_config.json beside the "
                                                "model).")] = "off",
@@ -64,6 +68,8 @@ def serve(
     = 60.0,
     max_tokens_limit: Annotated[int | None, typer.Option(help="Server-wide cap on max_tokens.")] = None,
     max_prompt_tokens: Annotated[int | None, typer.Option(help="Per-request cap on prompt tokens.")] = None,
+    max_tokens_policy: Annotated[str, typer.Option(help="max_tokens above the room left in the context (or "
+                                                        "--max-tokens-limit): clamp or reject (400).")] = "clamp",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     from mlxq.cli.units import parse_bytes
@@ -81,10 +87,12 @@ def serve(
             batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
             max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
             max_prompt_tokens=max_prompt_tokens, max_connections=max_connections,
-            request_read_timeout_s=request_read_timeout,
+            request_read_timeout_s=request_read_timeout, max_tokens_policy=max_tokens_policy.strip().lower(),
             kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none") else parse_bytes(kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
             prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
+            memory_limit_bytes=None if memory_limit.strip().lower() in ("auto", "off") else parse_bytes(memory_limit),
+            memory_limit_auto=memory_limit.strip().lower() == "auto",
             ssd=ssd, kv_quant=kv_quant.strip().lower(), kv_group_size=kv_group_size,
             warmup=warmup.strip().lower(),
         )

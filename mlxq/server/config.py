@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxq.server.protocol import TokenLimits
 from mlxq.store.ssd_config import SsdConfig
 
 
@@ -22,6 +23,8 @@ class ServerConfig:
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     kv_budget_auto: bool = True  # no explicit budget: derive one from the device's memory (--kv-budget off: none)
     prompt_cache_bytes: int | None = None  # RAM prompt cache cap; 0 disables it; None: auto
+    memory_limit_bytes: int | None = None  # MLX's memory limit; None: auto (90% of the device, within free)
+    memory_limit_auto: bool = True  # --memory-limit off: leave MLX's own limits alone
     ssd: SsdConfig | None = None  # --ssd-cache DIR and its sub-flags
     kv_quant: str = "off"  # off, 2/3/4/5/6/8 bits, or config (kv_config.json beside the model)
     kv_group_size: int = 64
@@ -35,6 +38,7 @@ class ServerConfig:
     max_connections: int = 4096  # open connections at once (more get 503); lowered to fit the open-file limit
     request_read_timeout_s: float = 60.0  # a client must send a whole request (headers and body) within this
     max_tokens_limit: int | None = None  # server-wide cap on max_tokens (None: the model's context)
+    max_tokens_policy: str = "clamp"  # max_tokens above the room left (or the cap): clamp to it, or reject (400)
     max_prompt_tokens: int | None = None  # per-request prompt length cap (None: the model's context)
 
     def __post_init__(self):
@@ -60,6 +64,8 @@ class ServerConfig:
             raise ValueError("shutdown_timeout_s must be >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.max_tokens_policy not in ("clamp", "reject"):
+            raise ValueError(f"--max-tokens-policy must be clamp or reject; got {self.max_tokens_policy!r}")
         if self.log_format not in ("plain", "json"):
             raise ValueError("log_format must be plain or json")
         if self.max_connections < 1 or self.request_read_timeout_s <= 0:
@@ -70,6 +76,10 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def token_limits(self) -> TokenLimits:
+        return TokenLimits(self.max_tokens_limit, self.max_tokens_policy)
 
     @property
     def is_loopback(self) -> bool:

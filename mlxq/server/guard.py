@@ -98,5 +98,5 @@ class Guard:
         if scope["type"] == "http":
             err = self.policy.refusal(scope["method"], dict(scope.get("headers") or []))
             if err is not None:
-                return await error_response(err)(scope, receive, send)
+                return await error_response(err, scope["path"])(scope, receive, send)
         return await self.app(scope, receive, send)

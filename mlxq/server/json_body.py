@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import re
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from mlxq.server.errors import APIError, invalid
 
+LARGE_REQUEST_BYTES = 1 << 20  # bodies this big are parsed off the event loop, and memory is trimmed after
 MAX_DEPTH = 128  # objects/arrays inside each other; JSON Schemas in tools stay far below it
 # A surrogate can only reach a string through a \uD800-\uDFFF escape (the bytes are decoded strictly).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -18,8 +20,12 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 async def read_json(http: HTTPRequest, limit: int):
-    """The body as JSON; bodies over ``limit`` bytes are refused before parsing (413)."""
-    return parse_json_body(await read_body(http, limit))
+    """The body as JSON; bodies over ``limit`` bytes are refused before parsing (413); a large one is
+    parsed in a worker thread (server/offload.py does the rest of a request's work there too)."""
+    raw = await read_body(http, limit)
+    if len(raw) >= LARGE_REQUEST_BYTES:
+        return await run_in_threadpool(parse_json_body, raw)
+    return parse_json_body(raw)
 
 
 async def read_body(http: HTTPRequest, limit: int) -> bytes:

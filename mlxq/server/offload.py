@@ -20,15 +20,18 @@ import gc
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 
-from mlxq.server.json_body import parse_json_body, read_body
-
-LARGE_REQUEST_BYTES = 1 << 20  # after a body this big, the worker returns memory to the OS
+from mlxq.server.json_body import LARGE_REQUEST_BYTES, parse_json_body, read_body
 
 
 async def parse_request(http: HTTPRequest, limit: int, parse, *args, **kwargs):
     """``parse(body_json, *args, **kwargs)`` in a worker thread, the body read here (413 over ``limit``)."""
     raw = [await read_body(http, limit)]  # a list the worker empties: the bytes die with the parse
     return await run_in_threadpool(_parse_and_release, raw, lambda body: parse(body, *args, **kwargs))
+
+
+async def off_loop(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a worker thread (for routes that keep the parsed body)."""
+    return await run_in_threadpool(fn, *args, **kwargs)
 
 
 def _parse_and_release(raw: list, parse):

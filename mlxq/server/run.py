@@ -8,8 +8,10 @@ accepting, finishes open responses, and the lifespan stops the engine.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -43,6 +45,26 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+class PortInUseError(ValueError):
+    """The address is taken: one line for the user, exit 2 (a bad flag), before anything loads."""
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads, so a taken port fails at once and
+    "listening" is only ever logged for a socket we hold (uvicorn serves on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"port {port} is in use on {host}; pass --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def make_state(config: ServerConfig) -> ServerState:
     """Resolve the model now (a missing model fails before the port opens); load it later."""
     if config.model is None:
@@ -55,6 +77,8 @@ def make_state(config: ServerConfig) -> ServerState:
                                  prompt_concurrency=config.prompt_concurrency,
                                  kv_budget_bytes=config.kv_budget_bytes, kv_budget_auto=config.kv_budget_auto,
                                  prompt_cache_bytes=config.prompt_cache_bytes, ssd=config.ssd,
+                                 memory_limit_bytes=config.memory_limit_bytes,
+                                 memory_limit_auto=config.memory_limit_auto,
                                  kv_quant=config.kv_quant, kv_group_size=config.kv_group_size,
                                  warmup=config.warmup))
     return ServerState(config=config, engine=engine)
@@ -73,6 +97,7 @@ def serve(config: ServerConfig) -> None:
     if not config.is_loopback and config.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the model "
                     "and read /stats; set --api-key (or MLXQ_API_KEY) or bind to 127.0.0.1", config.host)
+    listener = bind_listener(config.host, config.port)
     lock = SsdLock(Path(config.ssd.directory)).acquire() if config.ssd is not None else None  # held until exit
     state = make_state(config)
     app = build_app(state)
@@ -80,7 +105,7 @@ def serve(config: ServerConfig) -> None:
                                     timeout_graceful_shutdown=config.shutdown_timeout_s, **_connection_limits(config)))
     threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
-    server.run()
+    server.run(sockets=[listener])
     if lock is not None:
         lock.release()
     if state.engine.fatal_error and not state.engine.ready.is_set():

@@ -178,11 +178,12 @@ def test_compare_reports_ratios(llama_server):
     assert "B / A" in result.output
 
 
-def test_unreachable_server_fails_with_exit_1():
-    result = CliRunner().invoke(app, ["bench", "serving-load", "--url", f"http://127.0.0.1:{free_port()}",
-                                      "--num-requests", "2", "--warmup", "0", "--quiet"])
+def test_unreachable_server_fails_at_once_with_exit_1():
+    url = f"http://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(app, ["bench", "serving-load", "--url", url, "--num-requests", "200", "--quiet"])
     assert result.exit_code == 1
-    assert "ConnectError" in result.output
+    assert f"cannot reach {url}: ConnectError" in result.output
+    assert "serving-load" not in result.output  # no level was run
 
 
 def test_fresh_prompts_do_not_repeat_across_rounds(llama_server, tmp_path):
@@ -195,7 +196,7 @@ def test_fresh_prompts_do_not_repeat_across_rounds(llama_server, tmp_path):
         assert result.exit_code == 0, result.output
         return [run["cached_token_ratio"] for run in json.loads(out.read_text())["a"]]
 
-    repeated = cached_ratios()
-    fresh = cached_ratios("--fresh-prompts")
+    repeated = cached_ratios("--repeat-prompts")
+    fresh = cached_ratios()  # the default
     assert repeated[1] > 0.8  # the second round's prompts were the first round's
     assert max(fresh) < 0.3

@@ -101,3 +101,20 @@ def test_serve_exits_1_when_the_model_fails_to_load(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "model failed to load" in proc.stderr
+
+
+def test_serve_on_a_taken_port_says_so_in_one_line():
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert proc.returncode == 2
+    assert f"error: port {port} is in use on 127.0.0.1; pass --port" in proc.stderr
+    assert "listening" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
