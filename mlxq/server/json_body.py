@@ -11,6 +11,7 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from mlxq.server.errors import APIError, invalid
+from mlxq.server.json_pieces import loads_in_pieces
 
 LARGE_REQUEST_BYTES = 1 << 20  # bodies this big are parsed off the event loop, and memory is trimmed after
 MAX_DEPTH = 128  # objects/arrays inside each other; JSON Schemas in tools stay far below it
@@ -59,7 +60,7 @@ def parse_json_body(raw: bytes):
     except UnicodeDecodeError as exc:
         raise invalid(f"the request body is not valid UTF-8: {exc}") from None
     try:
-        body = json.loads(text)
+        body = loads_in_pieces(text) if len(raw) >= LARGE_REQUEST_BYTES else json.loads(text)
     except RecursionError:
         raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except ValueError as exc:  # JSONDecodeError; an integer over Python's 4300-digit conversion limit

@@ -5,9 +5,10 @@ tokenizing megabytes of text each froze every stream for seconds when they
 ran inside the async handler. ``parse_request`` reads the body on the loop
 (it arrives in chunks) and does everything else in Starlette's thread pool
 (tokenizers release the GIL; the loop keeps its turns at the interpreter's
-switch interval). After a large body the worker also drops the body,
-collects garbage and hands freed heap pages back to the OS, so one big
-request does not leave gigabytes of resident memory behind.
+switch interval). After a large body the worker also drops the body and
+hands freed heap pages back to the OS (``malloc_trim``, which runs without
+the GIL), so one big request does not leave gigabytes of resident memory
+behind.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import gc
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
@@ -49,7 +49,8 @@ def _parse(raw: list, parse):
 
 
 def release_memory() -> None:
-    gc.collect()
+    """Hand freed heap pages back to the OS. No ``gc.collect()``: a request's garbage is acyclic (reference
+    counting has freed it already), and a full collection holds the GIL for the whole heap's walk."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
