@@ -73,10 +73,12 @@ def _messages(messages) -> list[dict]:
         raise invalid("'messages' must be a non-empty list", "messages")
     out: list[dict] = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
             raise invalid(f"messages[{i}] must be an object with role 'user' or 'assistant'", "messages")
         content = message.get("content")
-        if isinstance(content, str):
+        if message["role"] == "system":  # Claude Code puts reminders between turns as system messages
+            out.append({"role": "system", "content": _text_of(content, f"messages[{i}].content")})
+        elif isinstance(content, str):
             out.append({"role": message["role"], "content": content})
         elif isinstance(content, list):
             out.extend(_blocks(i, message["role"], content))

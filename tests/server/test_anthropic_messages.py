@@ -68,6 +68,15 @@ def test_system_blocks_and_content_blocks_render_like_strings(client):
     assert as_strings.input_tokens == as_blocks.input_tokens > 0
 
 
+def test_system_messages_between_turns_are_accepted(client, oai):
+    """Claude Code sends reminders as role "system" messages among the turns."""
+    turns = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Agents: none."},
+             {"role": "user", "content": "Go"}]
+    counted = client.messages.count_tokens(model="x", messages=turns)
+    chat = oai.chat.completions.create(model="x", messages=turns, max_tokens=1)
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
 def test_stream_event_sequence_and_text(client):
     kwargs = {"model": "x", "max_tokens": 10, **GREEDY, "messages": [{"role": "user", "content": "Count"}]}
     plain = client.messages.create(**kwargs)
