@@ -6,7 +6,8 @@ MLX raises a plain ``RuntimeError`` when the device cannot allocate:
   (mlx/backend/cuda/allocator.cpp through ``check_cuda_error``);
 - Metal: ``[metal::malloc] Attempting to allocate N bytes which is greater than
   the maximum allowed buffer size`` or ``[metal::malloc] Resource limit (...) exceeded``;
-- any backend: ``[malloc] Unable to allocate N bytes.``
+- any backend: ``[malloc] Unable to allocate N bytes.``;
+- cuBLAS / cuDNN workspaces: ``..._STATUS_ALLOC_FAILED``.
 
 MLX's ``eval`` leaves the graph whole when a primitive throws (arrays evaluated
 before the failure stay evaluated, the failed one and everything after it stay
@@ -32,7 +33,7 @@ log = logging.getLogger("mlxq.faults")
 
 FAULT_ENV = "MLXQ_FAULT_INJECT"
 SITES = ("decode", "prefill", "token0")
-_MEMORY_MARKERS = ("out of memory", "[malloc]", "[metal::malloc]", "unable to allocate")
+_MEMORY_MARKERS = ("out of memory", "[malloc]", "[metal::malloc]", "unable to allocate", "alloc_failed")
 
 
 class MemoryFault(RuntimeError):

@@ -14,7 +14,9 @@ batch lane sheds work:
 - **A lone prefill or token 0.** That joiner's caches were updated in place:
   it is requeued and starts over.
 
-Caps grow back after a run of clean decode steps. A row requeued
+Caps are back to the flags' values once the batch drains, and grow slowly
+after long runs of clean decode steps (each fault that a growth causes costs
+a recomputation, so growth is cautious). A row requeued
 MAX_PREEMPTIONS times cannot run even with fewer neighbours and fails with
 an out-of-memory error instead of looping.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_PREEMPTIONS = 8  # requeues of one row before it fails: it does not fit even alone
-RECOVER_AFTER_STEPS = 32  # clean decode steps before a cap grows back by a quarter
+RECOVER_AFTER_STEPS = 256  # clean decode steps before a cap grows back by an eighth
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,12 @@ class LoadCaps:
         self.clean_steps += 1
         if self.clean_steps >= RECOVER_AFTER_STEPS:
             self.clean_steps = 0
-            self.rows = min(self.max_rows, self.rows + max(1, self.rows // 4))
-            self.group = min(self.max_group, self.group + max(1, self.group // 4))
+            self.rows = min(self.max_rows, self.rows + max(1, self.rows // 8))
+            self.group = min(self.max_group, self.group + max(1, self.group // 8))
+
+    def reset(self) -> None:
+        """The batch drained: whatever held the memory is gone."""
+        self.rows, self.group, self.clean_steps = self.max_rows, self.max_group, 0
 
     @property
     def lowered(self) -> bool:

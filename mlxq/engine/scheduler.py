@@ -35,7 +35,8 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
+from mlxq.engine.faults import Evaluator, MemoryFault, is_allocation_failure, release_cached_memory
+from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.preempt import MAX_PREEMPTIONS, LoadCaps, plan_decode_preemption, split_prefill_group
 from mlxq.engine.rows import Row, make_row, resume_row
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
@@ -107,11 +108,13 @@ def _gathered(joiners: list[_Joiner]) -> tuple[list, bool]:
 class BatchScheduler:
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
-                 scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None):
+                 scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None,
+                 grammar_timing: GrammarTiming | None = None):
         self.model = model
         self.scheme = scheme  # KV representation: joiners convert where the serial lane does
         self.prompt_cache = prompt_cache  # store.PromptCache: joiners take at admission, rows put at finish
         self.tokenizer = tokenizer
+        self.grammar_timing = grammar_timing  # rows with a grammar add their mask time here
         self.footprint = footprint
         self.config = config
 
@@ -182,7 +185,7 @@ class BatchScheduler:
 
     # --- intake -------------------------------------------------------------------
     def add(self, request: Request, emit) -> None:
-        self._enter(_Joiner(make_row(request, self.tokenizer, emit), []))
+        self._enter(_Joiner(make_row(request, self.tokenizer, emit, self.grammar_timing), []))
         self.submitted_rows += 1
 
     def _enter(self, joiner: _Joiner) -> None:
@@ -329,6 +332,8 @@ class BatchScheduler:
                     row.output.finish(FinishReason.ERROR, error=f"batch decode failed: {type(exc).__name__}: {exc}")
                     self._on_finish(row)
                 release_cached_memory()
+        if self.is_idle and self.caps.lowered:
+            self.caps.reset()
 
     def _purge_cancelled(self) -> None:
         for joiner in [j for j in self._joiners if j.row.request.cancelled.is_set()]:
@@ -369,6 +374,7 @@ class BatchScheduler:
                 keep, _ = split_prefill_group(len(group))
                 log.warning("batched prefill of %d joiners out of memory; %d go on, one by one", len(group), keep)
                 self.caps.lower_group(keep)
+                self.caps.lower_rows(len(self._rows) + len(self._joiners))  # admit no more until it drains
                 group, together = group[:keep], False
             except Exception:
                 # Find the joiner at fault: each one alone (their caches are untouched until success).
@@ -379,6 +385,7 @@ class BatchScheduler:
                 try:
                     self._advance(joiner)
                 except MemoryFault:
+                    self.caps.lower_rows(len(self._rows) + len(self._joiners) - 1)  # admit no more until it drains
                     self._joiners.remove(joiner)  # its caches took part of the failed forward: start over
                     self._requeue([joiner.row])
                 except Exception as exc:
@@ -593,7 +600,13 @@ class BatchScheduler:
             return
         fed = caches[0].offset
         first = row.output.request  # the request as submitted (a resumed row's prompt holds its tokens)
-        self.prompt_cache.put(first.namespace, (first.prompt_ids + row.output.tokens)[:fed], caches)
+        try:
+            self.prompt_cache.put(first.namespace, (first.prompt_ids + row.output.tokens)[:fed], caches)
+        except Exception as exc:  # storing is an optimization: short of memory, skip it
+            if not is_allocation_failure(exc):
+                raise
+            log.warning("prompt cache put skipped: %s", exc)
+            release_cached_memory()
 
     def _fail_joiners(self, joiners: list[_Joiner], phase: str, exc: Exception) -> None:
         log.error("%s failed for %d joiner(s)", phase, len(joiners), exc_info=True)

@@ -66,6 +66,7 @@ def _new_request(spec: GenerationSpec, prefix: str, index: int = 0) -> Request:
         ignore_eos=spec.ignore_eos,
         deterministic=spec.deterministic,
         snapshot_at=spec.snapshot_at,
+        grammar=spec.grammar,
     )
 
 

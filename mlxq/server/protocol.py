@@ -1,9 +1,9 @@
 """Parse an OpenAI-style completion body into a validated ``GenerationSpec``.
 
 Accepts every field mlx_lm.server reads (with its defaults), validates types
-and ranges, and refuses what mlxq does not do yet (structured
-``response_format``, adapters, draft models; for completions ``echo``,
-``suffix``, ``best_of`` > 1) instead of ignoring it.
+and ranges, and refuses what mlxq does not do yet (adapters, draft models;
+for completions ``echo``, ``suffix``, ``best_of`` > 1) instead of ignoring it.
+``response_format`` and a forced ``tool_choice`` become a grammar (structured.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mlxq.engine.types import SamplingParams
+from mlxq.engine.types import GrammarSpec, SamplingParams
 from mlxq.server.errors import APIError, invalid
 from mlxq.server.prompts import system_prefix_length, tokenize_chat, tokenize_completion
+from mlxq.server.structured import chat_grammar, response_format_grammar
 from mlxq.server.template_kwargs import read_template_kwargs
 from mlxq.server.validate import (
     read_bool,
@@ -56,6 +57,7 @@ class GenerationSpec:
     snapshot_at: int | None  # end of the shared system prompt: a prompt-cache snapshot point
     tools: list | None  # tool definitions given: parse tool calls out of the output
     n: int = 1  # choices: n requests on the same prompt (choice i samples with seed + i when seeded)
+    grammar: GrammarSpec | None = None  # response_format / forced tool call: the output must match it
 
 
 def parse_generation(body, kind: Literal["chat", "completion"], lm,
@@ -81,6 +83,11 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
     logprobs, top_logprobs = _read_logprobs(body, kind)
     stream = read_bool(body, "stream", False)
     stream_options = read_dict(body, "stream_options") or {}
+    grammar = chat_grammar(body, tools, lm) if kind == "chat" else response_format_grammar(
+        body.get("response_format"), lm)
+    if grammar is not None and read_bool(body, "ignore_eos", False):
+        raise invalid("'ignore_eos' cannot be combined with structured output (the grammar ends at EOS)",
+                      "ignore_eos")
     return GenerationSpec(
         kind=kind,
         model=read_str(body, "model", "default_model"),
@@ -97,6 +104,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
         snapshot_at=snapshot_at,
         tools=tools or None,
         n=read_int(body, "n", 1, lo=1, hi=MAX_CHOICES),
+        grammar=grammar,
     )
 
 
@@ -127,10 +135,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
             raise invalid("'suffix' (insertion) is not supported yet", "suffix", "unsupported")
         if read_int(body, "best_of", 1, lo=1) != 1:
             raise invalid("'best_of' other than 1 is not supported yet", "best_of", "unsupported")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise invalid("'response_format' is not supported yet (only {\"type\": \"text\"})", "response_format",
-                      "unsupported")
     if body.get("adapters") is not None:
         raise invalid("'adapters' is not supported yet", "adapters", "unsupported")
     if read_str(body, "draft_model", "default_model") != "default_model":

@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import threading
+from pathlib import Path
 
 import uvicorn
 
@@ -26,6 +27,7 @@ from mlxq.server.app import build_app
 from mlxq.server.config import ServerConfig
 from mlxq.server.connections import connection_cap, deadline_protocol
 from mlxq.server.state import ServerState
+from mlxq.store.ssd_lock import SsdLock
 
 log = logging.getLogger("mlxq.server")
 
@@ -96,6 +98,7 @@ def serve(config: ServerConfig) -> None:
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the model "
                     "and read /stats; set --api-key (or MLXQ_API_KEY) or bind to 127.0.0.1", config.host)
     listener = bind_listener(config.host, config.port)
+    lock = SsdLock(Path(config.ssd.directory)).acquire() if config.ssd is not None else None  # held until exit
     state = make_state(config)
     app = build_app(state)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
@@ -103,6 +106,8 @@ def serve(config: ServerConfig) -> None:
     threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
     server.run(sockets=[listener])
+    if lock is not None:
+        lock.release()
     if state.engine.fatal_error and not state.engine.ready.is_set():
         raise SystemExit(1)
 

@@ -131,6 +131,7 @@ class ServerState:
                 **asdict(engine.stats),
             },
             "batch": self._batch_stats(),
+            "grammar": engine.grammar_timing.as_dict(),  # structured outputs: host time computing token masks
             "kv": self._kv_stats(),
             "prompt_cache": {
                 "enabled": engine.prompt_cache is not None,

@@ -21,6 +21,7 @@ state). The fingerprint hashes:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -80,9 +81,10 @@ def _write_memo(path: Path | None, memo: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(memo, sort_keys=True))
         os.replace(tmp, path)
-    except OSError as exc:  # a read-only directory costs a re-hash next time, nothing else
+    except OSError as exc:  # an unwritable directory costs a re-hash next time, nothing else
         log.warning("could not save the weight digests to %s: %s", path, exc)
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def file_digest(path: Path) -> str:

@@ -33,16 +33,17 @@ def test_a_failed_batched_prefill_keeps_the_older_half():
     assert split_prefill_group(1) == (1, 0)
 
 
-def test_caps_grow_back_after_clean_steps():
+def test_caps_grow_back_slowly_and_reset_when_the_batch_drains():
     caps = LoadCaps(max_rows=64, max_group=8)
     caps.lower_rows(16)
     caps.lower_group(2)
     assert caps.lowered and (caps.rows, caps.group) == (16, 2)
     for _ in range(RECOVER_AFTER_STEPS):
         caps.step_ok()
-    assert (caps.rows, caps.group) == (20, 3)
-    for _ in range(100 * RECOVER_AFTER_STEPS):
-        caps.step_ok()
+    assert (caps.rows, caps.group) == (18, 3)
+    caps.lower_rows(40)  # lowering never raises a cap
+    assert caps.rows == 18
+    caps.reset()
     assert not caps.lowered
 
 

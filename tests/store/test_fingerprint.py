@@ -83,3 +83,10 @@ def test_twin_models_never_share_kv_through_the_ssd_tier(twin_models, tmp_path):
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert ssd["restores"] == 0 and ssd["entries"] == 0
     assert got["choices"][0]["text"] == expected["choices"][0]["text"]
+
+
+def test_an_unwritable_memo_location_costs_only_the_memo(twin_models, tmp_path):
+    a, _ = twin_models
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert model_fingerprint(a, blocker / "cache" / FINGERPRINT_MEMO) == model_fingerprint(a)
