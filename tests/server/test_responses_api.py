@@ -70,6 +70,8 @@ def test_raw_stream_sequence_numbers_count_up(llama_server):
     with httpx.stream("POST", llama_server.url + "/v1/responses", json=body) as r:
         data = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    # OpenAI's spec allows no null usage: absent while in progress, present at the end.
+    assert "usage" not in data[0]["response"] and data[-1]["response"]["usage"]["output_tokens"] >= 1
 
 
 def test_tool_items_render_like_chat_tool_messages(client):
