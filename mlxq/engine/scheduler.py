@@ -36,10 +36,17 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.faults import Evaluator, MemoryFault, is_allocation_failure, release_cached_memory
-from mlxq.engine.preempt import MAX_PREEMPTIONS, LoadCaps, plan_decode_preemption, split_prefill_group
+from mlxq.engine.preempt import (
+    MAX_PREEMPTIONS,
+    SHED_AT,
+    LoadCaps,
+    plan_decode_preemption,
+    rows_that_fit,
+    split_prefill_group,
+)
 from mlxq.engine.rows import Row, make_row, resume_row
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
-from mlxq.engine.transient import ModelShape, joiners_transient
+from mlxq.engine.transient import ModelShape, decode_step_bytes, joiners_transient
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.projection import KvFootprint
@@ -63,6 +70,7 @@ class SchedulerConfig:
     # CPU that smaller forward gives the earlier first token). Same tokens either way.
     token0_in_decode: bool = True
     transient_budget_bytes: int | None = None  # prefill transients of joiners together (engine/transient.py)
+    memory_limit_bytes: int | None = None  # MLX's memory limit: decode sheds rows before passing it
     shape: ModelShape | None = None  # what those transients are computed from
 
 
@@ -167,8 +175,21 @@ class BatchScheduler:
             return False
         if self._joiners and self.transient_bytes(request) > (self.config.transient_budget_bytes or float("inf")):
             return False  # a lone joiner always runs: only joiners together are held to the reserve
+        if not self._fits_memory_now(request):
+            return False
         budget = self.config.kv_budget_bytes
         return budget is None or self.projected_bytes(request) <= budget
+
+    def _fits_memory_now(self, request: Request) -> bool:
+        """While rows run: MLX's active memory has room for this row's whole KV and its prefill.
+
+        Checked only while busy, so a request is never refused for it: it waits."""
+        limit = self.config.memory_limit_bytes
+        if limit is None or (not self._rows and not self._joiners):
+            return True
+        prompt = len(request.prompt_ids)
+        need = self.footprint.row_bytes(prompt + request.max_tokens, prompt) + self.transient_bytes(request)
+        return mx.get_active_memory() + need <= limit * SHED_AT
 
     def transient_bytes(self, extra: Request | None = None) -> int:
         """The worst prefill step of the joiners (and ``extra``): activations, logits, attention scores."""
@@ -277,6 +298,41 @@ class BatchScheduler:
         self._requeue([requeue[i] for i in plan.resume_first + plan.held_back])
         self._fail_out_of_memory([requeue[i] for i in plan.failed], fault)
 
+    def _shed_before_decode(self) -> None:
+        """Preempt the newest rows before a decode step that would pass the memory limit."""
+        limit = self.config.memory_limit_bytes
+        if limit is None:
+            return
+        lengths = [len(r.output.request.prompt_ids) + r.output.num_generated for r in self._rows]
+        kv_now = self.footprint.batch_bytes(lengths)
+        growth = self.footprint.batch_bytes([n + 1 for n in lengths]) - kv_now + kv_now // len(self.footprint.layers)
+        keep = rows_that_fit(mx.get_active_memory(), limit, len(lengths), kv_now, growth,
+                             decode_step_bytes(self.config.shape, max(lengths)))
+        if keep < len(self._rows):
+            log.warning("decode step would pass the memory limit: %d newest of %d rows preempted",
+                        len(self._rows) - keep, len(self._rows))
+            self._drop_newest(keep)
+
+    def _drop_newest(self, keep: int) -> None:
+        """Requeue rows[keep:] (their KV dropped, tokens computed but not handed out emitted first)."""
+        inputs, logprobs_now, emitted = self._pending
+        tokens = inputs.tolist() if not all(emitted[keep:]) else None
+        requeue = []
+        for i in range(keep, len(self._rows)):
+            row = self._rows[i]
+            if not emitted[i] and not self._emit(row, tokens[i], logprobs_now[i]):
+                self._on_finish(row)
+                continue
+            requeue.append(row)
+        kept = list(range(keep))
+        self._rows = self._rows[:keep]
+        self._pending = (inputs[mx.array(kept)], logprobs_now[:keep], emitted[:keep])
+        keep_rows(self._caches, kept)
+        if keep == 1:
+            self._caches, self._batched = extract_row(self._caches, 0), False
+        self.caps.lower_rows(keep)
+        self._requeue(requeue)
+
     def _requeue(self, rows: list[Row]) -> None:
         """Rows without KV wait ahead of new requests, in submission order, to be recomputed."""
         for row in rows:
@@ -292,7 +348,8 @@ class BatchScheduler:
 
     def _readmit(self) -> None:
         while (self._preempted and len(self._rows) + len(self._joiners) < self.caps.rows
-               and len(self._joiners) < self.config.prompt_concurrency):
+               and len(self._joiners) < self.config.prompt_concurrency
+               and self._fits_memory_now(resume_row(self._preempted[0]).request)):
             row = self._preempted.pop(0)
             self._enter(_Joiner(resume_row(row), [], resumed=True))
 
@@ -314,6 +371,8 @@ class BatchScheduler:
             start = time.perf_counter()
             self._start_decoding(ready)
             self.phases.add_join(time.perf_counter() - start)
+        if len(self._rows) > 1:
+            self._shed_before_decode()
         if self._rows:
             keys = [row.key for row in self._rows]  # sampler state before this step, should it be redone
             try:

@@ -72,3 +72,16 @@ def test_a_bad_fault_spec_stops_the_server_at_start(tiny_model_dirs):
     server = ServerProcess("--model", str(tiny_model_dirs["llama"]), env={"MLXQ_FAULT_INJECT": "decode:x"})
     assert server.proc.wait(60) != 0
     assert "MLXQ_FAULT_INJECT" in server.proc.stdout.read()
+
+
+def test_rows_are_preempted_before_memory_runs_out(tiny_model_dirs, undisturbed):
+    # 4 MB: the tiny llama's 3.2 MB of weights and the KV of about one row (2 KiB per token, 256-token
+    # blocks): every decode step with more rows sheds the newest, which resume later.
+    args = (*ARGS, "--memory-limit", "4MB", "--prompt-cache", "0")
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), *args) as server:
+        answers = _burst(server.url)
+        stats = httpx.get(server.url + "/stats").json()
+    assert answers == undisturbed
+    faults = stats["batch"]["faults"]
+    assert faults["preemptions"] >= 1 and faults["memory_faults"] == 0  # shed before, not after, a fault
+    assert stats["engine"]["requests_failed"] == 0 and stats["memory"]["mlx_memory_limit_bytes"] == 4 * 10**6
