@@ -16,7 +16,12 @@ def serve(
     api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY",
                                                    help="Require 'Authorization: Bearer KEY' "
                                                         "(all endpoints but /health).")] = None,
-    allowed_origins: Annotated[str, typer.Option(help="CORS origins, comma-separated.")] = "*",
+    allowed_origins: Annotated[str, typer.Option(help="Browser origins allowed besides loopback ones "
+                                                      "(http(s)://localhost|127.0.0.1|[::1]), comma-separated; "
+                                                      "'*' allows any web page.")] = "",
+    allowed_hosts: Annotated[str, typer.Option(help="Host header names allowed besides localhost, 127.0.0.1 and "
+                                                    "::1 on a loopback bind, comma-separated; '*' turns the "
+                                                    "check off.")] = "",
     prefill_step_size: Annotated[int, typer.Option(help="Prompt tokens per prefill pass.")] = 2048,
     batch: Annotated[int, typer.Option("--batch", "--decode-concurrency",
                                        help="Rows decoding together (continuous batching); "
@@ -56,8 +61,15 @@ def serve(
     log_prompts: Annotated[bool, typer.Option(help="Include prompt text in request log lines.")] = False,
     max_request_bytes: Annotated[str, typer.Option(help="Refuse larger request bodies (413) before "
                                                         "parsing, e.g. 16MiB.")] = "16MiB",
+    max_connections: Annotated[int, typer.Option(help="Open connections at once; more get 503 (lowered to fit "
+                                                     "the open-file limit).")] = 4096,
+    request_read_timeout: Annotated[float, typer.Option(help="Seconds a client has to send a whole request "
+                                                             "(headers and body) before it is disconnected.")]
+    = 60.0,
     max_tokens_limit: Annotated[int | None, typer.Option(help="Server-wide cap on max_tokens.")] = None,
     max_prompt_tokens: Annotated[int | None, typer.Option(help="Per-request cap on prompt tokens.")] = None,
+    max_tokens_policy: Annotated[str, typer.Option(help="max_tokens above the room left in the context (or "
+                                                        "--max-tokens-limit): clamp or reject (400).")] = "clamp",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     from mlxq.cli.units import parse_bytes
@@ -69,12 +81,13 @@ def serve(
         ssd = _ssd_config(ssd_cache, ssd_cache_max, ssd_cache_verify, ssd_demote_idle)
         config = ServerConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
-            allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+            allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts),
             prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=log_level,
             shutdown_timeout_s=shutdown_timeout,
             batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
             max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
-            max_prompt_tokens=max_prompt_tokens,
+            max_prompt_tokens=max_prompt_tokens, max_connections=max_connections,
+            request_read_timeout_s=request_read_timeout, max_tokens_policy=max_tokens_policy.strip().lower(),
             kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none") else parse_bytes(kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
             prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
@@ -105,6 +118,10 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
         extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
     return SsdConfig(directory, parse_bytes(max_bytes) if max_bytes else None, verify, demote_idle,
                      write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def _prompt_cache_bytes(text: str) -> int | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from mlxq.engine.admission import AdmissionError, check_fits_alone
 from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
+from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
@@ -122,6 +123,7 @@ class Engine:
         self.ready = threading.Event()
         self.config = config
         self.stats = EngineStats()
+        self.grammar_timing = GrammarTiming()  # structured outputs' mask time, both lanes (/stats.grammar)
         self.gateway: GenerationGateway | None = None
         self.scheduler = None  # BatchScheduler once loaded, when the model can batch
         self.warmup_done = False  # the start-up warm-up ran (engine/warmup.py)
@@ -297,6 +299,7 @@ class Engine:
                 on_finish=lambda row: self._done(row.output.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
+                grammar_timing=self.grammar_timing,
             )
 
     def _warm_up(self) -> None:
@@ -488,7 +491,7 @@ class Engine:
             output = run_serial(
                 self.loaded.model, self.loaded.tokenizer, request, work.emit,
                 prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
-                prompt_cache=self.prompt_cache, scheme=self.scheme,
+                prompt_cache=self.prompt_cache, scheme=self.scheme, grammar_timing=self.grammar_timing,
             )
             self._done(request, Lane.SERIAL, output.finished, output.usage())
         except Exception as exc:

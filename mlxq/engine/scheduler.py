@@ -36,6 +36,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.faults import Evaluator, MemoryFault, is_allocation_failure, release_cached_memory
+from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.preempt import (
     MAX_PREEMPTIONS,
     SHED_AT,
@@ -105,6 +106,12 @@ class _Joiner:
         return self.done >= len(self.row.request.prompt_ids) - 1
 
 
+def _resumed_size(row: Row) -> tuple[int, int]:
+    """(prompt, max_tokens) of a preempted row once resumed (rows.resume_row), without resuming it."""
+    first, done = row.output.request, row.output.num_generated
+    return len(first.prompt_ids) + done, max(1, first.max_tokens - done)
+
+
 def _gathered(joiners: list[_Joiner]) -> tuple[list, bool]:
     """(caches, batched): a lone joiner's own caches (the serial lane's graph), or all merged."""
     if len(joiners) == 1:
@@ -115,11 +122,13 @@ def _gathered(joiners: list[_Joiner]) -> tuple[list, bool]:
 class BatchScheduler:
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
-                 scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None):
+                 scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None,
+                 grammar_timing: GrammarTiming | None = None):
         self.model = model
         self.scheme = scheme  # KV representation: joiners convert where the serial lane does
         self.prompt_cache = prompt_cache  # store.PromptCache: joiners take at admission, rows put at finish
         self.tokenizer = tokenizer
+        self.grammar_timing = grammar_timing  # rows with a grammar add their mask time here
         self.footprint = footprint
         self.config = config
 
@@ -175,20 +184,19 @@ class BatchScheduler:
             return False
         if self._joiners and self.transient_bytes(request) > (self.config.transient_budget_bytes or float("inf")):
             return False  # a lone joiner always runs: only joiners together are held to the reserve
-        if not self._fits_memory_now(request):
+        if not self._fits_memory_now(len(request.prompt_ids), request.max_tokens, request):
             return False
         budget = self.config.kv_budget_bytes
         return budget is None or self.projected_bytes(request) <= budget
 
-    def _fits_memory_now(self, request: Request) -> bool:
+    def _fits_memory_now(self, prompt: int, max_tokens: int, request: Request) -> bool:
         """While rows run: MLX's active memory has room for this row's whole KV and its prefill.
 
         Checked only while busy, so a request is never refused for it: it waits."""
         limit = self.config.memory_limit_bytes
         if limit is None or (not self._rows and not self._joiners):
             return True
-        prompt = len(request.prompt_ids)
-        need = self.footprint.row_bytes(prompt + request.max_tokens, prompt) + self.transient_bytes(request)
+        need = self.footprint.row_bytes(prompt + max_tokens, prompt) + self.transient_bytes(request)
         return mx.get_active_memory() + need <= limit * SHED_AT
 
     def transient_bytes(self, extra: Request | None = None) -> int:
@@ -203,7 +211,7 @@ class BatchScheduler:
 
     # --- intake -------------------------------------------------------------------
     def add(self, request: Request, emit) -> None:
-        self._enter(_Joiner(make_row(request, self.tokenizer, emit), []))
+        self._enter(_Joiner(make_row(request, self.tokenizer, emit, self.grammar_timing), []))
         self.submitted_rows += 1
 
     def _enter(self, joiner: _Joiner) -> None:
@@ -349,7 +357,7 @@ class BatchScheduler:
     def _readmit(self) -> None:
         while (self._preempted and len(self._rows) + len(self._joiners) < self.caps.rows
                and len(self._joiners) < self.config.prompt_concurrency
-               and self._fits_memory_now(resume_row(self._preempted[0]).request)):
+               and self._fits_memory_now(*_resumed_size(self._preempted[0]), self._preempted[0].request)):
             row = self._preempted.pop(0)
             self._enter(_Joiner(resume_row(row), [], resumed=True))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxq.server.protocol import TokenLimits
 from mlxq.store.ssd_config import SsdConfig
 
 
@@ -14,7 +15,8 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback by default, like mlx_lm.server
     port: int = 8080
     api_key: str | None = None  # when set, every endpoint but /health needs "Bearer <key>"
-    allowed_origins: tuple[str, ...] = ("*",)  # CORS
+    allowed_origins: tuple[str, ...] = ()  # browser origins beyond loopback ones (server/guard.py); "*": any
+    allowed_hosts: tuple[str, ...] = ()  # Host names beyond loopback ones on a loopback bind; "*": any
     prefill_step_size: int = 2048  # prompt tokens per prefill pass
     batch: int = 8  # rows decoding together; 1 = the strict serial lane
     prompt_concurrency: int = 4  # batch joiners prefilling at once
@@ -33,7 +35,10 @@ class ServerConfig:
     log_format: str = "plain"  # request log lines: plain or json
     log_prompts: bool = False  # include prompt text in request log lines (user data: off by default)
     max_request_bytes: int = 16 * 2**20  # larger bodies get 413 before parsing
+    max_connections: int = 4096  # open connections at once (more get 503); lowered to fit the open-file limit
+    request_read_timeout_s: float = 60.0  # a client must send a whole request (headers and body) within this
     max_tokens_limit: int | None = None  # server-wide cap on max_tokens (None: the model's context)
+    max_tokens_policy: str = "clamp"  # max_tokens above the room left (or the cap): clamp to it, or reject (400)
     max_prompt_tokens: int | None = None  # per-request prompt length cap (None: the model's context)
 
     def __post_init__(self):
@@ -59,14 +64,22 @@ class ServerConfig:
             raise ValueError("shutdown_timeout_s must be >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.max_tokens_policy not in ("clamp", "reject"):
+            raise ValueError(f"--max-tokens-policy must be clamp or reject; got {self.max_tokens_policy!r}")
         if self.log_format not in ("plain", "json"):
             raise ValueError("log_format must be plain or json")
+        if self.max_connections < 1 or self.request_read_timeout_s <= 0:
+            raise ValueError("max_connections must be >= 1 and request_read_timeout_s > 0")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be >= 1024")
         for name in ("max_tokens_limit", "max_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def token_limits(self) -> TokenLimits:
+        return TokenLimits(self.max_tokens_limit, self.max_tokens_policy)
 
     @property
     def is_loopback(self) -> bool:

@@ -104,6 +104,11 @@ class ServerState:
         }
 
     def stats(self) -> dict:
+        """/stats; filesystem paths only when an API key guards it (else any local program could read them)."""
+        full = self._all_stats()
+        return full if self.config.api_key is not None else hide_paths(full)
+
+    def _all_stats(self) -> dict:
         import mlx.core as mx
 
         engine = self.engine
@@ -126,6 +131,7 @@ class ServerState:
                 **asdict(engine.stats),
             },
             "batch": self._batch_stats(),
+            "grammar": engine.grammar_timing.as_dict(),  # structured outputs: host time computing token masks
             "kv": self._kv_stats(),
             "prompt_cache": {
                 "enabled": engine.prompt_cache is not None,
@@ -149,3 +155,16 @@ class ServerState:
                 "blas": active_blas().as_dict(),
             },
         }
+
+
+PATH_KEYS = frozenset({"path", "directory"})
+HIDDEN_PATH = "(hidden: shown only when the server has --api-key)"
+
+
+def hide_paths(stats):
+    """``stats`` with the value of every "path"/"directory" key replaced (they reveal the home directory)."""
+    if isinstance(stats, dict):
+        return {k: (HIDDEN_PATH if k in PATH_KEYS and v is not None else hide_paths(v)) for k, v in stats.items()}
+    if isinstance(stats, list):
+        return [hide_paths(v) for v in stats]
+    return stats

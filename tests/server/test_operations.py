@@ -32,7 +32,7 @@ def scrape(url: str) -> dict[str, float]:
 def ops_server(tiny_model_dirs):
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-format", "json",
                        "--max-request-bytes", "64KiB", "--max-tokens-limit", "200",
-                       "--max-prompt-tokens", "1000") as server:
+                       "--max-prompt-tokens", "1000", "--max-tokens-policy", "reject") as server:
         yield server
 
 
@@ -106,6 +106,8 @@ def test_limits_refuse_with_clear_errors(ops_server):
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     over = httpx.post(url, json={"prompt": [1, 2], "max_tokens": 201})
     assert over.status_code == 400 and over.json()["error"]["code"] == "max_tokens_too_large"
+    beyond = httpx.post(url, json={"prompt": [1] * 999, "max_tokens": 4000})  # the context is 4096
+    assert beyond.status_code == 400 and beyond.json()["error"]["code"] == "context_length_exceeded"
     long = httpx.post(url, json={"prompt": [1] * 1001, "max_tokens": 2})
     assert long.status_code == 400 and long.json()["error"]["code"] == "prompt_too_long"
     # Without max_tokens, the default is capped by --max-tokens-limit.
