@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -24,3 +25,21 @@ def test_no_large_tracked_result_file():
 def test_results_stay_small():
     total = sum(p.stat().st_size for p in _tracked("docs/results"))
     assert total <= MAX_RESULTS_BYTES, f"docs/results holds {total / 2**20:.1f} MiB of tracked files (limit 2 MiB)"
+
+
+# Code and tests speak of the code, not of how or when it was built: a measurement is cited by the
+# docs/benchmarks.md section that holds it, never by a run number or a work period.
+PROCESS_WORDS = re.compile(r"grows with the [\w -]*issue|\bruns? \d+(-\d+)?\b|\bwork period|\bissue #?\d+|"
+                           r"\bsessions?\b", re.IGNORECASE)
+ALLOWED = re.compile(r'scope="session"|test session|session_start|Session\(|sessionfinish')
+
+
+def test_code_and_tests_speak_of_the_code():
+    offenders = []
+    for path in _tracked("mlxq") + _tracked("tests") + _tracked("scripts"):
+        if path.suffix != ".py" or path == Path(__file__).resolve():  # this file names the words
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if PROCESS_WORDS.search(line) and not ALLOWED.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "process words in code (cite a benchmarks.md section instead):\n" + "\n".join(offenders)

@@ -88,7 +88,7 @@ def serving_load(
                                                             "model": compare_model or model})
         work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup, fresh_prompts)
         if dataset not in ("random", "shared-prefix", "multi-turn", "agents"):
-            raise ValueError(f"unknown dataset {dataset!r}")
+            raise ValueError(f"unknown dataset {dataset!r}; choose random, shared-prefix, multi-turn or agents")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     for target in (url, compare):

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated
 
 import typer
+
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
 
 
 def serve(
@@ -56,7 +64,7 @@ def serve(
                                                       "reports 503.")] = 120.0,
     shutdown_timeout: Annotated[float, typer.Option(help="On SIGINT/SIGTERM, seconds in-flight requests may "
                                                          "take to finish before they are cut.")] = 30.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="How much to log.", case_sensitive=False)] = "info",
     log_format: Annotated[str, typer.Option(help="Request log lines: plain or json.")] = "plain",
     log_prompts: Annotated[bool, typer.Option(help="Include prompt text in request log lines.")] = False,
     max_request_bytes: Annotated[str, typer.Option(help="Refuse larger request bodies (413) before "
@@ -72,7 +80,7 @@ def serve(
                                                         "--max-tokens-limit): clamp or reject (400).")] = "clamp",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
-    from mlxq.cli.units import parse_bytes
+    from mlxq.cli.units import flag_bytes
     from mlxq.models.loader import ModelNotFoundError
     from mlxq.server.config import ServerConfig
     from mlxq.server.run import serve as run_server
@@ -82,16 +90,18 @@ def serve(
         config = ServerConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
             allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts),
-            prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=log_level,
+            prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=LogLevel(log_level).value,
             shutdown_timeout_s=shutdown_timeout,
             batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
-            max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
+            max_request_bytes=flag_bytes("--max-request-bytes", max_request_bytes), max_tokens_limit=max_tokens_limit,
             max_prompt_tokens=max_prompt_tokens, max_connections=max_connections,
             request_read_timeout_s=request_read_timeout, max_tokens_policy=max_tokens_policy.strip().lower(),
-            kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none") else parse_bytes(kv_budget),
+            kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none")
+            else flag_bytes("--kv-budget", kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
             prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
-            memory_limit_bytes=None if memory_limit.strip().lower() in ("auto", "off") else parse_bytes(memory_limit),
+            memory_limit_bytes=None if memory_limit.strip().lower() in ("auto", "off")
+            else flag_bytes("--memory-limit", memory_limit),
             memory_limit_auto=memory_limit.strip().lower() == "auto",
             ssd=ssd, kv_quant=kv_quant.strip().lower(), kv_group_size=kv_group_size,
             warmup=warmup.strip().lower(),
@@ -106,7 +116,7 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
     """The SSD tier's settings; sub-flags without --ssd-cache are reported and ignored."""
     import os
 
-    from mlxq.cli.units import parse_bytes
+    from mlxq.cli.units import flag_bytes, parse_bytes
     from mlxq.store.ssd_config import SsdConfig
 
     if directory is None:
@@ -116,7 +126,7 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
     extra = {}
     if "MLXQ_SSD_SPILL_QUEUE" in os.environ:
         extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
-    return SsdConfig(directory, parse_bytes(max_bytes) if max_bytes else None, verify, demote_idle,
+    return SsdConfig(directory, flag_bytes("--ssd-cache-max", max_bytes) if max_bytes else None, verify, demote_idle,
                      write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)
 
 
@@ -125,9 +135,9 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 def _prompt_cache_bytes(text: str) -> int | None:
-    from mlxq.cli.units import parse_bytes
+    from mlxq.cli.units import flag_bytes
 
     text = text.strip().lower()
     if text == "auto":
         return None
-    return 0 if text in ("0", "0gb", "0b") else parse_bytes(text)
+    return 0 if text in ("0", "0gb", "0b") else flag_bytes("--prompt-cache", text)

@@ -171,8 +171,20 @@ class Engine:
         if not self.is_alive or not self.ready.is_set():
             raise RuntimeError("the engine is not running")
         placement = self.gateway.place(RequestShape.of(request))
-        self._inbox.put(_Work(request, emit, placement))
+        self._inbox.put(_Work(request, self._counting(emit), placement))
         return placement
+
+    def _counting(self, emit: EmitFn) -> EmitFn:
+        """``emit`` that also counts each generated token as it is handed out (engine thread), so
+        /stats and the dashboard's tok/s move while long generations run, not when they end."""
+        stats = self.stats
+
+        def counted(event: TokenEvent) -> None:
+            if event.token_id is not None:
+                stats.generated_tokens += 1
+            emit(event)
+
+        return counted
 
     def flush_cache(self, timeout: float) -> FlushResult | None:
         """Block until every dirty prompt-cache entry is on disk (or ``timeout``); None without an SSD tier.
@@ -510,7 +522,6 @@ class Engine:
             if self.cold is not None:
                 self.cold.note_prefill(usage.prompt_tokens - usage.cached_tokens, usage.prefill_s)
             self.stats.prompt_tokens += usage.prompt_tokens
-            self.stats.generated_tokens += usage.completion_tokens
             if usage.decode_tok_s:
                 self.stats.last_decode_tok_s = usage.decode_tok_s
         if finished is FinishReason.CANCELLED:

@@ -43,13 +43,14 @@ class ServerConfig:
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be 0-65535, got {self.port}")
+            raise ValueError(f"--port must be 0-65535; got {self.port}")
         if self.prefill_step_size < 1:
-            raise ValueError("prefill_step_size must be >= 1")
+            raise ValueError(f"--prefill-step-size must be >= 1; got {self.prefill_step_size}")
         if self.batch < 1 or self.prompt_concurrency < 1:
-            raise ValueError("batch and prompt_concurrency must be >= 1")
+            raise ValueError(f"--batch and --prompt-concurrency must be >= 1; got {self.batch} and "
+                             f"{self.prompt_concurrency}")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
-            raise ValueError("kv_budget must be > 0")
+            raise ValueError("--kv-budget must be > 0")
         if self.ssd is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM prompt cache (--prompt-cache > 0): restores land there")
         if self.kv_quant not in ("off", "config") and self.kv_quant not in ("2", "3", "4", "5", "6", "8"):
@@ -59,23 +60,23 @@ class ServerConfig:
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"--warmup must be auto, on or off; got {self.warmup!r}")
         if self.stall_timeout_s <= 0:
-            raise ValueError("stall_timeout_s must be > 0")
+            raise ValueError(f"--stall-timeout must be > 0; got {self.stall_timeout_s}")
         if self.shutdown_timeout_s < 0:
-            raise ValueError("shutdown_timeout_s must be >= 0")
+            raise ValueError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+            raise ValueError("--api-key must not be empty")
         if self.max_tokens_policy not in ("clamp", "reject"):
             raise ValueError(f"--max-tokens-policy must be clamp or reject; got {self.max_tokens_policy!r}")
         if self.log_format not in ("plain", "json"):
-            raise ValueError("log_format must be plain or json")
+            raise ValueError(f"--log-format must be plain or json; got {self.log_format!r}")
         if self.max_connections < 1 or self.request_read_timeout_s <= 0:
-            raise ValueError("max_connections must be >= 1 and request_read_timeout_s > 0")
+            raise ValueError("--max-connections must be >= 1 and --request-read-timeout > 0")
         if self.max_request_bytes < 1024:
-            raise ValueError("max_request_bytes must be >= 1024")
+            raise ValueError("--max-request-bytes must be >= 1024")
         for name in ("max_tokens_limit", "max_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
 
     @property
     def token_limits(self) -> TokenLimits:

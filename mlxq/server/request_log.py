@@ -74,6 +74,6 @@ class RequestLogger:
             return
         fields = self.record(done)
         if self.fmt == "json":
-            log.info(json_line(fields))
+            log.info(json_line(fields), extra={"fields": fields})  # the JSON formatter puts them top level
         else:
             log.info(" ".join(f"{k}={plain_value(v)}" for k, v in fields.items()))

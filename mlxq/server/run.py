@@ -26,6 +26,7 @@ from mlxq.models.loader import load_model, resolve_model_path
 from mlxq.server.app import build_app
 from mlxq.server.config import ServerConfig
 from mlxq.server.connections import connection_cap, deadline_protocol
+from mlxq.server.log_setup import configure_logging
 from mlxq.server.state import ServerState
 from mlxq.store.ssd_lock import SsdLock
 
@@ -89,7 +90,7 @@ def serve(config: ServerConfig) -> None:
         # Measured on the H200 (docs/benchmarks.md): 0.5 ms made c=64 27% slower than
         # Python's default 5 ms, so the default stays; the knob is for experiments.
         sys.setswitchinterval(float(os.environ["MLXQ_GIL_SWITCH_INTERVAL"]))
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     blas = active_blas()
     log.info("BLAS: %s (%s)", blas.name, blas.path or blas.reason)
     if blas.name == "bundled-reference":
@@ -102,6 +103,7 @@ def serve(config: ServerConfig) -> None:
     state = make_state(config)
     app = build_app(state)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                    log_config=None, access_log=False,  # mlxq logs each request once
                                     timeout_graceful_shutdown=config.shutdown_timeout_s, **_connection_limits(config)))
     threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)

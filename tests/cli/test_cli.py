@@ -118,3 +118,20 @@ def test_serve_on_a_taken_port_says_so_in_one_line():
     assert proc.returncode == 2
     assert f"error: port {port} is in use on 127.0.0.1; pass --port" in proc.stderr
     assert "listening" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_start_up_errors_name_the_flag_and_the_choices():
+    cases = [
+        (["--batch", "0"], "--batch and --prompt-concurrency must be >= 1"),
+        (["--prefill-step-size", "0"], "--prefill-step-size must be >= 1"),
+        (["--kv-budget", "banana"], "--kv-budget: not a byte size: 'banana'"),
+        (["--prompt-cache", "lots"], "--prompt-cache: not a byte size"),
+        (["--log-level", "verbose"], "debug"),  # the choices are listed
+    ]
+    for args, expected in cases:
+        result = runner.invoke(app, ["serve", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert expected in result.output, (args, result.output)
+        assert "Traceback" not in result.output
+    bench = runner.invoke(app, ["bench", "serving-load", "--dataset", "foo"])
+    assert bench.exit_code == 2 and "shared-prefix" in bench.output
