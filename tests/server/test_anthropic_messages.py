@@ -94,7 +94,9 @@ def test_stream_event_sequence_and_text(client):
 
 def test_stop_sequence_is_reported(client):
     kwargs = {"model": "x", **GREEDY, "messages": [{"role": "user", "content": "Say things"}]}
-    full = client.messages.create(max_tokens=16, **kwargs).content[0].text
+    plain = client.messages.create(max_tokens=16, stop_sequences=["\x00never"], **kwargs)
+    assert plain.stop_sequence is None  # configured, but not what ended it
+    full = plain.content[0].text
     stop = full[len(full) // 2: len(full) // 2 + 2]
     cut = client.messages.create(max_tokens=16, stop_sequences=[stop, "\x00never"], **kwargs)
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
