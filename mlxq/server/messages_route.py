@@ -14,7 +14,6 @@ from mlxq.server.errors import APIError
 from mlxq.server.generation import admit, event_batches, sse_response
 from mlxq.server.json_body import read_json
 from mlxq.server.offload import off_loop
-from mlxq.server.openai_format import is_unfinished
 from mlxq.server.state import ServerState
 
 
@@ -30,7 +29,7 @@ async def create_message(http: HTTPRequest):
     if spec.stream:
         return sse_response(_stream(state, request, MessageStream(acc, message_id, model, len(spec.prompt_ids))))
     await collect(state.engine, [request], [acc], http.is_disconnected)
-    if is_unfinished(acc.finish):
+    if not acc.is_complete:
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
     return JSONResponse(message_json(acc, message_id, model, len(spec.prompt_ids)))
 

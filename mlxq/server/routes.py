@@ -13,7 +13,7 @@ from mlxq.server.choices import collect
 from mlxq.server.errors import APIError
 from mlxq.server.generation import admit, choice_batches, sse_response
 from mlxq.server.offload import parse_request
-from mlxq.server.openai_format import ChoiceBuilder, is_unfinished, merged_final, merged_usage_chunk, sse_line
+from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk, sse_line
 from mlxq.server.protocol import parse_generation
 from mlxq.server.state import ServerState
 
@@ -38,7 +38,7 @@ async def _generate(http: HTTPRequest, kind):
     if spec.stream:
         return sse_response(_sse(state, requests, builders))
     await collect(state.engine, requests, builders, http.is_disconnected)
-    if any(is_unfinished(b.acc.finish) for b in builders):
+    if not all(b.acc.is_complete for b in builders):
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
     return JSONResponse(merged_final(builders))
 
