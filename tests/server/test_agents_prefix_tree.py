@@ -28,10 +28,13 @@ def system_prompt(tokenizer, target: int = 900) -> str:
     return text.strip()
 
 
+def messages(system: str, agent: int) -> list[dict]:
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"Agent {agent}: what is step {agent * 7} of the plan?"}]
+
+
 def ask(url: str, system: str, agent: int) -> dict:
-    body = {"messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": f"Agent {agent}: what is step {agent * 7} of the plan?"}],
-            "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {"messages": messages(system, agent), "max_tokens": MAX_TOKENS, "temperature": 0}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
@@ -46,16 +49,15 @@ def test_a_second_wave_of_32_agents_is_served_from_ram_with_the_same_output(tiny
     model, tokenizer = load_tiny("llama")
     system = system_prompt(tokenizer)
     per_token = sum(layer.bytes_per_token for layer in measure_footprint(model).layers)
-    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--batch", "16", "--log-level", "warning",
-                       "--prompt-cache", "0") as probe:  # the prompt length the server's template makes
-        agent_tokens = ask(probe.url, system, 0)["usage"]["prompt_tokens"] + MAX_TOKENS
+    prompt_tokens = len(tokenizer.apply_chat_template(messages(system, 0), add_generation_prompt=True))
+    agent_tokens = prompt_tokens + MAX_TOKENS  # what one agent's full copy holds at the end
     cap = 6 * agent_tokens * per_token
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--batch", "16", "--log-level", "warning",
                        "--prompt-cache", str(cap)) as server:
         first = wave(server.url, system)
         second = wave(server.url, system)
         stats = httpx.get(server.url + "/stats").json()["prompt_cache"]
-    assert min(r["usage"]["prompt_tokens"] for r in first) >= 900
+    assert first[0]["usage"]["prompt_tokens"] == prompt_tokens and prompt_tokens >= 900
     for a, b in zip(first, second, strict=True):
         usage = b["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1, usage
