@@ -73,7 +73,7 @@ def bench_command(a: str, b: str | None, concurrency: str, num_requests: int, pr
            "--max-tokens", str(max_tokens), "--rounds", str(rounds), "--dataset", dataset, "--ignore-eos",
            "--warmup", "2", "--label", "mlxq" if b else "server", "--json", str(json_path),
            "--quiet"]
-    cmd += ["--fresh-prompts"] if fresh_prompts else []
+    cmd += ["--fresh-prompts" if fresh_prompts else "--repeat-prompts"]
     return cmd + (["--plot", str(plot_path)] if plot_path else [])
 
 

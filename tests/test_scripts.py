@@ -1,7 +1,7 @@
 """The GPU measurement scripts run end to end on the CPU on a small model.
 
 They are run by hand on a lent GPU with minutes of device time: a script that
-breaks there (a wrong argument, a renamed field) wastes the session. These
+breaks there (a wrong argument, a renamed field) wastes scarce device time. These
 runs are short versions of the same commands; the numbers are not checked,
 the documents they write are.
 """

@@ -1,1 +1,1 @@
-"""Load benchmarks over HTTP (grows with the bench issue)."""
+"""Load benchmarks over live HTTP/SSE: load generator, metrics, datasets, sweeps and reports."""

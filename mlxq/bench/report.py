@@ -26,7 +26,8 @@ def results_table(runs: list[dict], title: str) -> Table:
 
 
 def print_sweep(result: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    # Not a terminal (a pipe, a CI log): rich would fold the table into 80 columns.
+    console = console or Console(width=None if Console().is_terminal else 160)
     console.print(results_table(result["a"] + result["b"], "serving-load"))
     for r in result["a"] + result["b"]:
         timing = r.get("server_timing")
@@ -56,8 +57,9 @@ def plot_sweep(result: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    fig, (ax_tps, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_tps, ax_ttft, ax_cached) = plt.subplots(1, 3, figsize=(15, 4.4))
     for key in ("a", "b"):
         runs = result[key]
         if not runs:
@@ -73,15 +75,33 @@ def plot_sweep(result: dict, path: str) -> None:
         ax_tps.plot(levels, tps, marker="o", label=label)
         ax_ttft.plot(levels, p50, marker="o", label=f"{label} p50")
         ax_ttft.plot(levels, p95, marker="x", linestyle="--", label=f"{label} p95")
-    ax_tps.set(xlabel="concurrency", ylabel="output tok/s", title="Throughput")
-    ax_ttft.set(xlabel="concurrency", ylabel="TTFT (ms)", title="Time to first token")
-    for ax in (ax_tps, ax_ttft):
+        cached = [at(lv, lambda r: 100 * (r.get("cached_token_ratio") or 0.0)) for lv in levels]
+        ax_cached.plot(levels, cached, marker="o", label=label)
+    ax_tps.set(xlabel="concurrent requests", ylabel="output tokens/s (all requests)", title="Throughput")
+    ax_ttft.set(xlabel="concurrent requests", ylabel="time to first token (ms)", title="TTFT p50 and p95")
+    ax_cached.set(xlabel="concurrent requests", ylabel="prompt tokens served from cache (%)",
+                  title="Prompt cache share", ylim=(-2, 102))
+    all_levels = sorted({r["concurrency"] for r in result["a"] + result["b"]})
+    for ax in (ax_tps, ax_ttft, ax_cached):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(all_levels))  # 1, 8, 32 ... rather than 2^0, 2^3
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    fig.suptitle(_title(result), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _title(result: dict) -> str:
+    cfg, work = result.get("config") or {}, result.get("workload") or {}
+    prompts = "fresh prompts per level" if work.get("fresh_prompts") else "the same prompts at every level"
+    return (f"{cfg.get('url', '?')} ({cfg.get('model', '?')}, {cfg.get('endpoint', 'chat')}): "
+            f"{work.get('dataset', '?')} dataset, {work.get('prompt_len', '?')}-word prompts, "
+            f"{cfg.get('max_tokens', '?')} output tokens, {work.get('num_requests', '?')} requests per level, "
+            f"{prompts}")
 
 
 def matrix_table(cells: list[dict]) -> Table:

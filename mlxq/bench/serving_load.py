@@ -23,7 +23,7 @@ class Workload:
     num_groups: int = 4  # shared-prefix: agent groups
     turns: int = 3  # multi-turn: turns per conversation
     warmup: int = 1  # unrecorded requests before each measurement
-    fresh_prompts: bool = False  # a new prompt set for every level and round (else repeats hit prompt caches)
+    fresh_prompts: bool = True  # a new prompt set for every level and round (else repeats hit prompt caches)
 
 
 def _progress(quiet: bool) -> Progress:

@@ -23,6 +23,22 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
+def _short(url: str) -> str:
+    """A URL's host:port, the default name of a server in tables and plots."""
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+def _require_reachable(url: str) -> None:
+    """Fail at once on a server nobody answers at, instead of after a whole level of failed requests."""
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10)
+    except httpx.HTTPError as exc:
+        typer.echo(f"error: cannot reach {url}: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 @app.command("serving-load")
 def serving_load(
     url: Annotated[str, typer.Option(help="Server base URL.")] = "http://127.0.0.1:8080",
@@ -43,20 +59,25 @@ def serving_load(
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     warmup: Annotated[int, typer.Option(help="Unrecorded warm-up requests per measurement.")] = 1,
     rounds: Annotated[int, typer.Option(help="Repeats per level (alternating with --compare).")] = 1,
-    fresh_prompts: Annotated[bool, typer.Option(help="A new prompt set for every level and round (both servers "
-                                                     "of a round get the same one); otherwise repeated prompts "
-                                                     "are prompt-cache hits after the first.")] = False,
+    fresh_prompts: Annotated[bool, typer.Option("--fresh-prompts/--repeat-prompts",
+                                                help="A new prompt set for every level and round (both servers "
+                                                     "of a round get the same one), or the same set every time "
+                                                     "(a prompt-cache workload: repeats hit after the first).")]
+    = True,
     compare: Annotated[str | None, typer.Option(help="Second server URL: run both, alternating.")] = None,
     compare_model: Annotated[str | None, typer.Option(help="Model name for --compare.")] = None,
     label: Annotated[str | None, typer.Option(help="Name of the first server in tables and plots.")] = None,
     compare_label: Annotated[str | None, typer.Option(help="Name of the --compare server.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY", help="Bearer key.")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write results JSON here.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the summaries (JSON) here.")] = None,
+    records: Annotated[Path | None, typer.Option(help="Write per-request records here (gzipped JSON lines, "
+                                                      "e.g. run.jsonl.gz); --json holds summaries only.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: TTFT and tok/s vs concurrency.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Load-test an OpenAI-compatible server (mlxq, mlx_lm.server, ...) with vLLM's metric definitions."""
     from mlxq.bench.client import LoadConfig
+    from mlxq.bench.records import without_records, write_records
     from mlxq.bench.report import plot_sweep, print_sweep
     from mlxq.bench.serving_load import Workload, sweep
 
@@ -67,14 +88,19 @@ def serving_load(
                                                             "model": compare_model or model})
         work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup, fresh_prompts)
         if dataset not in ("random", "shared-prefix", "multi-turn", "agents"):
-            raise ValueError(f"unknown dataset {dataset!r}")
+            raise ValueError(f"unknown dataset {dataset!r}; choose random, shared-prefix, multi-turn or agents")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    for target in (url, compare):
+        if target is not None:
+            _require_reachable(target)
     result = asyncio.run(sweep(cfg, work, _levels(concurrency), other, rounds, quiet,
-                               labels=(label or "a", compare_label or "b")))
+                               labels=(label or _short(url), compare_label or _short(compare or ""))))
     print_sweep(result)
     if json_path:
-        json_path.write_text(json.dumps(result, indent=1))
+        json_path.write_text(json.dumps(without_records(result), indent=1))
+    if records:
+        write_records(result, records)
     if plot:
         plot_sweep(result, str(plot))
     if any(r["failed"] for r in result["a"] + result["b"]):

@@ -33,9 +33,13 @@ def _scan(directory: Path, *, verify: bool = False) -> list[_File]:
         typer.echo(f"error: {directory} is not a directory", err=True)
         raise typer.Exit(2)
     files = []
-    for path in sorted(directory.glob("*/*/*")):
-        if not (path.name.endswith(".mlxkv") or path.name.endswith(".mlxkv.tmp")):
-            continue
+    # Any level of the tree DIR/<fingerprint>-<scheme>/<namespace>/*.mlxkv works: the cache root,
+    # the fingerprint directory the server's log names, or one namespace.
+    paths = sorted(p for p in directory.rglob("*.mlxkv*") if p.name.endswith((".mlxkv", ".mlxkv.tmp")))
+    if not paths:
+        typer.echo(f"note: no .mlxkv files under {directory} (the tree is "
+                   "DIR/<fingerprint>-<kv scheme>/<namespace>/*.mlxkv)", err=True)
+    for path in paths:
         st = path.stat()
         item = _File(path, path.parent.parent.name, st.st_size, st.st_mtime)
         if path.name.endswith(".tmp"):

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated
 
 import typer
+
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
 
 
 def serve(
@@ -16,7 +24,12 @@ def serve(
     api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY",
                                                    help="Require 'Authorization: Bearer KEY' "
                                                         "(all endpoints but /health).")] = None,
-    allowed_origins: Annotated[str, typer.Option(help="CORS origins, comma-separated.")] = "*",
+    allowed_origins: Annotated[str, typer.Option(help="Browser origins allowed besides loopback ones "
+                                                      "(http(s)://localhost|127.0.0.1|[::1]), comma-separated; "
+                                                      "'*' allows any web page.")] = "",
+    allowed_hosts: Annotated[str, typer.Option(help="Host header names allowed besides localhost, 127.0.0.1 and "
+                                                    "::1 on a loopback bind, comma-separated; '*' turns the "
+                                                    "check off.")] = "",
     prefill_step_size: Annotated[int, typer.Option(help="Prompt tokens per prefill pass.")] = 2048,
     batch: Annotated[int, typer.Option("--batch", "--decode-concurrency",
                                        help="Rows decoding together (continuous batching); "
@@ -28,6 +41,10 @@ def serve(
     prompt_cache: Annotated[str, typer.Option(help="RAM prompt cache size, e.g. 8GB; 0 disables it; auto: a "
                                                     "quarter of the memory the weights leave, at most 8GB.")]
     = "auto",
+    memory_limit: Annotated[str, typer.Option(help="Memory MLX may use (its allocator's limit; the budgets and "
+                                                    "its buffer cache are sized within it), e.g. 120GB. auto: 90% "
+                                                    "of the device, at most what is free at start; off: MLX's "
+                                                    "own limits.")] = "auto",
     kv_quant: Annotated[str, typer.Option(help="KV cache representation: off, 8, 4 (also 2, 3, 5, 6) bits, "
                                                "or config (per-layer bits from kv_config.json beside the "
                                                "model).")] = "off",
@@ -47,16 +64,23 @@ def serve(
                                                       "reports 503.")] = 120.0,
     shutdown_timeout: Annotated[float, typer.Option(help="On SIGINT/SIGTERM, seconds in-flight requests may "
                                                          "take to finish before they are cut.")] = 30.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="How much to log.", case_sensitive=False)] = "info",
     log_format: Annotated[str, typer.Option(help="Request log lines: plain or json.")] = "plain",
     log_prompts: Annotated[bool, typer.Option(help="Include prompt text in request log lines.")] = False,
     max_request_bytes: Annotated[str, typer.Option(help="Refuse larger request bodies (413) before "
                                                         "parsing, e.g. 16MiB.")] = "16MiB",
+    max_connections: Annotated[int, typer.Option(help="Open connections at once; more get 503 (lowered to fit "
+                                                     "the open-file limit).")] = 4096,
+    request_read_timeout: Annotated[float, typer.Option(help="Seconds a client has to send a whole request "
+                                                             "(headers and body) before it is disconnected.")]
+    = 60.0,
     max_tokens_limit: Annotated[int | None, typer.Option(help="Server-wide cap on max_tokens.")] = None,
     max_prompt_tokens: Annotated[int | None, typer.Option(help="Per-request cap on prompt tokens.")] = None,
+    max_tokens_policy: Annotated[str, typer.Option(help="max_tokens above the room left in the context (or "
+                                                        "--max-tokens-limit): clamp or reject (400).")] = "clamp",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
-    from mlxq.cli.units import parse_bytes
+    from mlxq.cli.units import flag_bytes
     from mlxq.models.loader import ModelNotFoundError
     from mlxq.server.config import ServerConfig
     from mlxq.server.run import serve as run_server
@@ -65,15 +89,20 @@ def serve(
         ssd = _ssd_config(ssd_cache, ssd_cache_max, ssd_cache_verify, ssd_demote_idle)
         config = ServerConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
-            allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
-            prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=log_level,
+            allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts),
+            prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=LogLevel(log_level).value,
             shutdown_timeout_s=shutdown_timeout,
             batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
-            max_request_bytes=parse_bytes(max_request_bytes), max_tokens_limit=max_tokens_limit,
-            max_prompt_tokens=max_prompt_tokens,
-            kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none") else parse_bytes(kv_budget),
+            max_request_bytes=flag_bytes("--max-request-bytes", max_request_bytes), max_tokens_limit=max_tokens_limit,
+            max_prompt_tokens=max_prompt_tokens, max_connections=max_connections,
+            request_read_timeout_s=request_read_timeout, max_tokens_policy=max_tokens_policy.strip().lower(),
+            kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none")
+            else flag_bytes("--kv-budget", kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
             prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
+            memory_limit_bytes=None if memory_limit.strip().lower() in ("auto", "off")
+            else flag_bytes("--memory-limit", memory_limit),
+            memory_limit_auto=memory_limit.strip().lower() == "auto",
             ssd=ssd, kv_quant=kv_quant.strip().lower(), kv_group_size=kv_group_size,
             warmup=warmup.strip().lower(),
         )
@@ -87,7 +116,7 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
     """The SSD tier's settings; sub-flags without --ssd-cache are reported and ignored."""
     import os
 
-    from mlxq.cli.units import parse_bytes
+    from mlxq.cli.units import flag_bytes, parse_bytes
     from mlxq.store.ssd_config import SsdConfig
 
     if directory is None:
@@ -97,14 +126,18 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
     extra = {}
     if "MLXQ_SSD_SPILL_QUEUE" in os.environ:
         extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
-    return SsdConfig(directory, parse_bytes(max_bytes) if max_bytes else None, verify, demote_idle,
+    return SsdConfig(directory, flag_bytes("--ssd-cache-max", max_bytes) if max_bytes else None, verify, demote_idle,
                      write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)
 
 
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 def _prompt_cache_bytes(text: str) -> int | None:
-    from mlxq.cli.units import parse_bytes
+    from mlxq.cli.units import flag_bytes
 
     text = text.strip().lower()
     if text == "auto":
         return None
-    return 0 if text in ("0", "0gb", "0b") else parse_bytes(text)
+    return 0 if text in ("0", "0gb", "0b") else flag_bytes("--prompt-cache", text)

@@ -17,3 +17,11 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ValueError(f"byte size must be > 0: {text!r}")
     return value
+
+
+def flag_bytes(flag: str, text: str) -> int:
+    """``parse_bytes`` for a command-line flag: an error names the flag."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None

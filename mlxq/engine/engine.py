@@ -24,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxq.engine.admission import AdmissionError, check_fits_alone
+from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
+from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
@@ -48,6 +50,8 @@ class EngineConfig:
     kv_quant: str = "off"  # --kv-quant: off, a bit width, or config (kv.scheme)
     kv_group_size: int = 64
     warmup: str = "off"  # on, off, auto (on for GPU backends): engine/warmup.py before ready
+    memory_limit_bytes: int | None = None  # MLX's memory limit; None: auto (engine/memory.py) unless off
+    memory_limit_auto: bool = True  # False (--memory-limit off): leave MLX's own limits alone
 
     def __post_init__(self):
         if self.prefill_step_size < 1:
@@ -62,6 +66,8 @@ class EngineConfig:
             raise ValueError("prompt_cache must be >= 0")
         if self.ssd is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM prompt cache (--prompt-cache > 0): restores land there")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise ValueError("memory_limit must be > 0")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError("warmup must be auto, on or off")
 
@@ -117,6 +123,7 @@ class Engine:
         self.ready = threading.Event()
         self.config = config
         self.stats = EngineStats()
+        self.grammar_timing = GrammarTiming()  # structured outputs' mask time, both lanes (/stats.grammar)
         self.gateway: GenerationGateway | None = None
         self.scheduler = None  # BatchScheduler once loaded, when the model can batch
         self.warmup_done = False  # the start-up warm-up ran (engine/warmup.py)
@@ -126,6 +133,9 @@ class Engine:
         self.scheme = None  # kv.scheme.KvScheme once loaded
         self._prototype: list = []  # one populated, converted cache list: what every request's caches look like
         self._memory_seen: tuple[int | None, int] | None = None  # see _memory
+        self.device_memory = None  # engine.memory.DeviceMemory, read once after the weights load
+        self.usable_memory: int | None = None  # what the budgets and MLX's limits are planned within
+        self.memory_limits = None  # engine.memory.MemoryLimits applied to MLX (None: MLX's own)
         self.prompt_cache = None  # store.PromptCache once loaded, when enabled and the model allows it
         self.prompt_cache_off_reason: str | None = None
         self.cold = None  # store.ColdTier once loaded, with --ssd-cache
@@ -140,6 +150,7 @@ class Engine:
         self.last_progress_at = time.monotonic()  # heartbeat for /health
         self.fatal_error: str | None = None
         self._observers: list[Callable[[RequestDone], None]] = []
+        self.evaluator = Evaluator(FaultInjector.from_env())  # MLXQ_FAULT_INJECT: a bad spec fails here, at start
 
     # --- called from any thread -------------------------------------------------
     def start(self) -> None:
@@ -160,8 +171,20 @@ class Engine:
         if not self.is_alive or not self.ready.is_set():
             raise RuntimeError("the engine is not running")
         placement = self.gateway.place(RequestShape.of(request))
-        self._inbox.put(_Work(request, emit, placement))
+        self._inbox.put(_Work(request, self._counting(emit), placement))
         return placement
+
+    def _counting(self, emit: EmitFn) -> EmitFn:
+        """``emit`` that also counts each generated token as it is handed out (engine thread), so
+        /stats and the dashboard's tok/s move while long generations run, not when they end."""
+        stats = self.stats
+
+        def counted(event: TokenEvent) -> None:
+            if event.token_id is not None:
+                stats.generated_tokens += 1
+            emit(event)
+
+        return counted
 
     def flush_cache(self, timeout: float) -> FlushResult | None:
         """Block until every dirty prompt-cache entry is on disk (or ``timeout``); None without an SSD tier.
@@ -190,7 +213,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self._inbox.qsize() + len(self._waiting)
+        preempted = self.scheduler.num_preempted if self.scheduler else 0
+        return self._inbox.qsize() + len(self._waiting) + preempted
 
     @property
     def num_running(self) -> int:
@@ -271,17 +295,22 @@ class Engine:
         self.gateway = GenerationGateway(self.config.max_rows, reason)
         self._setup_prompt_cache()
         self.kv_budget_bytes = self._resolve_kv_budget()
+        self._apply_memory_limits()
         if self.gateway.mode == "batch":
             from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+            from mlxq.engine.transient import ModelShape
 
             self.scheduler = BatchScheduler(
                 self.loaded.model, self.loaded.tokenizer, self.footprint,
                 SchedulerConfig(self.config.max_rows, self.config.prompt_concurrency,
                                 self.config.prefill_step_size, self.kv_budget_bytes,
-                                token0_in_decode=_on_gpu()),
-                on_finish=lambda row: self._done(row.request, Lane.CONTINUOUS, row.output.finished,
+                                token0_in_decode=_on_gpu(),
+                                transient_budget_bytes=self.memory_limits.transient_reserve if self.memory_limits
+                                else None, shape=ModelShape.of(self.loaded.model)),
+                on_finish=lambda row: self._done(row.output.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
-                prompt_cache=self.prompt_cache, scheme=self.scheme,
+                prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
+                grammar_timing=self.grammar_timing,
             )
 
     def _warm_up(self) -> None:
@@ -299,12 +328,33 @@ class Engine:
             log.warning("warm-up failed", exc_info=True)
 
     def _memory(self) -> tuple[int | None, int]:
-        """(device memory, weight bytes): what the automatic sizes start from (read once)."""
-        if self._memory_seen is None:
-            from mlxq.engine.memory import device_memory_bytes, weight_bytes
+        """(usable memory, weight bytes): what the automatic sizes start from (read once, after the load).
 
-            self._memory_seen = (device_memory_bytes(), weight_bytes(self.loaded.model))
+        Usable: --memory-limit, or the device's share bounded by what is free beside this process."""
+        if self._memory_seen is None:
+            from mlxq.engine.memory import read_device_memory, usable_bytes, weight_bytes
+
+            self.device_memory = read_device_memory()
+            usable = self.config.memory_limit_bytes or usable_bytes(self.device_memory)
+            self._memory_seen = (usable, weight_bytes(self.loaded.model))
+            self.usable_memory = usable
         return self._memory_seen
+
+    def _apply_memory_limits(self) -> None:
+        """Bound MLX's allocator by the same arithmetic as the budgets (engine/memory.py)."""
+        if not self.config.memory_limit_auto and self.config.memory_limit_bytes is None:
+            return
+        from mlxq.engine.memory import apply_limits, plan_limits
+
+        usable, weights = self._memory()
+        if usable is None:
+            return
+        cache = self.prompt_cache.max_bytes if self.prompt_cache is not None else 0
+        self.memory_limits = plan_limits(usable, weights, cache, self.kv_budget_bytes)
+        apply_limits(self.memory_limits)
+        log.info("MLX memory limit %.2f GB, cache limit %.2f GB (transient reserve %.2f GB)",
+                 self.memory_limits.memory_limit / 1e9, self.memory_limits.cache_limit / 1e9,
+                 self.memory_limits.transient_reserve / 1e9)
 
     def _resolve_kv_budget(self) -> int | None:
         if self.config.kv_budget_bytes is not None or not self.config.kv_budget_auto:
@@ -452,7 +502,7 @@ class Engine:
             output = run_serial(
                 self.loaded.model, self.loaded.tokenizer, request, work.emit,
                 prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
-                prompt_cache=self.prompt_cache, scheme=self.scheme,
+                prompt_cache=self.prompt_cache, scheme=self.scheme, grammar_timing=self.grammar_timing,
             )
             self._done(request, Lane.SERIAL, output.finished, output.usage())
         except Exception as exc:
@@ -471,7 +521,6 @@ class Engine:
             if self.cold is not None:
                 self.cold.note_prefill(usage.prompt_tokens - usage.cached_tokens, usage.prefill_s)
             self.stats.prompt_tokens += usage.prompt_tokens
-            self.stats.generated_tokens += usage.completion_tokens
             if usage.decode_tok_s:
                 self.stats.last_decode_tok_s = usage.decode_tok_s
         if finished is FinishReason.CANCELLED:

@@ -50,7 +50,8 @@ class RequestOutput:
         logprob, tops = self._logprobs(token, logprobs)
         if cut.stopped:
             # Whatever the detokenizer still holds comes after the stop: drop it.
-            self.finish(FinishReason.STOP, text=cut.text, token=token, logprob=logprob, tops=tops, flush=False)
+            self.finish(FinishReason.STOP, text=cut.text, token=token, logprob=logprob, tops=tops, flush=False,
+                        stop_sequence=cut.matched)
             return True
         if self.num_generated >= self.request.max_tokens:
             self.finish(FinishReason.LENGTH, text=cut.text, token=token, logprob=logprob, tops=tops)
@@ -59,7 +60,8 @@ class RequestOutput:
         return False
 
     def finish(
-        self, reason: FinishReason, *, text="", token=None, logprob=None, tops=(), error=None, flush=True
+        self, reason: FinishReason, *, text="", token=None, logprob=None, tops=(), error=None, flush=True,
+        stop_sequence: str | None = None,
     ) -> None:
         """Send the final event: remaining text, the finish reason and usage."""
         if self.finished is not None:
@@ -69,8 +71,9 @@ class RequestOutput:
             self._detokenizer.finalize()
             tail = self._stops.feed(self._detokenizer.last_segment)
             text += tail.text if tail.stopped else tail.text + self._stops.flush()
+            stop_sequence = tail.matched
         event = TokenEvent(
-            self.request.request_id, text, token, logprob, tops, reason, self.usage(), error
+            self.request.request_id, text, token, logprob, tops, reason, self.usage(), error, stop_sequence
         )
         self._emit(event)
 

@@ -11,10 +11,12 @@ neighbours do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from mlxq.engine.grammar import GrammarState
+from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.output import RequestOutput
 from mlxq.engine.sampling import make_keyed_sampler, make_request_processors, make_request_sampler
 from mlxq.engine.types import Request
@@ -28,11 +30,13 @@ class Row:
     processors: list  # mlx-lm logits processors
     key: mx.array | None  # this row's PRNG state (seeded rows only)
     history: mx.array | None = None  # tokens the processors see; None when there are none
+    grammar: GrammarState | None = None  # structured output: masks this row's logits before each draw
 
     @property
     def is_plain_greedy(self) -> bool:
         """Sampling reduces to argmax over the row's logprobs: vectorizable across rows."""
-        return self.request.params.is_greedy and not self.processors and not self.request.logprobs
+        return (self.request.params.is_greedy and not self.processors and not self.request.logprobs
+                and self.grammar is None)
 
     @property
     def awaiting_first(self) -> bool:
@@ -49,6 +53,8 @@ class Row:
             self.feed_history(inputs)
             for processor in self.processors:
                 logits = processor(self.history, logits)
+        if self.grammar is not None:
+            logits = self.grammar.constrain(logits, inputs)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if self.key is None:
             return self.sampler(logprobs), logprobs
@@ -56,8 +62,9 @@ class Row:
         return self.sampler(logprobs, draw), logprobs
 
 
-def make_row(request: Request, tokenizer, emit) -> Row:
+def make_row(request: Request, tokenizer, emit, grammar_timing: GrammarTiming | None = None) -> Row:
     params = request.params
+    grammar = None if request.grammar is None else GrammarState(request.grammar, tokenizer, grammar_timing)
     keyed = params.seed is not None and not params.is_greedy
     return Row(
         request=request,
@@ -65,4 +72,20 @@ def make_row(request: Request, tokenizer, emit) -> Row:
         sampler=make_keyed_sampler(params) if keyed else make_request_sampler(params, tokenizer),
         processors=make_request_processors(request.params),
         key=mx.random.key(params.seed) if keyed else None,
+        grammar=grammar,
     )
+
+
+def resume_row(row: Row) -> Row:
+    """A row whose KV was dropped, as a new joiner: the tokens it already emitted extend its prompt.
+
+    Prefilling that sequence and feeding its last token continues the row where it
+    stopped: its output (text, stop-string state, counts) and its PRNG key carry on,
+    and its processors see the same history once the prefill has fed it again.
+    """
+    first = row.output.request  # as submitted; its max_tokens still ends the row (RequestOutput)
+    request = replace(first, prompt_ids=first.prompt_ids + row.output.tokens,
+                      max_tokens=max(1, first.max_tokens - row.output.num_generated))
+    if row.grammar is not None:
+        row.grammar.resume(len(row.output.tokens))
+    return replace(row, request=request, history=None)

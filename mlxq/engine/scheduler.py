@@ -16,8 +16,11 @@ One ``step()`` is a short list of phases:
   caches; when only one row is left it is extracted back to solo caches.
 - Decode is pipelined: step n+1 is built and ``async_eval``ed before step
   n's tokens are read, in one transfer, and emitted.
-- Faults: a prefill error fails that joiner; a row whose output handling
-  raises is evicted alone; a forward error fails every running row and drops
+- Faults: an allocation failure is retried once after releasing MLX's cache,
+  then the scheduler sheds work and recomputes it later (engine/faults.py,
+  engine/preempt.py): no request fails for a memory shortage. Any other
+  prefill error fails that joiner; a row whose output handling raises is
+  evicted alone; any other forward error fails every running row and drops
   the batch, and the scheduler goes on with new requests.
 """
 
@@ -32,8 +35,12 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxq.engine.rows import Row, make_row
+from mlxq.engine.faults import Evaluator, MemoryFault, is_allocation_failure, release_cached_memory
+from mlxq.engine.grammar_timing import GrammarTiming
+from mlxq.engine.preempt import MAX_PREEMPTIONS, LoadCaps, plan_decode_preemption, split_prefill_group
+from mlxq.engine.rows import Row, make_row, resume_row
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
+from mlxq.engine.transient import ModelShape, joiners_transient
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.projection import KvFootprint
@@ -46,19 +53,6 @@ log = logging.getLogger("mlxq.scheduler")
 CLEAR_CACHE_EVERY = 256  # decode steps between mx.clear_cache() calls (mlx-lm's serial cadence)
 
 
-def _release_cached_memory() -> None:
-    """After a fault, hand MLX's cached buffers back to the device.
-
-    The fault may have been memory: seen on a shared H200, "cudaMallocAsync ... out of
-    memory" while another process held most of the GPU, and every later prefill failed
-    too while this process kept its freed buffers cached.
-    """
-    try:
-        mx.clear_cache()
-    except Exception:  # best effort: never turn one fault into two
-        log.debug("clear_cache after a fault failed", exc_info=True)
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_rows: int  # --batch: rows decoding together
@@ -69,6 +63,8 @@ class SchedulerConfig:
     # all the weights again) or from a forward of the joiners alone (False: on the compute-bound
     # CPU that smaller forward gives the earlier first token). Same tokens either way.
     token0_in_decode: bool = True
+    transient_budget_bytes: int | None = None  # prefill transients of joiners together (engine/transient.py)
+    shape: ModelShape | None = None  # what those transients are computed from
 
 
 # A joiner waits for another joiner's prefill only when they share at least this many new tokens.
@@ -84,6 +80,7 @@ class _Joiner:
     wait_until: int = 0  # the leader's ``done`` at which the shared prefix is in the prompt cache
     followers: int = 0  # joiners waiting on this one
     restore: object | None = None  # store.cold_tier.PendingRestore: reading a longer prefix from disk
+    resumed: bool = False  # a preempted row recomputing its KV: its usage keeps its first cached count
 
     def start_from(self, caches: list, cached: int) -> None:
         """Continue from a cached prefix of ``cached`` tokens. Only before the joiner advanced:
@@ -92,7 +89,8 @@ class _Joiner:
         if cached > self.done:
             self.row.feed_history(mx.array(prompt[self.done : cached]))  # processors see the whole prompt
         self.caches, self.done = caches, cached
-        self.row.output.cached_tokens = cached
+        if not self.resumed:
+            self.row.output.cached_tokens = cached
 
     @property
     def is_prefilled(self) -> bool:
@@ -110,14 +108,21 @@ def _gathered(joiners: list[_Joiner]) -> tuple[list, bool]:
 class BatchScheduler:
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
-                 scheme: KvScheme = NATIVE):
+                 scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None,
+                 grammar_timing: GrammarTiming | None = None):
         self.model = model
         self.scheme = scheme  # KV representation: joiners convert where the serial lane does
         self.prompt_cache = prompt_cache  # store.PromptCache: joiners take at admission, rows put at finish
         self.tokenizer = tokenizer
+        self.grammar_timing = grammar_timing  # rows with a grammar add their mask time here
         self.footprint = footprint
         self.config = config
-        self._on_finish = on_finish
+
+        def finished(row: Row) -> None:
+            self._times_preempted.pop(row.request.request_id, None)
+            on_finish(row)
+
+        self._on_finish = finished
         self._joiners: list[_Joiner] = []
         self._rows: list[Row] = []
         self._caches: list | None = None  # solo caches when one row runs, batched otherwise
@@ -127,6 +132,10 @@ class BatchScheduler:
         self.phases = PhaseTiming()  # prefill and join wall time (/stats.batch.phase_timing)
         self.submitted_rows = 0
         self.shared_prefills = 0  # joiners that waited for another joiner's prefill instead of repeating it
+        self.faults = evaluator or Evaluator()  # evaluations retried once on an allocation failure
+        self.caps = LoadCaps(config.max_rows, config.prompt_concurrency)  # lowered by memory faults
+        self._preempted: list[Row] = []  # rows whose KV was dropped, oldest first: readmitted before new work
+        self._times_preempted: dict[str, int] = {}  # request id -> requeues so far
 
     # --- state the engine reads -------------------------------------------------
     @property
@@ -138,8 +147,12 @@ class BatchScheduler:
         return len(self._joiners)
 
     @property
+    def num_preempted(self) -> int:
+        return len(self._preempted)
+
+    @property
     def is_idle(self) -> bool:
-        return not self._rows and not self._joiners
+        return not self._rows and not self._joiners and not self._preempted
 
     def projected_bytes(self, extra: Request | None = None) -> int:
         """Worst-case KV bytes of every row (and ``extra``) at prompt + max_tokens, plus prefill transients."""
@@ -151,19 +164,32 @@ class BatchScheduler:
         return self.footprint.batch_bytes(lengths) + sum(self.footprint.prefill_bytes(n) for n in prefilling)
 
     def can_admit(self, request: Request) -> bool:
-        if len(self._rows) + len(self._joiners) >= self.config.max_rows:
+        if self._preempted or len(self._rows) + len(self._joiners) >= self.caps.rows:
             return False
         if len(self._joiners) >= self.config.prompt_concurrency:
             return False
+        if self._joiners and self.transient_bytes(request) > (self.config.transient_budget_bytes or float("inf")):
+            return False  # a lone joiner always runs: only joiners together are held to the reserve
         budget = self.config.kv_budget_bytes
         return budget is None or self.projected_bytes(request) <= budget
+
+    def transient_bytes(self, extra: Request | None = None) -> int:
+        """The worst prefill step of the joiners (and ``extra``): activations, logits, attention scores."""
+        prompts = [len(j.row.request.prompt_ids) for j in self._joiners]
+        if extra is not None:
+            prompts.append(len(extra.prompt_ids))
+        return joiners_transient(self.config.shape, prompts, self.config.prefill_step_size, self.caps.group)
 
     def _all_rows(self) -> list[Row]:
         return self._rows + [j.row for j in self._joiners]
 
     # --- intake -------------------------------------------------------------------
     def add(self, request: Request, emit) -> None:
-        joiner = _Joiner(make_row(request, self.tokenizer, emit), [])
+        self._enter(_Joiner(make_row(request, self.tokenizer, emit, self.grammar_timing), []))
+        self.submitted_rows += 1
+
+    def _enter(self, joiner: _Joiner) -> None:
+        request = joiner.row.request
         if self.prompt_cache is None:
             joiner.caches = make_prompt_cache(self.model)
         else:
@@ -175,7 +201,6 @@ class BatchScheduler:
             if joiner.restore is None:
                 self._follow_a_leader(joiner)
         self._joiners.append(joiner)
-        self.submitted_rows += 1
 
     def _follow_a_leader(self, joiner: _Joiner) -> None:
         """Agents that arrive together with the same long prefix: prefill it once.
@@ -221,14 +246,70 @@ class BatchScheduler:
         return False
 
     def fail_all(self, message: str) -> None:
-        for row in self._all_rows():
+        for row in self._all_rows() + self._preempted:
             row.output.finish(FinishReason.ERROR, error=message)
             self._on_finish(row)
         self._joiners, self._rows, self._caches, self._pending, self._batched = [], [], None, None, False
+        self._preempted = []
+
+    # --- memory faults: requeue, recompute later (engine/preempt.py decides) ------------
+    def _preempt_running(self, keys: list, fault: MemoryFault) -> None:
+        """A decode step failed twice for memory: every running row's KV went with it.
+
+        Tokens computed before the step but not yet handed out are emitted first, the
+        sampler state goes back to before the step, and the rows are requeued to be
+        recomputed from their tokens; the most recently admitted wait for room.
+        """
+        inputs, logprobs_now, emitted = self._pending
+        tokens = inputs.tolist()  # evaluated by the previous step
+        rows = self._rows
+        self._rows, self._caches, self._pending, self._batched = [], None, None, False
+        release_cached_memory()
+        requeue = []
+        for i, row in enumerate(rows):
+            row.key = keys[i]
+            if not emitted[i] and not self._emit(row, tokens[i], logprobs_now[i]):
+                self._on_finish(row)
+                continue
+            requeue.append(row)
+        plan = plan_decode_preemption([self._times_preempted.get(r.request.request_id, 0) for r in requeue],
+                                      self.caps.rows)
+        log.warning("decode step out of memory (%s): %d rows requeued, row cap %d",
+                    fault.cause, len(requeue), plan.row_cap)
+        self.caps.lower_rows(plan.row_cap)
+        self._requeue([requeue[i] for i in plan.resume_first + plan.held_back])
+        self._fail_out_of_memory([requeue[i] for i in plan.failed], fault)
+
+    def _requeue(self, rows: list[Row]) -> None:
+        """Rows without KV wait ahead of new requests, in submission order, to be recomputed."""
+        for row in rows:
+            rid = row.request.request_id
+            times = self._times_preempted.get(rid, 0)
+            if times >= MAX_PREEMPTIONS:
+                self._fail_out_of_memory([row], None)
+                continue
+            self._times_preempted[rid] = times + 1
+            self.faults.counters.preemptions += 1
+            self._preempted.append(row)
+        self._preempted.sort(key=lambda r: r.request.submitted_at)
+
+    def _readmit(self) -> None:
+        while (self._preempted and len(self._rows) + len(self._joiners) < self.caps.rows
+               and len(self._joiners) < self.config.prompt_concurrency):
+            row = self._preempted.pop(0)
+            self._enter(_Joiner(resume_row(row), [], resumed=True))
+
+    def _fail_out_of_memory(self, rows: list[Row], fault: MemoryFault | None) -> None:
+        for row in rows:
+            self.faults.counters.failed_out_of_memory += 1
+            cause = f": {fault.cause}" if fault is not None else ""
+            row.output.finish(FinishReason.ERROR, error=f"out of memory after {MAX_PREEMPTIONS} requeues{cause}")
+            self._on_finish(row)
 
     # --- one iteration ------------------------------------------------------------
     def step(self) -> None:
         self._purge_cancelled()
+        self._readmit()
         if self._joiners:
             self.timing.interrupt()  # prefill work sits between these decode steps
         ready = self._prefill()
@@ -237,8 +318,12 @@ class BatchScheduler:
             self._start_decoding(ready)
             self.phases.add_join(time.perf_counter() - start)
         if self._rows:
+            keys = [row.key for row in self._rows]  # sampler state before this step, should it be redone
             try:
                 self._decode_step()
+                self.caps.step_ok()
+            except MemoryFault as fault:
+                self._preempt_running(keys, fault)
             except Exception as exc:
                 log.error("decode step failed; failing %d rows", len(self._rows), exc_info=True)
                 rows = self._rows
@@ -246,13 +331,19 @@ class BatchScheduler:
                 for row in rows:
                     row.output.finish(FinishReason.ERROR, error=f"batch decode failed: {type(exc).__name__}: {exc}")
                     self._on_finish(row)
-                _release_cached_memory()
+                release_cached_memory()
+        if self.is_idle and self.caps.lowered:
+            self.caps.reset()
 
     def _purge_cancelled(self) -> None:
         for joiner in [j for j in self._joiners if j.row.request.cancelled.is_set()]:
             self._joiners.remove(joiner)
             joiner.row.output.finish(FinishReason.CANCELLED)
             self._on_finish(joiner.row)
+        for row in [r for r in self._preempted if r.request.cancelled.is_set()]:
+            self._preempted.remove(row)
+            row.output.finish(FinishReason.CANCELLED)
+            self._on_finish(row)
         # Running rows are cancelled at emit time, where their pending token is dropped.
 
     def _prefill(self) -> list[_Joiner]:
@@ -269,7 +360,7 @@ class BatchScheduler:
             if joiner.restore is not None:
                 self._restore_step(joiner)
                 continue
-            if self._waiting(joiner) or joiner.is_prefilled or budget <= 0:
+            if self._waiting(joiner) or joiner.is_prefilled or budget <= 0 or len(group) >= self.caps.group:
                 continue
             group.append(joiner)
             budget -= self._chunk_len(joiner)
@@ -278,6 +369,13 @@ class BatchScheduler:
         if together:
             try:
                 self._advance_together(group)
+            except MemoryFault:
+                # Their own caches are untouched (the batch was a merged copy): the newest sit out.
+                keep, _ = split_prefill_group(len(group))
+                log.warning("batched prefill of %d joiners out of memory; %d go on, one by one", len(group), keep)
+                self.caps.lower_group(keep)
+                self.caps.lower_rows(len(self._rows) + len(self._joiners))  # admit no more until it drains
+                group, together = group[:keep], False
             except Exception:
                 # Find the joiner at fault: each one alone (their caches are untouched until success).
                 log.warning("batched prefill of %d joiners failed; retrying one by one", len(group), exc_info=True)
@@ -286,6 +384,10 @@ class BatchScheduler:
             for joiner in group:
                 try:
                     self._advance(joiner)
+                except MemoryFault:
+                    self.caps.lower_rows(len(self._rows) + len(self._joiners) - 1)  # admit no more until it drains
+                    self._joiners.remove(joiner)  # its caches took part of the failed forward: start over
+                    self._requeue([joiner.row])
                 except Exception as exc:
                     self._fail_joiners([joiner], "prefill", exc)
         if group:
@@ -329,7 +431,7 @@ class BatchScheduler:
             chunk = mx.array(prompt[joiner.done : joiner.done + n])
             self.model(chunk[None], cache=joiner.caches)
             self.scheme.convert(joiner.caches)  # the serial lane's (mlx-lm's) conversion point
-            mx.eval([c.state for c in joiner.caches])
+            self.faults.run("prefill", lambda: mx.eval([c.state for c in joiner.caches]))
         self._advanced(joiner, n)
 
     def _advance_together(self, group: list[_Joiner]) -> None:
@@ -353,7 +455,7 @@ class BatchScheduler:
             if any(padding):
                 for cache in caches:
                     cache.finalize()
-            mx.eval([c.state for c in caches])
+            self.faults.run("prefill", lambda: mx.eval([c.state for c in caches]))
             rows = [extract_row(caches, i) for i in range(len(group))]
         for joiner, row_caches, n in zip(group, rows, lengths, strict=True):  # only once everything succeeded
             joiner.caches = row_caches
@@ -416,6 +518,7 @@ class BatchScheduler:
             for joiner in ready:
                 self._first_tokens([joiner])
             return
+        keys = [j.row.key for j in ready]
         try:
             caches, batched = _gathered(ready)
             lasts = mx.array([j.row.request.prompt_ids[-1] for j in ready])
@@ -426,7 +529,12 @@ class BatchScheduler:
                 drawn = [j.row.sample(logits[i : i + 1], lasts[i : i + 1]) for i, j in enumerate(ready)]
                 tokens = mx.concatenate([token for token, _ in drawn])
                 logprobs = [lp.squeeze(0) for _, lp in drawn]
-                mx.eval(tokens, logprobs)
+                self.faults.run("token0", lambda: mx.eval(tokens, logprobs))
+        except MemoryFault:
+            for joiner, key in zip(ready, keys, strict=True):
+                joiner.row.key = key  # nothing was emitted: they draw again from the same state
+            self._requeue([j.row for j in ready])
+            return
         except Exception as exc:
             self._fail_joiners(ready, "first token", exc)
             return
@@ -491,7 +599,14 @@ class BatchScheduler:
         if self.prompt_cache is None or not is_trimmable(caches):
             return
         fed = caches[0].offset
-        self.prompt_cache.put(row.request.namespace, (row.request.prompt_ids + row.output.tokens)[:fed], caches)
+        first = row.output.request  # the request as submitted (a resumed row's prompt holds its tokens)
+        try:
+            self.prompt_cache.put(first.namespace, (first.prompt_ids + row.output.tokens)[:fed], caches)
+        except Exception as exc:  # storing is an optimization: short of memory, skip it
+            if not is_allocation_failure(exc):
+                raise
+            log.warning("prompt cache put skipped: %s", exc)
+            release_cached_memory()
 
     def _fail_joiners(self, joiners: list[_Joiner], phase: str, exc: Exception) -> None:
         log.error("%s failed for %d joiner(s)", phase, len(joiners), exc_info=True)
@@ -500,7 +615,7 @@ class BatchScheduler:
                 self._joiners.remove(joiner)
             joiner.row.output.finish(FinishReason.ERROR, error=f"{phase} failed: {type(exc).__name__}: {exc}")
             self._on_finish(joiner.row)
-        _release_cached_memory()
+        release_cached_memory()
 
     def _decode_step(self) -> None:
         start = time.perf_counter()
@@ -509,7 +624,7 @@ class BatchScheduler:
             logits = self.model(inputs[:, None], cache=self._caches)[:, -1, :]
             next_tokens, next_logprobs = self._sample(logits, inputs)
         built = time.perf_counter()
-        mx.async_eval(next_tokens, next_logprobs)
+        self.faults.run("decode", lambda: mx.async_eval(next_tokens, next_logprobs))
         # Read step n while step n+1 runs: one transfer for every row's token.
         submitted = time.perf_counter()
         tokens = inputs.tolist()

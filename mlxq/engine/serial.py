@@ -15,6 +15,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxq.engine.grammar import GrammarState
+from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.output import EmitFn, RequestOutput
 from mlxq.engine.sampling import make_request_processors, make_request_sampler
 from mlxq.engine.types import FinishReason, Request
@@ -54,6 +56,7 @@ def run_serial(
     on_step: Callable[[], None] = lambda: None,
     prompt_cache=None,
     scheme: KvScheme = NATIVE,
+    grammar_timing: GrammarTiming | None = None,
 ) -> RequestOutput:
     """Generate ``request`` to completion (or cancellation), emitting its events.
 
@@ -100,6 +103,8 @@ def run_serial(
 
     if processors and start:
         processors = _with_prefix(processors, mx.array(prompt[:start]))
+    if request.grammar is not None:  # last, as the batch lane applies it (Row.sample)
+        processors = [*processors, GrammarState(request.grammar, tokenizer, grammar_timing).processor()]
     scheme.arm(caches)  # mlx-lm's own quantization hook converts them, per this scheme's layers
     steps = generate_step(
         mx.array(prompt[start:]),

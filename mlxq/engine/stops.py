@@ -13,6 +13,7 @@ from dataclasses import dataclass
 class StopResult:
     text: str  # text safe to emit now
     stopped: bool  # a stop string matched; text ends just before it
+    matched: str | None = None  # which stop string (Anthropic's stop_sequence reports it)
 
 
 class StopStringMatcher:
@@ -24,10 +25,11 @@ class StopStringMatcher:
         if not self._stops:
             return StopResult(piece, False)
         text = self._held + piece
-        first = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
-        if first >= 0:
+        found = [(at, stop) for stop in self._stops if (at := text.find(stop)) >= 0]
+        if found:
+            first, matched = min(found)
             self._held = ""
-            return StopResult(text[:first], True)
+            return StopResult(text[:first], True, matched)
         keep = self._longest_suffix_that_starts_a_stop(text)
         self._held = text[len(text) - keep :] if keep else ""
         return StopResult(text[: len(text) - keep], False)

@@ -44,6 +44,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output: every token drawn must keep the text inside this grammar."""
+
+    kind: str  # what the client asked for: "json_object", "json_schema" or "tool_call" (for logs and /stats)
+    grammar: str  # an llguidance grammar (its JSON form), validated against the model's tokenizer
+
+
 @dataclass
 class Request:
     """One generation, tokenized and validated by the server."""
@@ -59,6 +67,7 @@ class Request:
     deterministic: bool = False  # run on the serial lane: output independent of other requests
     snapshot_at: int | None = None  # a prompt position worth its own prompt-cache entry (end of a system prompt)
     namespace: str = ""  # prompt-cache partition (adapter / KV scheme); "" is the base model
+    grammar: GrammarSpec | None = None  # structured output: tokens outside it are never drawn
     submitted_at: float = field(default_factory=time.monotonic)
     # Set from any thread; the engine checks it between steps and stops the row.
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -115,6 +124,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the request, when one did
 
 
 @dataclass(frozen=True)

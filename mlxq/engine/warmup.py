@@ -2,7 +2,7 @@
 
 MLX's GPU backends compile kernels the first time an operation meets a new
 kind of input (and cuDNN builds a graph per attention shape). Seen on the
-H200 (docs/benchmarks.md, run 10): the first time joiners prefilled
+H200 (docs/benchmarks.md, "H200: start-up warm-up"): the first time joiners prefilled
 together, every running row stalled for 7 s; the first batch merge and
 eviction stalled a c=8 sweep for seconds. Those costs belong to start-up,
 not to whichever users arrive first.

@@ -1,1 +1,1 @@
-"""KV cache capability model, batch ops by layer kind and KV schemes (grows with the batching issue)."""
+"""KV cache capability model, batch ops by layer kind, KV schemes and CUDA attention routing."""

@@ -1,9 +1,9 @@
 """Where attention runs on MLX's CUDA backend: two costs the fused calls hide.
 
-Measured on the H200 with MLX 0.32.4 (docs/benchmarks.md, run 10):
+Measured on the H200 with MLX 0.32.4 (docs/benchmarks.md, "H200: attention routing on CUDA"):
 
 - Prefill attention (more than one query) goes to cuDNN, which builds a graph
-  for every new (batch, query length, key length, mask) shape: 40-60 ms for
+  for every new (batch, query length, key length, mask) shape: 37-60 ms for
   a causal call, 0.76-1.5 s with an array mask, then ~0.15 ms once built.
   Serving sees a new shape with nearly every prompt (lengths vary, cached
   prefixes vary), so a 150-token prompt paid ~50 ms of graph building in its

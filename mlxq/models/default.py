@@ -38,5 +38,5 @@ def ensure_default_model() -> Path:
     path = cache_root() / "models" / name
     manifest = read_manifest(path) if path.exists() else None
     if manifest is None or manifest.get("factory_version") != FACTORY_VERSION:
-        build_tiny_model(DEFAULT_ARCH, path, seed=DEFAULT_SEED, preset=DEFAULT_PRESET)
+        build_tiny_model(DEFAULT_ARCH, path, seed=DEFAULT_SEED, preset=DEFAULT_PRESET, force=True)
     return path

@@ -53,23 +53,27 @@ def _hf_cache_dir() -> Path:
 def resolve_model_path(spec: str) -> Path:
     """Map a local path or a cached HF repo id to a directory, offline."""
     local = Path(spec).expanduser()
+    if local.is_file():
+        raise ModelNotFoundError(f"{local} is a file; pass the directory that holds it ({local.parent})")
     if local.is_dir():
         if not (local / "config.json").exists():
             raise ModelNotFoundError(f"{local} is a directory but has no config.json")
         return local
     looked = [str(local.resolve())]
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub import try_to_load_from_cache
 
         looked.append(f"Hugging Face cache {_hf_cache_dir()}")
-        try:
-            return Path(snapshot_download(spec, local_files_only=True))
-        except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
-            pass
+        # The snapshot that holds the repo's config.json at its main ref. Not snapshot_download
+        # (local_files_only): it refuses a snapshot fetched with file patterns, which is how a
+        # model is usually fetched (`mlxq model pull`, `hf download --include ...`).
+        config = try_to_load_from_cache(spec, "config.json")
+        if isinstance(config, str):
+            return Path(config).parent
     raise ModelNotFoundError(
-        f"model {spec!r} not found; looked in: {'; '.join(looked)}. mlxq never downloads: "
-        "pass a local model directory, or fetch the repo first (huggingface-cli download)"
+        f"model {spec!r} not found; looked in: {'; '.join(looked)}. `mlxq serve` never downloads: "
+        "pass a local model directory, or fetch the repo first, e.g. "
+        "`mlxq model pull mlx-community/Qwen3-4B-4bit` (or `hf download mlx-community/Qwen3-4B-4bit`)"
     )
 
 

@@ -85,15 +85,39 @@ def _write_weights(out: Path, config: dict, seed: int, fast_init: bool = False) 
     return sum(int(np.prod(s)) for s in shapes.values())
 
 
-def build_tiny_model(arch: str, out: str | Path, *, seed: int = 0, preset: str = "tiny",
-                     fast_init: bool = False) -> Path:
-    """Write a complete model directory to ``out`` (replaced atomically) and return it.
+def _check_target(out: Path, force: bool) -> None:
+    """Refuse to write into a user's directory by mistake: only an empty one, an mlxq model, or --force."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory; pick another --out")
+    if out.is_dir() and not force and read_manifest(out) is None and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty and holds no mlxq model; pick another --out, or pass --force "
+                         "to write the model's files into it (nothing else in it is touched)")
 
+
+def _install(tmp: Path, out: Path) -> None:
+    """Move a finished build to ``out``. A new directory takes the build whole; an existing one gets
+    the model's files replaced one by one (each an atomic rename), so nothing else in it is deleted."""
+    if not out.exists():
+        os.replace(tmp, out)
+        out.chmod(0o755)  # mkdtemp made it private; a model directory is not a secret
+        return
+    for path in tmp.iterdir():
+        os.replace(path, out / path.name)
+    tmp.rmdir()
+
+
+def build_tiny_model(arch: str, out: str | Path, *, seed: int = 0, preset: str = "tiny",
+                     fast_init: bool = False, force: bool = False) -> Path:
+    """Write a complete model directory to ``out`` and return it.
+
+    ``out`` must be new, empty or an earlier mlxq model (its model files are replaced);
+    ``force`` writes the model's files into any other directory, deleting nothing there.
     ``fast_init`` draws weights with MLX's generator on the default device (for
     real shapes on a GPU); the default numpy path gives the same bytes everywhere.
     """
     out = Path(out)
     config = make_config(arch, preset)
+    _check_target(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -113,9 +137,7 @@ def build_tiny_model(arch: str, out: str | Path, *, seed: int = 0, preset: str =
             "note": "random weights built by mlxq's tiny-model factory; output is meaningless text",
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -13,7 +13,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from mlxq.server import admin, routes
+from mlxq.server import admin, messages_route, responses_route, routes
 from mlxq.server.errors import (
     APIError,
     error_response,
@@ -21,6 +21,7 @@ from mlxq.server.errors import (
     handle_http_exception,
     handle_unexpected,
 )
+from mlxq.server.guard import LOOPBACK_ORIGIN_REGEX, Guard, GuardPolicy
 from mlxq.server.state import ServerState
 
 log = logging.getLogger("mlxq.server")
@@ -30,11 +31,13 @@ PUBLIC_PATHS = frozenset({"/health", "/ready", "/dashboard"})
 
 
 class ApiKeyAuth:
-    """Pure ASGI middleware (streams pass through untouched): Bearer key on every path but /health."""
+    """Pure ASGI middleware (streams pass through untouched): the key on every path but the public ones,
+    as ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY`` (Anthropic's)."""
 
     def __init__(self, app, api_key: str | None):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected_key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if (
@@ -45,11 +48,12 @@ class ApiKeyAuth:
         ):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
+        if not (bearer_ok or key_ok):
+            err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            code="invalid_api_key")
-            return await error_response(err)(scope, receive, send)
+            return await error_response(err, scope["path"])(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -84,7 +88,12 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/completions", routes.completions, methods=["POST"]),
+            Route("/v1/messages", messages_route.create_message, methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages_route.count_tokens, methods=["POST"]),
+            Route("/v1/responses", responses_route.create_response, methods=["POST"]),
+            Route("/responses", responses_route.create_response, methods=["POST"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/ready", routes.ready, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
@@ -93,8 +102,9 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             Route("/admin/cache/flush", admin.flush_cache, methods=["POST"]),
         ],
         middleware=[
+            Middleware(Guard, policy=GuardPolicy.of(state.config)),
             Middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),
-                       allow_methods=["*"], allow_headers=["*"]),
+                       allow_origin_regex=LOOPBACK_ORIGIN_REGEX, allow_methods=["*"], allow_headers=["*"]),
             Middleware(ApiKeyAuth, api_key=state.config.api_key),
         ],
         exception_handlers={

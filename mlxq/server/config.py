@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxq.server.protocol import TokenLimits
 from mlxq.store.ssd_config import SsdConfig
 
 
@@ -14,13 +15,16 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback by default, like mlx_lm.server
     port: int = 8080
     api_key: str | None = None  # when set, every endpoint but /health needs "Bearer <key>"
-    allowed_origins: tuple[str, ...] = ("*",)  # CORS
+    allowed_origins: tuple[str, ...] = ()  # browser origins beyond loopback ones (server/guard.py); "*": any
+    allowed_hosts: tuple[str, ...] = ()  # Host names beyond loopback ones on a loopback bind; "*": any
     prefill_step_size: int = 2048  # prompt tokens per prefill pass
     batch: int = 8  # rows decoding together; 1 = the strict serial lane
     prompt_concurrency: int = 4  # batch joiners prefilling at once
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     kv_budget_auto: bool = True  # no explicit budget: derive one from the device's memory (--kv-budget off: none)
     prompt_cache_bytes: int | None = None  # RAM prompt cache cap; 0 disables it; None: auto
+    memory_limit_bytes: int | None = None  # MLX's memory limit; None: auto (90% of the device, within free)
+    memory_limit_auto: bool = True  # --memory-limit off: leave MLX's own limits alone
     ssd: SsdConfig | None = None  # --ssd-cache DIR and its sub-flags
     kv_quant: str = "off"  # off, 2/3/4/5/6/8 bits, or config (kv_config.json beside the model)
     kv_group_size: int = 64
@@ -31,18 +35,22 @@ class ServerConfig:
     log_format: str = "plain"  # request log lines: plain or json
     log_prompts: bool = False  # include prompt text in request log lines (user data: off by default)
     max_request_bytes: int = 16 * 2**20  # larger bodies get 413 before parsing
+    max_connections: int = 4096  # open connections at once (more get 503); lowered to fit the open-file limit
+    request_read_timeout_s: float = 60.0  # a client must send a whole request (headers and body) within this
     max_tokens_limit: int | None = None  # server-wide cap on max_tokens (None: the model's context)
+    max_tokens_policy: str = "clamp"  # max_tokens above the room left (or the cap): clamp to it, or reject (400)
     max_prompt_tokens: int | None = None  # per-request prompt length cap (None: the model's context)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be 0-65535, got {self.port}")
+            raise ValueError(f"--port must be 0-65535; got {self.port}")
         if self.prefill_step_size < 1:
-            raise ValueError("prefill_step_size must be >= 1")
+            raise ValueError(f"--prefill-step-size must be >= 1; got {self.prefill_step_size}")
         if self.batch < 1 or self.prompt_concurrency < 1:
-            raise ValueError("batch and prompt_concurrency must be >= 1")
+            raise ValueError(f"--batch and --prompt-concurrency must be >= 1; got {self.batch} and "
+                             f"{self.prompt_concurrency}")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
-            raise ValueError("kv_budget must be > 0")
+            raise ValueError("--kv-budget must be > 0")
         if self.ssd is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM prompt cache (--prompt-cache > 0): restores land there")
         if self.kv_quant not in ("off", "config") and self.kv_quant not in ("2", "3", "4", "5", "6", "8"):
@@ -52,19 +60,27 @@ class ServerConfig:
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"--warmup must be auto, on or off; got {self.warmup!r}")
         if self.stall_timeout_s <= 0:
-            raise ValueError("stall_timeout_s must be > 0")
+            raise ValueError(f"--stall-timeout must be > 0; got {self.stall_timeout_s}")
         if self.shutdown_timeout_s < 0:
-            raise ValueError("shutdown_timeout_s must be >= 0")
+            raise ValueError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+            raise ValueError("--api-key must not be empty")
+        if self.max_tokens_policy not in ("clamp", "reject"):
+            raise ValueError(f"--max-tokens-policy must be clamp or reject; got {self.max_tokens_policy!r}")
         if self.log_format not in ("plain", "json"):
-            raise ValueError("log_format must be plain or json")
+            raise ValueError(f"--log-format must be plain or json; got {self.log_format!r}")
+        if self.max_connections < 1 or self.request_read_timeout_s <= 0:
+            raise ValueError("--max-connections must be >= 1 and --request-read-timeout > 0")
         if self.max_request_bytes < 1024:
-            raise ValueError("max_request_bytes must be >= 1024")
+            raise ValueError("--max-request-bytes must be >= 1024")
         for name in ("max_tokens_limit", "max_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+
+    @property
+    def token_limits(self) -> TokenLimits:
+        return TokenLimits(self.max_tokens_limit, self.max_tokens_policy)
 
     @property
     def is_loopback(self) -> bool:

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mlxq.engine.types import RequestDone
+from mlxq.server.memory_stats import memory_gauges
 
 PREFIX = "mlxq:"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -54,6 +55,7 @@ class _EngineGauges:
             "num_requests_waiting": engine.num_waiting,
             "kv_cache_usage_bytes": scheduler.projected_bytes() if scheduler else 0,
             "kv_cache_budget_bytes": engine.kv_budget_bytes or 0,
+            **memory_gauges(engine),
         }
         ram = engine.prompt_cache
         if ram is not None:
@@ -69,6 +71,11 @@ class _EngineGauges:
             for name, key in (("ssd_cache_restores", "restores"), ("ssd_cache_writes", "writes"),
                               ("ssd_cache_write_failures", "failed"), ("ssd_cache_dropped", "dropped")):
                 yield CounterMetricFamily(PREFIX + name, name.replace("_", " "), value=ssd[key])
+        faults = engine.evaluator.counters
+        yield CounterMetricFamily(PREFIX + "num_preemptions", "rows requeued after an allocation fault",
+                                  value=faults.preemptions)
+        yield CounterMetricFamily(PREFIX + "memory_faults", "allocation failures at an evaluation",
+                                  value=faults.memory_faults)
         if scheduler is not None:
             yield from _decode_step_counters(scheduler.timing)
             phases = CounterMetricFamily(PREFIX + "scheduler_phase_seconds",

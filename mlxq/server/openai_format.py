@@ -1,11 +1,13 @@
-"""Shape engine events into OpenAI chat/text completion objects and stream chunks."""
+"""OpenAI chat and text completions: objects and stream chunks rendered from an Accumulator."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from mlxq.engine.types import FinishReason, TokenEvent, Usage
-from mlxq.server.tools import make_splitter
+from mlxq.server.accumulator import Accumulator, LogprobEntry, Step
+from mlxq.server.tools import ToolCall
 
 
 def combined_usage(usages: list[Usage]) -> Usage:
@@ -43,8 +45,35 @@ def usage_json(usage: Usage) -> dict:
     }
 
 
+def sse_line(payload: dict) -> str:
+    """OpenAI's SSE framing: data lines only, the stream ends with ``data: [DONE]``."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def tool_call_json(call: ToolCall, index: int) -> dict:
+    return {"index": index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_logprob_json(entry: LogprobEntry) -> dict:
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.token.encode("utf-8")),
+        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
+                         for t in entry.top],
+    }
+
+
+def text_logprobs_json(entries: list[LogprobEntry]) -> dict:
+    """Legacy completions' column form."""
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": [e.offset for e in entries]}
+
+
 class ChoiceBuilder:
-    """Accumulates one request's events; renders stream deltas and the final object."""
+    """One choice of a chat or text completion: an Accumulator plus OpenAI's shapes for it."""
 
     def __init__(self, spec, tokenizer, request_id: str, model: str, index: int = 0):
         self.spec = spec
@@ -53,63 +82,25 @@ class ChoiceBuilder:
         self.id = request_id
         self.model = model
         self.created = int(time.time())
-        self._tokenizer = tokenizer
-        self._splitter = make_splitter(tokenizer, spec.tools) if spec.kind == "chat" else None
-        self.text = ""
-        self._chat_logprobs: list[dict] = []
-        self._text_logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        self.finish_reason: str | None = None
-        self.usage: Usage | None = None
+        tools = spec.tools if spec.kind == "chat" else None
+        self.acc = Accumulator(tokenizer, tools, spec.logprobs)
         self._sent_role = False
 
-    # --- accumulation ----------------------------------------------------------
-    def add(self, event: TokenEvent) -> tuple[str, list[dict], dict | None]:
-        """Fold an event in; returns (content delta, new tool calls, logprob entry)."""
-        text = event.text
-        calls: list[dict] = []
-        if self._splitter is not None:
-            text, calls = self._splitter.feed(text)
-            if event.finish_reason is not None:
-                text += self._splitter.flush()
-        offset = len(self.text)
-        self.text += text
-        entry = self._logprob_entry(event, offset)
-        if event.finish_reason is not None:
-            self.usage = event.usage
-            self.finish_reason = self._finish_reason(event.finish_reason)
-        return text, calls, entry
+    @property
+    def usage(self) -> Usage | None:
+        return self.acc.usage
 
-    def _finish_reason(self, reason: FinishReason) -> str:
-        if self._splitter is not None and self._splitter.calls and reason is FinishReason.STOP:
-            return "tool_calls"
-        return reason.value
-
-    def _logprob_entry(self, event: TokenEvent, offset: int) -> dict | None:
-        if not self.spec.logprobs or event.token_id is None or event.logprob is None:
+    @property
+    def finish_reason(self) -> str | None:
+        if self.acc.finish is None:
             return None
-        token = self._tokenizer.decode([event.token_id])
-        if self.kind == "chat":
-            entry = {
-                "token": token,
-                "logprob": event.logprob,
-                "bytes": list(token.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
-                    for t in event.top_logprobs
-                ],
-            }
-            self._chat_logprobs.append(entry)
-            return entry
-        lp = self._text_logprobs
-        lp["tokens"].append(token)
-        lp["token_logprobs"].append(event.logprob)
-        lp["top_logprobs"].append({t.token: t.logprob for t in event.top_logprobs})
-        lp["text_offset"].append(offset)
-        return {"tokens": [token], "token_logprobs": [event.logprob],
-                "top_logprobs": [lp["top_logprobs"][-1]], "text_offset": [offset]}
+        return "tool_calls" if self.acc.called_tools else self.acc.finish.value
+
+    def add(self, event: TokenEvent) -> Step:
+        return self.acc.add(event)
 
     # --- rendering --------------------------------------------------------------
-    def chunk(self, text: str, calls: list[dict], entry: dict | None, finish: str | None) -> dict:
+    def chunk(self, text: str, calls: list[ToolCall], entry: LogprobEntry | None, finish: str | None) -> dict:
         if self.kind == "chat":
             delta: dict = {}
             if not self._sent_role:
@@ -118,11 +109,13 @@ class ChoiceBuilder:
             if text:
                 delta["content"] = text
             if calls:
-                delta["tool_calls"] = calls
-            choice = {"index": self.index, "delta": delta,
-                      "logprobs": {"content": [entry]} if entry else None, "finish_reason": finish}
+                first = len(self.acc.calls) - len(calls)
+                delta["tool_calls"] = [tool_call_json(c, first + i) for i, c in enumerate(calls)]
+            logprobs = {"content": [chat_logprob_json(entry)], "refusal": None} if entry else None
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": self.index, "text": text, "logprobs": entry, "finish_reason": finish}
+        choice = {"index": self.index, "text": text, "logprobs": text_logprobs_json([entry]) if entry else None,
+                  "finish_reason": finish}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self) -> dict:
@@ -132,18 +125,20 @@ class ChoiceBuilder:
         return body
 
     def final(self) -> dict:
+        acc = self.acc
         if self.kind == "chat":
-            calls = self._splitter.calls if self._splitter else []
-            message: dict = {"role": "assistant", "content": self.text if (self.text or not calls) else None}
-            if calls:
-                message["tool_calls"] = calls
-            logprobs = {"content": self._chat_logprobs} if self.spec.logprobs else None
+            message: dict = {"role": "assistant", "content": acc.text if (acc.text or not acc.calls) else None,
+                             "refusal": None}
+            if acc.calls:
+                message["tool_calls"] = [tool_call_json(c, i) for i, c in enumerate(acc.calls)]
+            logprobs = ({"content": [chat_logprob_json(e) for e in acc.logprobs], "refusal": None}
+                        if self.spec.logprobs else None)
             choice = {"index": self.index, "message": message, "logprobs": logprobs,
                       "finish_reason": self.finish_reason}
             body = self._envelope("chat.completion", [choice])
         else:
-            logprobs = self._text_logprobs if self.spec.logprobs else None
-            choice = {"index": self.index, "text": self.text, "logprobs": logprobs,
+            logprobs = text_logprobs_json(acc.logprobs) if self.spec.logprobs else None
+            choice = {"index": self.index, "text": acc.text, "logprobs": logprobs,
                       "finish_reason": self.finish_reason}
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage_json(self.usage) if self.usage else None
@@ -152,3 +147,8 @@ class ChoiceBuilder:
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": "mlxq", "choices": choices}
+
+
+def is_unfinished(finish: FinishReason | None) -> bool:
+    """No finish, or cancelled (the server is shutting down): the reply would be a lie."""
+    return finish is None or finish is FinishReason.CANCELLED

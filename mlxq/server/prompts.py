@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from mlxq.server.errors import invalid
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from mlxq.server.errors import APIError, invalid
+
+# The model's own template (a client cannot supply one: server/template_kwargs.py) still runs with a budget,
+# in a worker thread: a render that outlives it is refused, and the caller stops waiting for it.
+RENDER_TIMEOUT_S = 10.0
+MAX_RENDERED_CHARS = 64 * 2**20
+_renderers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxq-template")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -57,13 +66,27 @@ def tokenize_chat(tokenizer, messages, tools, template_kwargs: dict) -> list[int
         _check_message(i, message)
     if not tokenizer.has_chat_template:
         raise invalid("this model has no chat template: use /v1/completions", "messages")
+    text = render_chat(tokenizer, messages, tools, template_kwargs, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))  # what apply_chat_template(tokenize=True) does
+
+
+def render_chat(tokenizer, messages, tools, template_kwargs: dict, *, add_generation_prompt: bool) -> str:
+    """The chat template's text, within ``RENDER_TIMEOUT_S`` and ``MAX_RENDERED_CHARS``; else a 400."""
+    future = _renderers.submit(tokenizer.apply_chat_template, messages, tools=tools,
+                               add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs)
     try:
-        ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs
-        )
-    except Exception as exc:  # jinja errors, template raise_exception(), bad kwargs
+        text = future.result(timeout=RENDER_TIMEOUT_S)
+    except FutureTimeout:
+        raise invalid(f"the chat template took longer than {RENDER_TIMEOUT_S:g} s on these messages",
+                      "messages", "template_timeout") from None
+    except Exception as exc:  # jinja errors, template raise_exception()
         raise invalid(f"the chat template rejected these messages: {exc}", "messages") from None
-    return list(ids)
+    if not isinstance(text, str):
+        raise invalid("the chat template did not render text", "messages")
+    if len(text) > MAX_RENDERED_CHARS:
+        raise invalid(f"the rendered chat is longer than {MAX_RENDERED_CHARS} characters", "messages",
+                      "template_too_large")
+    return text
 
 
 def tokenize_completion(tokenizer, prompt) -> list[int]:
@@ -90,10 +113,11 @@ def system_prefix_length(tokenizer, messages, tools, template_kwargs: dict, prom
     if leading == 0 or leading == len(messages):
         return None
     try:
-        head = tokenizer.apply_chat_template(messages[:leading] + [{"role": "user", "content": ""}], tools=tools,
-                                             add_generation_prompt=False, tokenize=True, **template_kwargs)
-    except Exception:  # the template insists on more context: no boundary, no harm
+        text = render_chat(tokenizer, messages[:leading] + [{"role": "user", "content": ""}], tools,
+                           template_kwargs, add_generation_prompt=False)
+    except APIError:  # the template insists on more context: no boundary, no harm
         return None
+    head = tokenizer.encode(text, add_special_tokens=False)
     n = 0
     for a, b in zip(head, prompt_ids, strict=False):
         if a != b:

@@ -1,9 +1,9 @@
 """Parse an OpenAI-style completion body into a validated ``GenerationSpec``.
 
 Accepts every field mlx_lm.server reads (with its defaults), validates types
-and ranges, and refuses what mlxq does not do yet (structured
-``response_format``, adapters, draft models; for completions ``echo``,
-``suffix``, ``best_of`` > 1) instead of ignoring it.
+and ranges, and refuses what mlxq does not do yet (adapters, draft models;
+for completions ``echo``, ``suffix``, ``best_of`` > 1) instead of ignoring it.
+``response_format`` and a forced ``tool_choice`` become a grammar (structured.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mlxq.engine.types import SamplingParams
+from mlxq.engine.types import GrammarSpec, SamplingParams
 from mlxq.server.errors import APIError, invalid
 from mlxq.server.prompts import system_prefix_length, tokenize_chat, tokenize_completion
+from mlxq.server.structured import chat_grammar, response_format_grammar
+from mlxq.server.template_kwargs import read_template_kwargs
 from mlxq.server.validate import (
     read_bool,
     read_dict,
@@ -26,6 +28,14 @@ from mlxq.server.validate import (
 DEFAULT_MAX_TOKENS = 512  # mlx_lm.server's default
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16  # n: each choice is a request of its own in the batch
+
+
+@dataclass(frozen=True)
+class TokenLimits:
+    """How a request's max_tokens meets the server's limits."""
+
+    cap: int | None = None  # --max-tokens-limit: the most tokens one request may generate
+    policy: Literal["clamp", "reject"] = "clamp"  # --max-tokens-policy: above the room left, clamp or 400
 
 
 @dataclass(frozen=True)
@@ -47,10 +57,11 @@ class GenerationSpec:
     snapshot_at: int | None  # end of the shared system prompt: a prompt-cache snapshot point
     tools: list | None  # tool definitions given: parse tool calls out of the output
     n: int = 1  # choices: n requests on the same prompt (choice i samples with seed + i when seeded)
+    grammar: GrammarSpec | None = None  # response_format / forced tool call: the output must match it
 
 
 def parse_generation(body, kind: Literal["chat", "completion"], lm,
-                     default_max_tokens: int | None = None) -> GenerationSpec:
+                     limits: TokenLimits = TokenLimits()) -> GenerationSpec:
     """Validate ``body`` against the loaded model ``lm`` (a models.LoadedModel)."""
     tokenizer = lm.tokenizer
     if not isinstance(body, dict):
@@ -60,7 +71,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
     if body.get("tool_choice") == "none":
         tools = None
     if kind == "chat":
-        template_kwargs = read_dict(body, "chat_template_kwargs") or {}
+        template_kwargs = read_template_kwargs(body)
         prompt_ids = tokenize_chat(tokenizer, body.get("messages"), tools or None, template_kwargs)
         snapshot_at = system_prefix_length(tokenizer, body["messages"], tools or None, template_kwargs, prompt_ids)
     else:
@@ -68,10 +79,15 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
         prompt_ids = tokenize_completion(tokenizer, body.get("prompt"))
         if any(not 0 <= t < lm.vocab_size for t in prompt_ids):
             raise invalid(f"'prompt' token ids must be in 0-{lm.vocab_size - 1}", "prompt")
-    max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length, default_max_tokens)
+    max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length, limits)
     logprobs, top_logprobs = _read_logprobs(body, kind)
     stream = read_bool(body, "stream", False)
     stream_options = read_dict(body, "stream_options") or {}
+    grammar = chat_grammar(body, tools, lm) if kind == "chat" else response_format_grammar(
+        body.get("response_format"), lm)
+    if grammar is not None and read_bool(body, "ignore_eos", False):
+        raise invalid("'ignore_eos' cannot be combined with structured output (the grammar ends at EOS)",
+                      "ignore_eos")
     return GenerationSpec(
         kind=kind,
         model=read_str(body, "model", "default_model"),
@@ -88,6 +104,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
         snapshot_at=snapshot_at,
         tools=tools or None,
         n=read_int(body, "n", 1, lo=1, hi=MAX_CHOICES),
+        grammar=grammar,
     )
 
 
@@ -118,10 +135,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
             raise invalid("'suffix' (insertion) is not supported yet", "suffix", "unsupported")
         if read_int(body, "best_of", 1, lo=1) != 1:
             raise invalid("'best_of' other than 1 is not supported yet", "best_of", "unsupported")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise invalid("'response_format' is not supported yet (only {\"type\": \"text\"})", "response_format",
-                      "unsupported")
     if body.get("adapters") is not None:
         raise invalid("'adapters' is not supported yet", "adapters", "unsupported")
     if read_str(body, "draft_model", "default_model") != "default_model":
@@ -129,7 +142,7 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     read_int(body, "num_draft_tokens", 0, lo=0)
 
 
-def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, default_cap: int | None) -> int:
+def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, limits: TokenLimits) -> int:
     requested = read_int(body, "max_completion_tokens", None, lo=1)
     if requested is None:
         requested = read_int(body, "max_tokens", None, lo=1)
@@ -143,8 +156,12 @@ def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, de
             code="context_length_exceeded",
         )
     if requested is None:
-        default = DEFAULT_MAX_TOKENS if default_cap is None else min(DEFAULT_MAX_TOKENS, default_cap)
+        default = DEFAULT_MAX_TOKENS if limits.cap is None else min(DEFAULT_MAX_TOKENS, limits.cap)
         return default if room is None else min(default, room)
+    if limits.policy == "clamp":
+        # Agents ask for their own model's maximum (Claude Code: 64000) whatever the server runs:
+        # generate as much as fits, and say finish_reason "length" when that is what ended it.
+        return min(x for x in (requested, room, limits.cap) if x is not None)
     if room is not None and requested > room:
         raise APIError(
             400,
@@ -184,11 +201,16 @@ def _read_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return bias
 
 
+def _read_top_k(body: dict, vocab_size: int) -> int:
+    top_k = read_int(body, "top_k", 0, lo=0)
+    return 0 if top_k >= vocab_size else top_k  # keeping every token is no filter (mlx-lm refuses k >= vocab)
+
+
 def _read_sampling(body: dict, vocab_size: int) -> SamplingParams:
     return SamplingParams(
         temperature=read_number(body, "temperature", 0.0, lo=0, hi=100),
         top_p=read_number(body, "top_p", 1.0, lo=0, hi=1),
-        top_k=read_int(body, "top_k", 0, lo=0),
+        top_k=_read_top_k(body, vocab_size),
         min_p=read_number(body, "min_p", 0.0, lo=0, hi=1),
         repetition_penalty=read_number(body, "repetition_penalty", 0.0, lo=0, hi=100),
         repetition_context_size=read_int(body, "repetition_context_size", 20, lo=0, hi=1 << 20),

@@ -1,17 +1,46 @@
 """One log line per finished request: who, which lane, how many tokens, how fast, why it ended.
 
 Plain or JSON (``--log-format``). Prompt text is never logged unless
-``--log-prompts`` is set: prompts are user data.
+``--log-prompts`` is set: prompts are user data. Either way a line stays one
+line: control characters, line separators, bidi overrides and lone
+surrogates from a prompt or an error are escaped, so a client cannot forge
+log lines or drive the terminal that shows them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 
 from mlxq.engine.types import RequestDone
 
 log = logging.getLogger("mlxq.requests")
+
+# C0, DEL, C1, Unicode line/paragraph separators, zero-width and bidi controls, surrogates.
+_UNSAFE = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u200b-\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff"
+_ESCAPE_IN_JSON = re.compile(r"[\x7f-\x9f\u2028\u2029\u200b-\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_NEEDS_QUOTES = re.compile(r'[\s"\\=' + _UNSAFE + "]")
+_ESCAPE_IN_QUOTES = re.compile(r'["\\' + _UNSAFE + "]")
+_NAMED = {'"': r"\"", "\\": r"\\", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
+
+
+def _escape_char(match: re.Match) -> str:
+    c = match.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def plain_value(value) -> str:
+    """A value as one space-free token: plain text as is, anything else quoted with escapes."""
+    text = str(value)
+    if text and not _NEEDS_QUOTES.search(text):
+        return text
+    return '"' + _ESCAPE_IN_QUOTES.sub(_escape_char, text) + '"'
+
+
+def json_line(fields: dict) -> str:
+    """JSON that keeps non-ASCII text readable, with what a terminal or log reader would act on escaped."""
+    return _ESCAPE_IN_JSON.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(fields, ensure_ascii=False))
 
 
 class RequestLogger:
@@ -45,6 +74,6 @@ class RequestLogger:
             return
         fields = self.record(done)
         if self.fmt == "json":
-            log.info(json.dumps(fields, ensure_ascii=False))
+            log.info(json_line(fields), extra={"fields": fields})  # the JSON formatter puts them top level
         else:
-            log.info(" ".join(f"{k}={v}" for k, v in fields.items()))
+            log.info(" ".join(f"{k}={plain_value(v)}" for k, v in fields.items()))

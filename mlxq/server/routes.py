@@ -2,75 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import os
-import uuid
 from importlib import resources
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from mlxq.engine.admission import AdmissionError
 from mlxq.engine.types import FinishReason, Request
-from mlxq.server.bridge import stream_event_batches, stream_events
-from mlxq.server.choices import choice_params, collect, merged
-from mlxq.server.errors import APIError, invalid
-from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk
-from mlxq.server.protocol import GenerationSpec, parse_generation
+from mlxq.server.choices import collect
+from mlxq.server.errors import APIError
+from mlxq.server.generation import admit, choice_batches, sse_response
+from mlxq.server.json_body import read_json
+from mlxq.server.openai_format import ChoiceBuilder, is_unfinished, merged_final, merged_usage_chunk, sse_line
+from mlxq.server.protocol import parse_generation
 from mlxq.server.state import ServerState
-
-
-async def _read_json(http: HTTPRequest, limit: int):
-    """The body as JSON; bodies over ``limit`` bytes are refused before parsing (413)."""
-    declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw:
-        raise invalid("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body larger than the server's limit of {limit} bytes (--max-request-bytes)",
-                    code="request_too_large")
-
-
-def _check_limits(spec: GenerationSpec, config) -> None:
-    """Server-wide caps (--max-tokens-limit, --max-prompt-tokens), beyond the model's context."""
-    if config.max_prompt_tokens is not None and len(spec.prompt_ids) > config.max_prompt_tokens:
-        raise APIError(400, f"the prompt is {len(spec.prompt_ids)} tokens; this server accepts at most "
-                            f"{config.max_prompt_tokens} (--max-prompt-tokens)", param="messages",
-                       code="prompt_too_long")
-    if config.max_tokens_limit is not None and spec.max_tokens > config.max_tokens_limit:
-        raise APIError(400, f"max_tokens {spec.max_tokens} is above this server's limit of "
-                            f"{config.max_tokens_limit} (--max-tokens-limit)", param="max_tokens",
-                       code="max_tokens_too_large")
-
-
-def _new_request(spec: GenerationSpec, prefix: str, index: int = 0) -> Request:
-    return Request(
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
-        prompt_ids=spec.prompt_ids,
-        params=choice_params(spec.params, index),
-        max_tokens=spec.max_tokens,
-        stop=spec.stop,
-        logprobs=spec.logprobs,
-        top_logprobs=spec.top_logprobs,
-        ignore_eos=spec.ignore_eos,
-        deterministic=spec.deterministic,
-        snapshot_at=spec.snapshot_at,
-    )
 
 
 async def chat_completions(http: HTTPRequest):
@@ -84,52 +29,18 @@ async def completions(http: HTTPRequest):
 async def _generate(http: HTTPRequest, kind):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
-    spec = parse_generation(await _read_json(http, state.config.max_request_bytes), kind, state.loaded,
-                            default_max_tokens=state.config.max_tokens_limit)
-    _check_limits(spec, state.config)
-    try:
-        state.engine.check_admissible(len(spec.prompt_ids), spec.max_tokens)
-    except AdmissionError as exc:
-        raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    requests = [_new_request(spec, prefix, i) for i in range(spec.n)]
+    spec = parse_generation(await read_json(http, state.config.max_request_bytes), kind, state.loaded,
+                            limits=state.config.token_limits)
+    requests = admit(state, spec, "chatcmpl" if kind == "chat" else "cmpl")
     response_id = requests[0].request_id
     builders = [ChoiceBuilder(spec, state.loaded.tokenizer, response_id, state.model_name, index=i)
                 for i in range(spec.n)]
     if spec.stream:
-        return StreamingResponse(_sse(state, requests, builders), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(_sse(state, requests, builders))
     await collect(state.engine, requests, builders, http.is_disconnected)
-    if any(b.finish_reason is None or b.finish_reason == FinishReason.CANCELLED.value for b in builders):
+    if any(is_unfinished(b.acc.finish) for b in builders):
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
     return JSONResponse(merged_final(builders))
-
-
-def _sse_line(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-# MLXQ_SSE_COALESCE=0 sends one chunk per token even when a stream is behind (an A/B lever).
-_COALESCE = os.environ.get("MLXQ_SSE_COALESCE", "1") != "0"
-
-
-async def _batches(state: ServerState, request: Request):
-    if _COALESCE:
-        async for batch in stream_event_batches(state.engine, request):
-            yield batch
-    else:
-        async for event in stream_events(state.engine, request):
-            yield [event]
-
-
-async def _choice_batches(state: ServerState, requests: list[Request]):
-    """(choice index, events) of one request's n choices (one: its own stream, no merging)."""
-    if len(requests) == 1:
-        async for batch in _batches(state, requests[0]):
-            yield 0, batch
-    else:
-        async for item in merged([_batches(state, r) for r in requests]):
-            yield item
 
 
 async def _sse(state: ServerState, requests: list[Request], builders: list[ChoiceBuilder]):
@@ -139,43 +50,54 @@ async def _sse(state: ServerState, requests: list[Request], builders: list[Choic
     # tokens with logprobs or tool calls keep a chunk each, aligned with their text.
     # With n choices, each chunk carries its choice's index.
     failed = False
-    async for index, batch in _choice_batches(state, requests):
+    async for index, batch in choice_batches(state, requests):
         builder = builders[index]
         pending = ""
         for event in batch:
             if event.finish_reason is FinishReason.ERROR:
                 if pending:
-                    yield _sse_line(builder.chunk(pending, [], None, None))
+                    yield sse_line(builder.chunk(pending, [], None, None))
                     pending = ""
                 err = APIError(500, event.error or "generation failed", code="engine_error")
-                yield _sse_line(err.body())
+                yield sse_line(err.body())
                 failed = True
                 break
-            text, calls, entry = builder.add(event)
-            finish = builder.finish_reason if event.finish_reason is not None else None
-            if not (calls or entry or finish):
-                pending += text
+            step = builder.add(event)
+            finish = builder.finish_reason if step.finished else None
+            if not (step.calls or step.logprob or finish):
+                pending += step.text
                 continue
-            if entry and pending:
-                yield _sse_line(builder.chunk(pending, [], None, None))
+            if step.logprob and pending:
+                yield sse_line(builder.chunk(pending, [], None, None))
                 pending = ""
-            yield _sse_line(builder.chunk(pending + text, calls, entry, finish))
+            yield sse_line(builder.chunk(pending + step.text, step.calls, step.logprob, finish))
             pending = ""
         if pending:
-            yield _sse_line(builder.chunk(pending, [], None, None))
+            yield sse_line(builder.chunk(pending, [], None, None))
         if failed:
             break  # one choice failed: the others are cancelled as the merged streams close
     if builders[0].spec.include_usage and all(b.usage for b in builders):
-        yield _sse_line(merged_usage_chunk(builders))
+        yield sse_line(merged_usage_chunk(builders))
     yield "data: [DONE]\n\n"
+
+
+def _model_json(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": int(state.started_at_wall), "owned_by": "mlxq",
+            "description": state.loaded.description if state.loaded else None}
 
 
 async def list_models(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
-    created = int(state.started_at_wall)
-    data = [{"id": state.model_name, "object": "model", "created": created, "owned_by": "mlxq",
-             "description": state.loaded.description if state.loaded else None}]
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": [_model_json(state)]})
+
+
+async def get_model(http: HTTPRequest):
+    state: ServerState = http.app.state.mlxq
+    model_id = http.path_params["model_id"]
+    if model_id != state.model_name:
+        raise APIError(404, f"model {model_id!r} not found; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    return JSONResponse(_model_json(state))
 
 
 async def health(http: HTTPRequest):

@@ -8,20 +8,27 @@ accepting, finishes open responses, and the lifespan stops the engine.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import sys
 import threading
+from pathlib import Path
 
 import uvicorn
 
+from mlxq import fd_limit
 from mlxq.blas import active as active_blas
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.models.default import ensure_default_model
 from mlxq.models.loader import load_model, resolve_model_path
 from mlxq.server.app import build_app
 from mlxq.server.config import ServerConfig
+from mlxq.server.connections import connection_cap, deadline_protocol
+from mlxq.server.log_setup import configure_logging
 from mlxq.server.state import ServerState
+from mlxq.store.ssd_lock import SsdLock
 
 log = logging.getLogger("mlxq.server")
 
@@ -39,6 +46,26 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+class PortInUseError(ValueError):
+    """The address is taken: one line for the user, exit 2 (a bad flag), before anything loads."""
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads, so a taken port fails at once and
+    "listening" is only ever logged for a socket we hold (uvicorn serves on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"port {port} is in use on {host}; pass --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def make_state(config: ServerConfig) -> ServerState:
     """Resolve the model now (a missing model fails before the port opens); load it later."""
     if config.model is None:
@@ -51,6 +78,8 @@ def make_state(config: ServerConfig) -> ServerState:
                                  prompt_concurrency=config.prompt_concurrency,
                                  kv_budget_bytes=config.kv_budget_bytes, kv_budget_auto=config.kv_budget_auto,
                                  prompt_cache_bytes=config.prompt_cache_bytes, ssd=config.ssd,
+                                 memory_limit_bytes=config.memory_limit_bytes,
+                                 memory_limit_auto=config.memory_limit_auto,
                                  kv_quant=config.kv_quant, kv_group_size=config.kv_group_size,
                                  warmup=config.warmup))
     return ServerState(config=config, engine=engine)
@@ -61,7 +90,7 @@ def serve(config: ServerConfig) -> None:
         # Measured on the H200 (docs/benchmarks.md): 0.5 ms made c=64 27% slower than
         # Python's default 5 ms, so the default stays; the knob is for experiments.
         sys.setswitchinterval(float(os.environ["MLXQ_GIL_SWITCH_INTERVAL"]))
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     blas = active_blas()
     log.info("BLAS: %s (%s)", blas.name, blas.path or blas.reason)
     if blas.name == "bundled-reference":
@@ -69,15 +98,27 @@ def serve(config: ServerConfig) -> None:
     if not config.is_loopback and config.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the model "
                     "and read /stats; set --api-key (or MLXQ_API_KEY) or bind to 127.0.0.1", config.host)
+    listener = bind_listener(config.host, config.port)
+    lock = SsdLock(Path(config.ssd.directory)).acquire() if config.ssd is not None else None  # held until exit
     state = make_state(config)
     app = build_app(state)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                    timeout_graceful_shutdown=config.shutdown_timeout_s))
+                                    log_config=None, access_log=False,  # mlxq logs each request once
+                                    timeout_graceful_shutdown=config.shutdown_timeout_s, **_connection_limits(config)))
     threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
-    server.run()
+    server.run(sockets=[listener])
+    if lock is not None:
+        lock.release()
     if state.engine.fatal_error and not state.engine.ready.is_set():
         raise SystemExit(1)
+
+
+def _connection_limits(config: ServerConfig) -> dict:
+    """uvicorn settings that keep slow or numerous clients from locking others out (server/connections.py)."""
+    cap = connection_cap(config.max_connections, fd_limit.restore())
+    return {"http": deadline_protocol(config.request_read_timeout_s), "limit_concurrency": cap,
+            "backlog": min(cap, 4096)}
 
 
 def _exit_if_load_fails(state: ServerState, server: uvicorn.Server) -> None:

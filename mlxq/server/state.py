@@ -14,6 +14,7 @@ from mlxq.engine.engine import Engine
 from mlxq.models.loader import LoadedModel
 from mlxq.server.config import ServerConfig
 from mlxq.server.errors import APIError
+from mlxq.server.memory_stats import memory_plan
 from mlxq.server.metrics import ServerMetrics
 from mlxq.server.request_log import RequestLogger
 
@@ -81,6 +82,11 @@ class ServerState:
             "kv_bytes": scheduler.projected_bytes() if scheduler else 0,
             "kv_budget_bytes": engine.kv_budget_bytes,
             "prompt_concurrency": engine.config.prompt_concurrency,
+            # allocation faults: retried, rows requeued (preempted) and waiting, the caps they lowered
+            "faults": asdict(engine.evaluator.counters),
+            "preempted_rows": scheduler.num_preempted if scheduler else 0,
+            "row_cap": scheduler.caps.rows if scheduler else engine.config.max_rows,
+            "prefill_transient_bytes": scheduler.transient_bytes() if scheduler else 0,
             # each decode step timed in its parts (engine/step_timing.py)
             "decode_timing": scheduler.timing.as_dict() if scheduler else None,
             # wall time in prefill and joins, and each phase's share of the scheduler's busy time
@@ -98,6 +104,11 @@ class ServerState:
         }
 
     def stats(self) -> dict:
+        """/stats; filesystem paths only when an API key guards it (else any local program could read them)."""
+        full = self._all_stats()
+        return full if self.config.api_key is not None else hide_paths(full)
+
+    def _all_stats(self) -> dict:
         import mlx.core as mx
 
         engine = self.engine
@@ -120,6 +131,7 @@ class ServerState:
                 **asdict(engine.stats),
             },
             "batch": self._batch_stats(),
+            "grammar": engine.grammar_timing.as_dict(),  # structured outputs: host time computing token masks
             "kv": self._kv_stats(),
             "prompt_cache": {
                 "enabled": engine.prompt_cache is not None,
@@ -133,6 +145,7 @@ class ServerState:
                 "mlx_peak_bytes": mx.get_peak_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),
                 "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                **memory_plan(engine),
             },
             "runtime": {
                 "device": str(mx.default_device()),
@@ -142,3 +155,16 @@ class ServerState:
                 "blas": active_blas().as_dict(),
             },
         }
+
+
+PATH_KEYS = frozenset({"path", "directory"})
+HIDDEN_PATH = "(hidden: shown only when the server has --api-key)"
+
+
+def hide_paths(stats):
+    """``stats`` with the value of every "path"/"directory" key replaced (they reveal the home directory)."""
+    if isinstance(stats, dict):
+        return {k: (HIDDEN_PATH if k in PATH_KEYS and v is not None else hide_paths(v)) for k, v in stats.items()}
+    if isinstance(stats, list):
+        return [hide_paths(v) for v in stats]
+    return stats

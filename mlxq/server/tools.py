@@ -2,7 +2,7 @@
 
 The model writes ``<start>payload<end>`` (markers from the tokenizer, e.g.
 ``<tool_call>``/``</tool_call>``); the parser turns a payload into
-``{"name", "arguments"}``. While streaming, text before a start marker goes
+a ``ToolCall`` (name, arguments as JSON text). While streaming, text before a start marker goes
 out as content, and everything from the marker on is held until the call
 closes, then goes out as one ``tool_calls`` delta.
 """
@@ -11,7 +11,25 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model wrote, parsed by the model's own tool parser."""
+
+    id: str  # call_...; each protocol may prefix it its own way
+    name: str
+    arguments: str  # a JSON text (OpenAI sends arguments as a string)
+
+    @property
+    def input(self) -> dict:
+        """The arguments as an object (Anthropic's ``input``): {} when they are not a JSON object."""
+        try:
+            value = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            return {}
+        return value if isinstance(value, dict) else {}
 
 
 @dataclass
@@ -21,9 +39,8 @@ class ToolCallSplitter:
     parse: object  # mlx-lm parse_tool_call(text, tools) -> dict
     tools: list | None
     _buffer: str = ""
-    calls: list[dict] = field(default_factory=list)  # every call found so far
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Returns (content to emit now, tool calls completed by this text)."""
         self._buffer += text
         content, found = "", []
@@ -42,19 +59,18 @@ class ToolCallSplitter:
                 return content, found
             payload = self._buffer[at + len(self.start) : close]
             self._buffer = self._buffer[close + len(self.end) :]
-            call = self._to_openai(payload)
+            call = self._to_call(payload)
             if call is None:  # unparseable: give the text back as content
                 content += self.start + payload + self.end
             else:
                 found.append(call)
-                self.calls.append(call)
 
     def flush(self) -> str:
         """An unclosed call at the end of the output is plain text."""
         rest, self._buffer = self._buffer, ""
         return rest
 
-    def _to_openai(self, payload: str) -> dict | None:
+    def _to_call(self, payload: str) -> ToolCall | None:
         try:
             parsed = self.parse(payload, self.tools)
         except Exception:
@@ -64,12 +80,7 @@ class ToolCallSplitter:
         arguments = parsed.get("arguments", {})
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
-        return {
-            "index": len(self.calls),
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": parsed["name"], "arguments": arguments},
-        }
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", str(parsed["name"]), arguments)
 
 
 def make_splitter(tokenizer, tools) -> ToolCallSplitter | None:

@@ -27,6 +27,8 @@ def read_int(body: dict, name: str, default, *, lo=None, hi=None):
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON has one number type: 1.0 is a fine way to write 1
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(f"'{name}' must be an integer, got {type(value).__name__}", name)
     _check_range(name, value, lo, hi)

@@ -1,1 +1,1 @@
-"""Prompt-cache residency tiers: RAM LRU and the .mlxkv SSD tier (grows with the residency issue)."""
+"""Prompt-cache residency tiers: the RAM prompt cache and the .mlxkv SSD tier behind it."""

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mlxq.store.fingerprint import model_fingerprint
+from mlxq.store.fingerprint import FINGERPRINT_MEMO, model_fingerprint
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
@@ -43,8 +43,9 @@ DEMOTE_CHECK_EVERY_S = 1.0
 def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_name: str,
                    kv_scheme: str = "native") -> ColdTier:
     """Fingerprint the model, scan its directory, and bind the tier to ``ram`` (engine thread)."""
-    identity = Identity(model_fingerprint(model_dir), kv_scheme, "")
-    store = SsdStore(Path(config.directory).expanduser(), identity, config.max_bytes, model_name)
+    root = Path(config.directory).expanduser()
+    identity = Identity(model_fingerprint(model_dir, root / FINGERPRINT_MEMO), kv_scheme, "")
+    store = SsdStore(root, identity, config.max_bytes, model_name)
     try:
         store.scan(verify=config.verify)
     except OSError as exc:
@@ -77,6 +78,7 @@ class ColdTierCounters:
     dropped: int = 0  # spills dropped over the queue cap (their prefixes are lost)
     failed: int = 0  # writes the disk refused
     restores_skipped_slower: int = 0  # hits not restored: recomputing was predicted faster
+    siblings_skipped: int = 0  # entries not written: a file on disk shares nearly all their tokens
 
 
 # Rates are smoothed over recent observations (exponential moving average).
@@ -128,10 +130,19 @@ class ColdTier:
 
     # --- hooks from the prompt cache (engine thread) ----------------------------------
     def on_put(self, key: Key, entry: CacheEntry) -> None:
+        if self._already_durable(key):
+            self._spills.pop(key, None)
+            return  # an exact repeat: writing the same state again would only queue ahead of new entries
         self._dirty[key] = entry
         self._dirty.move_to_end(key)
         self._failed.discard(key)
         self._spills.pop(key, None)  # a newer copy of the same prefix is in RAM again
+
+    def _already_durable(self, key: Key) -> bool:
+        """On disk (exactly, or inside a longer trimmable file), or being written right now."""
+        if self._job is not None and self._job.key == key and key not in self._failed:
+            return True
+        return self.store.covers(key[0], key[1])
 
     def on_removed(self, key: Key, entry: CacheEntry, reason: str) -> None:
         if self._dirty.get(key) is not entry:
@@ -235,7 +246,11 @@ class ColdTier:
 
     def _next_job(self) -> _Job | None:
         for source in (self._spills, self._dirty):
-            for key, entry in source.items():
+            for key, entry in list(source.items()):
+                if entry.trimmable and self.store.has_sibling(key[0], key[1]):
+                    del source[key]  # n choices of one prompt: the shared prompt is on disk once
+                    self.counters.siblings_skipped += 1
+                    continue
                 if key not in self._failed:
                     steps = self.store.write_steps(key[0], key[1], entry.caches, entry.trimmable)
                     return _Job(key, entry, steps)

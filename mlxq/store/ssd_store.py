@@ -41,6 +41,18 @@ from mlxq.store.prefix import usable_prefix
 log = logging.getLogger("mlxq.ssd")
 
 
+SIBLING_SHARE = 0.75  # a divergent entry sharing this much of a file on disk is not written again
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class IndexEntry:
     path: Path
@@ -176,6 +188,21 @@ class SsdStore:
         n = len(tokens)
         return any(e.namespace == namespace and (e.tokens == tokens or (e.trimmable and e.tokens[:n] == tokens))
                    for e in self.index.values())
+
+    def has_sibling(self, namespace: str, tokens: tuple[int, ...]) -> bool:
+        """Does a trimmable file share at least ``SIBLING_SHARE`` of ``tokens`` and then diverge?
+
+        The ``n`` choices of one prompt end as entries that differ only in their generated
+        tails; one file serves the shared prompt to every later request. A file that is a
+        prefix of ``tokens`` is not a sibling: ``tokens`` extends it (the next turn) and is new.
+        """
+        need = SIBLING_SHARE * len(tokens)
+        for e in self.index.values():
+            if e.namespace == namespace and e.trimmable and len(e.tokens) >= need:
+                common = _common_prefix(e.tokens, tokens)
+                if common >= need and common < len(e.tokens):
+                    return True
+        return False
 
     # --- writing ----------------------------------------------------------------------
     def write_steps(self, namespace: str, tokens: tuple[int, ...], caches: list, trimmable: bool) -> Iterator[None]:

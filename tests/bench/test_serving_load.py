@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from mlxq.bench.client import LoadConfig, arrival_offsets, run_load
 from mlxq.bench.datasets import make_workload
 from mlxq.bench.metrics import summarize
+from mlxq.bench.records import read_records
 from mlxq.bench.serving_load import Workload, sweep
 from mlxq.cli.main import app
 from tests.conftest import free_port, wait_healthy
@@ -133,16 +134,20 @@ def test_datasets_shapes():
 
 
 def test_cli_against_real_mlxq(llama_server, tmp_path):
-    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    out, png, rec = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.jsonl.gz"
     result = CliRunner().invoke(app, [
         "bench", "serving-load", "--url", llama_server.url, "--concurrency", "1,2", "--num-requests", "4",
         "--prompt-len", "20", "--max-tokens", "8", "--ignore-eos", "--dataset", "multi-turn", "--turns", "2",
-        "--json", str(out), "--plot", str(png), "--quiet"])
+        "--json", str(out), "--records", str(rec), "--plot", str(png), "--quiet"])
     assert result.exit_code == 0, result.output
     assert result.output.count("server: decode step") == 2  # one line per level
     doc = json.loads(out.read_text())
     assert [r["concurrency"] for r in doc["a"]] == [1, 2]
-    for run in doc["a"]:
+    assert all("records" not in run for run in doc["a"])  # summaries only; records went to --records
+    all_records = read_records(rec)
+    for index, run in enumerate(doc["a"]):
+        run["records"] = [r for r in all_records if r["measurement"] == index]
+        assert {r["concurrency"] for r in run["records"]} == {run["concurrency"]}
         assert run["completed"] == 4 and run["failed"] == 0
         assert run["total_output_tokens"] == 4 * 8  # ignore_eos: exactly max_tokens
         assert run["ttft_ms"]["p50"] > 0 and run["output_throughput_tok_s"] > 0
@@ -173,11 +178,12 @@ def test_compare_reports_ratios(llama_server):
     assert "B / A" in result.output
 
 
-def test_unreachable_server_fails_with_exit_1():
-    result = CliRunner().invoke(app, ["bench", "serving-load", "--url", f"http://127.0.0.1:{free_port()}",
-                                      "--num-requests", "2", "--warmup", "0", "--quiet"])
+def test_unreachable_server_fails_at_once_with_exit_1():
+    url = f"http://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(app, ["bench", "serving-load", "--url", url, "--num-requests", "200", "--quiet"])
     assert result.exit_code == 1
-    assert "ConnectError" in result.output
+    assert f"cannot reach {url}: ConnectError" in result.output
+    assert "serving-load" not in result.output  # no level was run
 
 
 def test_fresh_prompts_do_not_repeat_across_rounds(llama_server, tmp_path):
@@ -190,7 +196,7 @@ def test_fresh_prompts_do_not_repeat_across_rounds(llama_server, tmp_path):
         assert result.exit_code == 0, result.output
         return [run["cached_token_ratio"] for run in json.loads(out.read_text())["a"]]
 
-    repeated = cached_ratios()
-    fresh = cached_ratios("--fresh-prompts")
+    repeated = cached_ratios("--repeat-prompts")
+    fresh = cached_ratios()  # the default
     assert repeated[1] > 0.8  # the second round's prompts were the first round's
     assert max(fresh) < 0.3

@@ -51,6 +51,21 @@ def test_verify_names_bad_files_and_can_delete_them(tmp_path):
     assert runner.invoke(app, ["cache", "verify", str(tmp_path)]).exit_code == 0
 
 
+def test_verify_reads_the_tree_from_any_level(tmp_path):
+    good, bad = populate(tmp_path, "a" * 16, [[1, 2, 3], [4, 5, 6, 7]])
+    data = bytearray(bad.path.read_bytes())
+    data[-3] ^= 0xFF
+    bad.path.write_bytes(bytes(data))
+    # The fingerprint directory (what the server's log names) and one namespace directory.
+    for level in (bad.path.parent.parent, bad.path.parent):
+        result = runner.invoke(app, ["cache", "verify", str(level)])
+        assert result.exit_code == 1 and str(bad.path) in result.output and "1 ok, 1 bad" in result.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(app, ["cache", "verify", str(empty)])
+    assert result.exit_code == 0 and "no .mlxkv files" in result.output and "<fingerprint>" in result.output
+
+
 def test_prune_by_age_size_and_fingerprint(tmp_path):
     old, new = populate(tmp_path, "a" * 16, [[1, 2, 3], [4, 5, 6, 7]])
     (other,) = populate(tmp_path, "b" * 16, [[9] * 8])

@@ -54,3 +54,25 @@ def test_generated_bodies_never_5xx(fuzz_server, body, path):
 
 def test_server_is_healthy_after_the_fuzz(fuzz_server):
     assert httpx.get(fuzz_server.url + "/health").json()["status"] == "ok"
+
+
+def _hostile_value(kind: str, size: int) -> str:
+    """JSON text of a value shaped to break parsers and tokenizers (each once a 500)."""
+    if kind == "deep":
+        return "[" * size + "]" * size
+    if kind == "digits":
+        return "9" * size
+    if kind == "surrogate":
+        return '"a\\ud%03xb"' % (0x800 + size % 0x800)  # lone high or low surrogate escape
+    return '{"x": ' * size + "1" + "}" * size  # deep objects
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(FIELDS), kind=st.sampled_from(["deep", "digits", "surrogate", "deep_objects"]),
+       size=st.integers(1, 6000), path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+def test_hostile_raw_values_never_5xx(fuzz_server, field, kind, size, path):
+    base = '"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"'
+    raw = "{" + base + f', "{field}": {_hostile_value(kind, size)}' + "}"
+    r = httpx.post(fuzz_server.url + path, content=raw.encode(), headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code < 500, (field, kind, size, r.text)

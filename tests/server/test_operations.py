@@ -32,7 +32,7 @@ def scrape(url: str) -> dict[str, float]:
 def ops_server(tiny_model_dirs):
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-format", "json",
                        "--max-request-bytes", "64KiB", "--max-tokens-limit", "200",
-                       "--max-prompt-tokens", "1000") as server:
+                       "--max-prompt-tokens", "1000", "--max-tokens-policy", "reject") as server:
         yield server
 
 
@@ -71,13 +71,18 @@ def test_metrics_add_up_to_the_requests_sent(ops_server):
 
 def test_gauges_show_work_in_flight(ops_server):
     url = ops_server.url
+    generated = lambda: httpx.get(url + "/stats").json()["engine"]["generated_tokens"]  # noqa: E731
+    before = generated()
     with httpx.stream("POST", url + "/v1/completions",
                       json={"prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
         lines = r.iter_lines()
-        next(lines)
+        for _ in range(6):
+            next(lines)
         during = scrape(url)
+        generated_during = generated()  # tokens count as they are handed out (the dashboard's tok/s)
         for _ in lines:
             pass
+    assert before < generated_during < before + 200
     assert during["mlxq:num_requests_running"] == 1
     assert during["mlxq:kv_cache_usage_bytes"] > 0
     deadline = time.monotonic() + 10
@@ -106,6 +111,8 @@ def test_limits_refuse_with_clear_errors(ops_server):
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     over = httpx.post(url, json={"prompt": [1, 2], "max_tokens": 201})
     assert over.status_code == 400 and over.json()["error"]["code"] == "max_tokens_too_large"
+    beyond = httpx.post(url, json={"prompt": [1] * 999, "max_tokens": 4000})  # the context is 4096
+    assert beyond.status_code == 400 and beyond.json()["error"]["code"] == "context_length_exceeded"
     long = httpx.post(url, json={"prompt": [1] * 1001, "max_tokens": 2})
     assert long.status_code == 400 and long.json()["error"]["code"] == "prompt_too_long"
     # Without max_tokens, the default is capped by --max-tokens-limit.
@@ -153,7 +160,11 @@ def test_request_log_lines_are_json_without_prompts(tiny_model_dirs):
         httpx.post(server.url + "/v1/completions", json={"prompt": "SECRET-PROMPT", "max_tokens": 3})
         server.stop()
         logs = server.proc.stdout.read()
-    lines = [json.loads(line.split("mlxq.requests: ", 1)[1]) for line in logs.splitlines() if "mlxq.requests" in line]
+    every = [json.loads(line) for line in logs.splitlines() if line.strip()]  # each line is JSON (jq reads it)
+    assert {"time", "level", "logger"} <= set(every[0])
+    assert any(e["logger"].startswith("uvicorn") for e in every)  # uvicorn's own lines too
+    assert "HTTP/1.1" not in logs  # no access lines: /health was polled, the request is logged once
+    lines = [e for e in every if e["logger"] == "mlxq.requests"]
     assert len(lines) == 1
     assert {"id", "lane", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_ms", "decode_tok_s",
             "finish_reason"} <= set(lines[0])

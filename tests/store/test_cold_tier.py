@@ -223,3 +223,43 @@ def test_a_restore_that_would_lose_to_recomputing_is_skipped(tmp_path):
     fast_disk.note_prefill(10_000, 1.0)
     assert fast_disk.ram.take("", list(range(601)))[1] == 600
     assert fast_disk.as_dict()["prefill_tok_s"] == 10_000.0
+
+
+def test_a_repeated_put_of_what_disk_holds_is_not_written_again(tmp_path):
+    t = tier(tmp_path)
+    tokens = list(range(1, 9))
+    t.ram.put("", tokens, cache_with(tokens))
+    drain(t)
+    (path,) = files(tmp_path)
+    inode, writes = path.stat().st_ino, t.store.stats.writes
+    for _ in range(3):  # an exact repeat, and a shorter prefix the trimmable file already serves
+        t.ram.put("", tokens, cache_with(tokens))
+        t.ram.put("", tokens[:5], cache_with(tokens[:5]))
+        assert not t.has_work()
+    assert t.store.stats.writes == writes and files(tmp_path) == [path] and path.stat().st_ino == inode
+    t.ram.put("", tokens + [9], cache_with(tokens + [9]))  # an extension is new: written, and supersedes
+    drain(t)
+    assert t.store.stats.writes == writes + 1 and t.store.longest_prefix == 9 and len(files(tmp_path)) == 1
+
+
+def test_a_put_during_the_write_of_the_same_key_is_not_queued_again(tmp_path):
+    t = tier(tmp_path)
+    tokens = list(range(1, 9))
+    t.ram.put("", tokens, cache_with(tokens))
+    t.step()  # the write has begun
+    t.ram.put("", tokens, cache_with(tokens))
+    drain(t)
+    assert t.store.stats.writes == 1 and t.flush_result().durable
+
+
+def test_n_choices_store_their_shared_prompt_once(tmp_path):
+    t = tier(tmp_path)
+    prompt = list(range(100, 140))
+    for choice in range(4):  # same prompt, each choice its own 6 generated tokens
+        tail = [choice] * 6
+        t.ram.put("", prompt + tail, cache_with(prompt + tail))
+    drain(t)
+    assert len(files(tmp_path)) == 1 and t.counters.siblings_skipped == 3 and t.flush_result().durable
+    again = tier(tmp_path)
+    _, n = again.ram.take("", prompt + [7, 7])
+    assert n == len(prompt)  # the one file serves the shared prompt

@@ -1,0 +1,72 @@
+"""Connections: a cap on how many, and a deadline for sending a whole request.
+
+uvicorn closes idle keep-alive connections but gives a client unlimited
+time to send its headers and body, so a few thousand half-sent requests
+hold as many sockets forever. ``deadline_protocol`` is uvicorn's h11
+protocol with one timer per request: from the connection's first byte (or
+the end of the previous response) until the request's last body byte has
+arrived; a client that has not finished by then is disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("mlxq.server")
+
+FD_HEADROOM = 256  # descriptors kept for model files, the SSD tier, logs
+
+
+def deadline_protocol(read_timeout_s: float) -> type[H11Protocol]:
+    class DeadlineH11Protocol(H11Protocol):
+        """h11, where a request must arrive in full within ``read_timeout_s``."""
+
+        _read_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_read_deadline()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.SEND_BODY and self.conn.their_state is not h11.IDLE:
+                self._disarm_read_deadline()  # the whole request is in (or the connection is ending)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_read_deadline()  # the next request on this connection gets its own deadline
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_read_deadline()
+            super().connection_lost(exc)
+
+        def _arm_read_deadline(self) -> None:
+            self._disarm_read_deadline()
+            self._read_deadline = self.loop.call_later(read_timeout_s, self._read_too_slow)
+
+        def _disarm_read_deadline(self) -> None:
+            if self._read_deadline is not None:
+                self._read_deadline.cancel()
+                self._read_deadline = None
+
+        def _read_too_slow(self) -> None:
+            self._read_deadline = None
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                self.transport.close()  # connection_lost tells a handler still reading the body
+
+    return DeadlineH11Protocol
+
+
+def connection_cap(requested: int, fd_soft_limit: int) -> int:
+    """``requested`` connections, or fewer when the process may not open that many descriptors."""
+    usable = max(64, fd_soft_limit - FD_HEADROOM)
+    if requested > usable:
+        log.warning("--max-connections %d lowered to %d: the open-file limit is %d", requested, usable,
+                    fd_soft_limit)
+        return usable
+    return requested

@@ -1,0 +1,88 @@
+"""What every generating route shares: read the body, check limits, submit, gather the events.
+
+A route parses its protocol's body into a GenerationSpec, then uses these to
+run it; the renderer it picks decides what the client sees.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from starlette.responses import StreamingResponse
+
+from mlxq.engine.admission import AdmissionError
+from mlxq.engine.types import Request
+from mlxq.server.bridge import stream_event_batches, stream_events
+from mlxq.server.choices import choice_params, merged
+from mlxq.server.errors import APIError
+from mlxq.server.protocol import GenerationSpec
+from mlxq.server.state import ServerState
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def check_limits(spec: GenerationSpec, config) -> None:
+    """Server-wide caps (--max-tokens-limit, --max-prompt-tokens), beyond the model's context."""
+    if config.max_prompt_tokens is not None and len(spec.prompt_ids) > config.max_prompt_tokens:
+        raise APIError(400, f"the prompt is {len(spec.prompt_ids)} tokens; this server accepts at most "
+                            f"{config.max_prompt_tokens} (--max-prompt-tokens)", param="messages",
+                       code="prompt_too_long")
+    if config.max_tokens_limit is not None and spec.max_tokens > config.max_tokens_limit:
+        raise APIError(400, f"max_tokens {spec.max_tokens} is above this server's limit of "
+                            f"{config.max_tokens_limit} (--max-tokens-limit)", param="max_tokens",
+                       code="max_tokens_too_large")
+
+
+def admit(state: ServerState, spec: GenerationSpec, prefix: str) -> list[Request]:
+    """The spec's engine requests (one per choice), once the server's limits and KV budget allow it."""
+    check_limits(spec, state.config)
+    try:
+        state.engine.check_admissible(len(spec.prompt_ids), spec.max_tokens)
+    except AdmissionError as exc:
+        raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
+    return [_new_request(spec, prefix, i) for i in range(spec.n)]
+
+
+def _new_request(spec: GenerationSpec, prefix: str, index: int = 0) -> Request:
+    return Request(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        prompt_ids=spec.prompt_ids,
+        params=choice_params(spec.params, index),
+        max_tokens=spec.max_tokens,
+        stop=spec.stop,
+        logprobs=spec.logprobs,
+        top_logprobs=spec.top_logprobs,
+        ignore_eos=spec.ignore_eos,
+        deterministic=spec.deterministic,
+        snapshot_at=spec.snapshot_at,
+        grammar=spec.grammar,
+    )
+
+
+def sse_response(lines) -> StreamingResponse:
+    return StreamingResponse(lines, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+# MLXQ_SSE_COALESCE=0 sends one chunk per token even when a stream is behind (an A/B lever).
+_COALESCE = os.environ.get("MLXQ_SSE_COALESCE", "1") != "0"
+
+
+async def event_batches(state: ServerState, request: Request):
+    """One request's events, several at a time when the stream is behind (see bridge.py)."""
+    if _COALESCE:
+        async for batch in stream_event_batches(state.engine, request):
+            yield batch
+    else:
+        async for event in stream_events(state.engine, request):
+            yield [event]
+
+
+async def choice_batches(state: ServerState, requests: list[Request]):
+    """(choice index, events) of one request's n choices (one: its own stream, no merging)."""
+    if len(requests) == 1:
+        async for batch in event_batches(state, requests[0]):
+            yield 0, batch
+    else:
+        async for item in merged([event_batches(state, r) for r in requests]):
+            yield item

@@ -1,0 +1,158 @@
+"""The memory gate on a GPU: the mixed sweep on fresh servers with memory traced (issue: memory on the GPU).
+
+For each run (a fresh `mlxq serve`): fresh prompts and agents at each
+concurrency level, while a thread reads /stats and nvidia-smi every 0.5 s.
+Per run it records failed requests, preemptions and memory faults, and the
+peaks of MLX's active and cached memory and of the device's memory in use,
+against the memory limit the server planned (its configured share).
+
+    python scripts/gpu_memory_gate.py --out $OUT                    # default budgets, 3 runs
+    python scripts/gpu_memory_gate.py --runs over --out $OUT        # KV budget above what fits
+
+Writes memory-gate.json (summaries) and trace-RUN.json (the 0.5 s samples) under --out; the
+per-level benchmark JSON and server logs go to --scratch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from mlxq.bench.servers import ServeProcess
+
+RUNS = {  # name -> (extra serve flags, dataset -> prompt length in words, levels (None: --levels), requests/level)
+    "default": ((), {"random": 130, "agents": 1000}, None, 2),
+    # A KV budget far above the device, and prompts long enough (~8k tokens) that 128 rows cannot fit
+    # (8B: 128 KiB of KV per token): faults must turn into preemptions, not failed requests.
+    "over": (("--kv-budget", "400GB"), {"random": 6000}, [128], 1),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Tracer(threading.Thread):
+    """/stats and nvidia-smi every ``interval`` seconds until stopped."""
+
+    def __init__(self, url: str, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.url, self.interval, self.samples = url, interval, []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            sample = {"t": time.time(), "gpu_used_bytes": _gpu_used()}
+            try:
+                stats = httpx.get(self.url + "/stats", timeout=5).json()
+                memory, batch = stats["memory"], stats["batch"]
+                sample |= {"active": memory["mlx_active_bytes"], "cache": memory["mlx_cache_bytes"],
+                           "rows": batch["active_rows"], "prefilling": batch["prefilling_rows"],
+                           "preempted": batch["preempted_rows"], "row_cap": batch["row_cap"],
+                           "preemptions": batch["faults"]["preemptions"]}
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            self.samples.append(sample)
+            self._done.wait(self.interval)
+
+    def stop(self) -> list[dict]:
+        self._done.set()
+        self.join(10)
+        return self.samples
+
+
+def _gpu_used() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return int(out.split()[0]) * 2**20
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def bench(url: str, dataset: str, words: int, level: int, requests: int, max_tokens: int, path: Path) -> dict:
+    cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", url, "--dataset", dataset,
+           "--prompt-len", str(words), "--concurrency", str(level), "--num-requests", str(requests),
+           "--max-tokens", str(max_tokens), "--ignore-eos", "--fresh-prompts", "--quiet", "--json", str(path)]
+    if dataset == "agents":
+        cmd += ["--turns", "3"]
+    subprocess.run(cmd, check=False, capture_output=True)
+    if not path.exists():
+        return {"error": "no result"}
+    doc = json.loads(path.read_text())["a"][0]
+    return {key: doc.get(key) for key in ("completed", "failed", "output_throughput_tok_s", "ttft_ms", "duration_s")}
+
+
+def one_run(name: str, model: Path, args, out: Path, index: int) -> dict:
+    flags, datasets, levels_here, per_level = RUNS[name]
+    log(f"run {index} ({name}): starting a fresh server {' '.join(flags)}")
+    with ServeProcess("--model", str(model), "--batch", "128", "--prompt-concurrency", "8", *flags,
+                      log_path=str(args.scratch / f"serve-{index}.log"), timeout_s=600) as server:
+        start = httpx.get(server.url + "/stats").json()["memory"]
+        tracer = Tracer(server.url)
+        tracer.start()
+        levels = {}
+        for level in levels_here or args.levels:
+            for dataset, words in datasets.items():
+                t = time.perf_counter()
+                levels[f"{dataset}-c{level}"] = result = bench(server.url, dataset, words, level, per_level * level,
+                                                               args.max_tokens,
+                                                               args.scratch / f"bench-{index}-{dataset}-c{level}.json")
+                log(f"  {dataset} c={level}: {result.get('completed')} done, {result.get('failed')} failed "
+                    f"in {time.perf_counter() - t:.0f}s")
+        samples = tracer.stop()
+        stats = httpx.get(server.url + "/stats").json()
+    (out / f"trace-{index}.json").write_text(json.dumps(samples))
+    peak = lambda key: max((s[key] for s in samples if s.get(key) is not None), default=None)  # noqa: E731
+    return {
+        "run": name, "flags": list(flags), "plan": start, "levels": levels,
+        "failed_requests": stats["engine"]["requests_failed"], "finished": stats["engine"]["requests_finished"],
+        "faults": stats["batch"]["faults"], "decode_steps": stats["batch"]["decode_timing"],
+        "peak_gpu_used_bytes": peak("gpu_used_bytes"), "peak_mlx_active_bytes": peak("active"),
+        "peak_mlx_cache_bytes": peak("cache"), "mlx_peak_bytes": stats["memory"]["mlx_peak_bytes"],
+        "min_row_cap": min((s["row_cap"] for s in samples if "row_cap" in s), default=None),
+        "server_log_tail": (args.scratch / f"serve-{index}.log").read_text(errors="replace").splitlines()[-25:],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--model", type=Path, help="an existing model directory (default: build --preset)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--scratch", type=Path, default=Path("/tmp/mlxq-memory-gate"))
+    ap.add_argument("--runs", default="default,default,default")
+    ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 64, 128])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--deadline-s", type=float, default=540, help="start no run after this many seconds")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    model = args.model or Path("/tmp/mlxq-models") / args.preset
+    if not (model / "mlxq-model.json").exists():
+        from mlxq.models.tiny import build_tiny_model
+
+        build_tiny_model("llama", model, preset=args.preset, fast_init=True)
+        log(f"built {model} in {time.monotonic() - began:.0f}s")
+    results = {"date": time.strftime("%Y-%m-%d"), "preset": args.preset, "levels": args.levels,
+               "max_tokens": args.max_tokens, "runs": []}
+    for index, name in enumerate(args.runs.split(",")):
+        if time.monotonic() - began > args.deadline_s:
+            results["runs"].append({"run": name, "skipped": "deadline"})
+            continue
+        results["runs"].append(one_run(name, model, args, args.out, index))
+        (args.out / "memory-gate.json").write_text(json.dumps(results, indent=1))
+    (args.out / "memory-gate.json").write_text(json.dumps(results, indent=1))
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
