@@ -137,3 +137,29 @@ def test_rings_and_recurrent_state_are_served_from_exact_snapshots(load_tiny, ar
     again, _ = pc.take("", prompt + [5, 6])
     assert same_state(again, lent) is False  # the borrower wrote its own copy; the stored state is unchanged
     assert same_state(pc.take("", prompt + [7])[0], again)
+
+
+def test_an_evicted_entry_spills_whole_from_its_detached_nodes_and_restores_exactly(load_tiny, tmp_path):
+    from mlxq.store.cold_tier import ColdTier
+    from mlxq.store.mlxkv import Identity
+    from mlxq.store.ssd_store import SsdStore
+
+    model, _ = load_tiny("llama")
+    identity = Identity("b" * 16, "native", "")
+    ram = PromptCache(per_token_bytes(model) * (len(PREFIX) + 12))  # one agent at a time
+    tier = ColdTier(SsdStore(tmp_path, identity), ram, write_behind=False)
+    rows = {agent: prefilled(model, PREFIX + tail(agent)) for agent in range(2)}
+    ram.put("", PREFIX + tail(0), rows[0])
+    ram.put("", PREFIX + tail(1), rows[1])  # splits the first entry's node, then evicts its tail
+    assert tier.counters.spills == 1 and len(ram) == 1
+    ram.put("", PREFIX[:50] + tail(2), prefilled(model, PREFIX[:50] + tail(2)))  # splits the shared node again
+    tier.begin_flush()
+    while tier.has_work(flushing=True):
+        tier.step()
+    assert tier.flush_result().durable
+    store = SsdStore(tmp_path, identity)
+    store.scan()
+    again = PromptCache(1 << 30)
+    ColdTier(store, again)
+    caches, n = again.take("", PREFIX + tail(0) + [1])
+    assert n == len(PREFIX) + 12 and same_state(caches, rows[0])
