@@ -36,40 +36,10 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 
 from mlxq.kv.quantized import QuantizedRotatingKVCache
 from mlxq.store import kv_spans
+from mlxq.store.entries import CacheEntry, TreeEntry, assemble, holds, prefix_bytes
 from mlxq.store.prefix_tree import Node, add_child, detach, match, split
 
-
-@dataclass
-class CacheEntry:
-    """An entry read back from the SSD tier: its caches, whole."""
-
-    tokens: tuple[int, ...]
-    caches: list
-    nbytes: int
-    trimmable: bool
-    namespace: str = ""
-
-
-@dataclass(eq=False)
-class TreeEntry:
-    """A logical entry: the prefix ending at ``node``. Its caches are assembled when asked for
-    (the SSD tier writes one file per entry); detached nodes keep their arrays for it."""
-
-    tokens: tuple[int, ...]
-    node: Node
-    snapshot: list | None
-    layout: tuple
-    nbytes: int  # the whole prefix: what one file of it holds
-    trimmable: bool
-    namespace: str = ""
-
-    @property
-    def caches(self) -> list:
-        return _assemble(self.layout, self.node.chain(), self.snapshot, len(self.tokens))
-
-    @property
-    def last_used(self) -> float:
-        return self.node.last_used
+__all__ = ["CacheEntry", "Key", "PromptCache", "TreeEntry", "can_cache", "is_trimmable"]
 
 
 @dataclass
@@ -89,36 +59,6 @@ class _Tree:
     @property
     def trimmable(self) -> bool:
         return all(layer.spans for layer in self.layout)
-
-
-def _assemble(layout: tuple, nodes: list[Node], snapshot: list | None, n: int) -> list:
-    out = []
-    for i, layer in enumerate(layout):
-        if layer.spans:
-            out.append(kv_spans.assemble_layer(layer, [node.spans[i] for node in nodes], n))
-        else:
-            out.append(kv_spans.lend_snapshot(snapshot[i]))
-    return out
-
-
-def _holds(cache, n: int) -> bool:
-    """Does ``cache`` hold state for exactly (untrimmable) or at least (KVCache) n tokens?"""
-    if type(cache) in (KVCache, QuantizedKVCache):
-        return cache.offset >= n
-    if type(cache) in (RotatingKVCache, QuantizedRotatingKVCache):
-        return cache.offset == n
-    return isinstance(cache, ArraysCache)
-
-
-def _prefix_bytes(caches: list, n: int) -> int:
-    """Bytes of an entry of ``n`` tokens: full-attention layers scale with n, snapshots are whole."""
-    total = 0
-    for c in caches:
-        if type(c) in kv_spans.SPAN_CLASSES:
-            total += sum(a.nbytes // a.shape[-2] * n for a in kv_spans.arrays((c.keys, c.values)))
-        else:
-            total += kv_spans.nbytes(kv_spans.snapshot_arrays(c))
-    return total
 
 
 # Snapshot a prompt boundary only when the prefix is worth a lookup.
@@ -189,7 +129,7 @@ class PromptCache:
         self.stats.hits += 1
         self.stats.hit_tokens += n
         tree = self._trees[namespace]
-        return _assemble(tree.layout, nodes, holder.snapshot if holder else None, n), n
+        return assemble(tree.layout, nodes, holder.snapshot if holder else None, n), n
 
     def adopt_restored(self, namespace: str, entry: CacheEntry, n: int, previous: int) -> list:
         """Hold an entry read from disk (already durable; kept only if it fits the tier) and lend its
@@ -208,7 +148,7 @@ class PromptCache:
 
     def _store(self, namespace: str, tokens: list[int], caches: list, *, durable: bool) -> bool:
         n = len(tokens)
-        if n == 0 or not all(_holds(c, n) for c in caches) or _prefix_bytes(caches, n) > self.max_bytes:
+        if n == 0 or not all(holds(c, n) for c in caches) or prefix_bytes(caches, n) > self.max_bytes:
             return False
         layout = kv_spans.layout_of(caches)
         tree = self._trees.setdefault(namespace, _Tree(layout))
@@ -260,7 +200,7 @@ class PromptCache:
             mx.eval([kv_spans.snapshot_arrays(s) for s in snapshot if s is not None])
             node.snapshot = snapshot
             self.bytes += kv_spans.snapshot_nbytes(snapshot)
-        entry = TreeEntry(key[1], node, snapshot, tree.layout, _prefix_bytes(caches, len(key[1])),
+        entry = TreeEntry(key[1], node, snapshot, tree.layout, prefix_bytes(caches, len(key[1])),
                           tree.trimmable, key[0])
         node.mark = entry
         self._entries[key] = entry
