@@ -21,18 +21,34 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from mlxq.bench.servers import ServeProcess
 
-RUNS = {  # name -> (extra serve flags, dataset -> prompt length in words, levels (None: --levels), requests/level)
-    "default": ((), {"random": 130, "agents": 1000}, None, 2),
-    # A KV budget far above the device, and prompts long enough (~8k tokens) that 128 rows cannot fit
-    # (8B: 128 KiB of KV per token): faults must turn into preemptions, not failed requests.
-    "over": (("--kv-budget", "400GB"), {"random": 6000}, [128], 1),
+
+@dataclass(frozen=True)
+class Run:
+    flags: tuple[str, ...] = ()  # extra `mlxq serve` flags
+    datasets: tuple[tuple[str, int], ...] = (("random", 130), ("agents", 1000))  # (dataset, prompt words)
+    levels: tuple[int, ...] | None = None  # None: --levels
+    per_level: int = 2  # requests per level, times the level
+    max_tokens: int | None = None  # None: --max-tokens
+    ballast_gb: int = 0  # device memory another process holds while the server runs
+
+
+RUNS = {
+    "default": Run(),
+    # A KV budget far above what fits: another process holds 70 GB of the device, and 128 rows of
+    # ~2.7k prompt + 1600 tokens need ~72 GB of KV (8B: 128 KiB per token) next to 16 GB of weights.
+    # Faults must turn into preemptions, not failed requests.
+    "over": Run(("--kv-budget", "400GB"), (("random", 2000),), (128,), 1, 1600, 70),
 }
+BALLAST = ("import mlx.core as mx, sys, time; n = int(sys.argv[1]); "
+           "held = [mx.zeros((2**30,), dtype=mx.uint8) for _ in range(n)]; mx.eval(held); "
+           "print('holding', n, 'GiB', flush=True); time.sleep(3600)")
 
 
 def log(msg: str) -> None:
@@ -91,19 +107,36 @@ def bench(url: str, dataset: str, words: int, level: int, requests: int, max_tok
 
 
 def one_run(name: str, model: Path, args, out: Path, index: int) -> dict:
-    flags, datasets, levels_here, per_level = RUNS[name]
+    spec = RUNS[name]
+    flags = spec.flags
+    ballast = None
+    if spec.ballast_gb:
+        ballast = subprocess.Popen([sys.executable, "-c", BALLAST, str(spec.ballast_gb)], stdout=subprocess.PIPE,
+                                   text=True)
+        log(f"ballast: {ballast.stdout.readline().strip()}")
     log(f"run {index} ({name}): starting a fresh server {' '.join(flags)}")
+    try:
+        return _serve_and_sweep(name, spec, model, args, out, index)
+    finally:
+        if ballast is not None:
+            ballast.kill()
+            ballast.wait()
+
+
+def _serve_and_sweep(name: str, spec: Run, model: Path, args, out: Path, index: int) -> dict:
+    flags = spec.flags
     with ServeProcess("--model", str(model), "--batch", "128", "--prompt-concurrency", "8", *flags,
                       log_path=str(args.scratch / f"serve-{index}.log"), timeout_s=600) as server:
         start = httpx.get(server.url + "/stats").json()["memory"]
         tracer = Tracer(server.url)
         tracer.start()
         levels = {}
-        for level in levels_here or args.levels:
-            for dataset, words in datasets.items():
+        for level in spec.levels or args.levels:
+            for dataset, words in spec.datasets:
                 t = time.perf_counter()
-                levels[f"{dataset}-c{level}"] = result = bench(server.url, dataset, words, level, per_level * level,
-                                                               args.max_tokens,
+                levels[f"{dataset}-c{level}"] = result = bench(server.url, dataset, words, level,
+                                                               spec.per_level * level,
+                                                               spec.max_tokens or args.max_tokens,
                                                                args.scratch / f"bench-{index}-{dataset}-c{level}.json")
                 log(f"  {dataset} c={level}: {result.get('completed')} done, {result.get('failed')} failed "
                     f"in {time.perf_counter() - t:.0f}s")
@@ -112,7 +145,7 @@ def one_run(name: str, model: Path, args, out: Path, index: int) -> dict:
     (out / f"trace-{index}.json").write_text(json.dumps(samples))
     peak = lambda key: max((s[key] for s in samples if s.get(key) is not None), default=None)  # noqa: E731
     return {
-        "run": name, "flags": list(flags), "plan": start, "levels": levels,
+        "run": name, "flags": list(flags), "ballast_gb": spec.ballast_gb, "plan": start, "levels": levels,
         "failed_requests": stats["engine"]["requests_failed"], "finished": stats["engine"]["requests_finished"],
         "faults": stats["batch"]["faults"], "decode_steps": stats["batch"]["decode_timing"],
         "peak_gpu_used_bytes": peak("gpu_used_bytes"), "peak_mlx_active_bytes": peak("active"),
@@ -138,9 +171,10 @@ def main() -> None:
     began = time.monotonic()
     model = args.model or Path("/tmp/mlxq-models") / args.preset
     if not (model / "mlxq-model.json").exists():
-        from mlxq.models.tiny import build_tiny_model
-
-        build_tiny_model("llama", model, preset=args.preset, fast_init=True)
+        # In a child process: the builder's own MLX memory must not count against the servers.
+        build = (f"from mlxq.models.tiny import build_tiny_model as b; "
+                 f"b('llama', {str(model)!r}, preset={args.preset!r}, fast_init=True)")
+        subprocess.run([sys.executable, "-c", build], check=True)
         log(f"built {model} in {time.monotonic() - began:.0f}s")
     results = {"date": time.strftime("%Y-%m-%d"), "preset": args.preset, "levels": args.levels,
                "max_tokens": args.max_tokens, "runs": []}

@@ -306,7 +306,8 @@ class Engine:
                                 self.config.prefill_step_size, self.kv_budget_bytes,
                                 token0_in_decode=_on_gpu(),
                                 transient_budget_bytes=self.memory_limits.transient_reserve if self.memory_limits
-                                else None, shape=ModelShape.of(self.loaded.model)),
+                                else None, shape=ModelShape.of(self.loaded.model),
+                                memory_limit_bytes=self.memory_limits.memory_limit if self.memory_limits else None),
                 on_finish=lambda row: self._done(row.output.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
@@ -397,7 +398,7 @@ class Engine:
             from mlxq.store.cold_tier import open_cold_tier
 
             self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name,
-                                       kv_scheme=self.scheme.key)
+                                       kv_scheme=self.scheme.key, prototype=self._prototype)
 
     def _background_work(self) -> bool:
         """SSD work waiting (asked only when idle: never a cost on the decode loop)."""

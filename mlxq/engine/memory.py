@@ -93,12 +93,16 @@ def _ram_available() -> int | None:
 
 
 def usable_bytes(device: DeviceMemory, share: float = DEVICE_SHARE) -> int | None:
-    """The memory mlxq plans with: its share of the device, and never more than it holds plus what is free."""
+    """The memory mlxq plans with: its share of the device, and of what is free beside what it holds.
+
+    The share applies to the free memory too: planning with all of it left no room for the
+    CUDA context, library workspaces and the allocator's fragmentation (H200, 70 GB held by
+    another process: real allocation failures with MLX's active memory 3 GB under the limit)."""
     if device.total is None:
         return None
     usable = int(device.total * share)
     if device.free is not None:
-        usable = min(usable, device.held + device.free)
+        usable = min(usable, device.held + int(device.free * share))
     return usable
 
 

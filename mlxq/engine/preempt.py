@@ -1,5 +1,13 @@
 """Who gives way when memory runs out: plain decisions over row counts, testable without a model.
 
+Before a decode step, when MLX's active memory plus what the step adds (a
+new KV block, its logits) would pass the memory limit, the most recently
+admitted rows are preempted first (``rows_that_fit``): their KV is dropped,
+the others keep theirs and go on. No allocation fails, so nothing is lost
+but the dropped rows' KV. (On MLX 0.32.4's CUDA backend an eval that fails
+mid-graph has, in one run of several, left an illegal memory access behind
+that killed the process: a real fault is the last resort, not the plan.)
+
 After an allocation fault that a retry did not clear (engine/faults.py), the
 batch lane sheds work:
 
@@ -26,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_PREEMPTIONS = 8  # requeues of one row before it fails: it does not fit even alone
+SHED_AT = 0.95  # of the memory limit: a decode step that would need more sheds rows first
 RECOVER_AFTER_STEPS = 256  # clean decode steps before a cap grows back by an eighth
 
 
@@ -45,6 +54,22 @@ def plan_decode_preemption(times_preempted: list[int], row_cap: int) -> Preempti
     failed = tuple(i for i, n in enumerate(times_preempted) if n >= MAX_PREEMPTIONS)
     cap = max(1, min(row_cap, len(times_preempted) // 2))
     return PreemptionPlan(tuple(alive[:cap]), tuple(alive[cap:]), failed, cap)
+
+
+def rows_that_fit(active: int, limit: int, rows: int, kv_now: int, kv_growth: int, step_per_row: int) -> int:
+    """How many of ``rows`` (oldest first) the next decode step can carry within ``limit``.
+
+    ``active``: MLX's memory now (weights, prompt cache, the batch's KV ``kv_now``);
+    the step adds ``kv_growth`` (a new block, the copy that grows it) and
+    ``step_per_row`` per row (logits, scores). Dropping a row frees its share of
+    the KV. At least one row always runs.
+    """
+    for keep in range(rows, 1, -1):
+        share = keep / rows
+        need = active - kv_now * (1 - share) + kv_growth * share + step_per_row * keep
+        if need <= limit * SHED_AT:
+            return keep
+    return 1
 
 
 def split_prefill_group(size: int) -> tuple[int, int]:

@@ -18,7 +18,9 @@ One ``step()`` is a short list of phases:
   n's tokens are read, in one transfer, and emitted.
 - Faults: an allocation failure is retried once after releasing MLX's cache,
   then the scheduler sheds work and recomputes it later (engine/faults.py,
-  engine/preempt.py): no request fails for a memory shortage. Any other
+  engine/preempt.py, engine/shedding.py); before a decode step that would
+  pass the memory limit it sheds the newest rows: no request fails for a
+  memory shortage. Any other
   prefill error fails that joiner; a row whose output handling raises is
   evicted alone; any other forward error fails every running row and drops
   the batch, and the scheduler goes on with new requests.
@@ -37,8 +39,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.faults import Evaluator, MemoryFault, is_allocation_failure, release_cached_memory
 from mlxq.engine.grammar_timing import GrammarTiming
-from mlxq.engine.preempt import MAX_PREEMPTIONS, LoadCaps, plan_decode_preemption, split_prefill_group
+from mlxq.engine.preempt import LoadCaps, split_prefill_group
 from mlxq.engine.rows import Row, make_row, resume_row
+from mlxq.engine.shedding import MemoryShedding, resumed_size
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
 from mlxq.engine.transient import ModelShape, joiners_transient
 from mlxq.engine.types import FinishReason, Request
@@ -64,6 +67,7 @@ class SchedulerConfig:
     # CPU that smaller forward gives the earlier first token). Same tokens either way.
     token0_in_decode: bool = True
     transient_budget_bytes: int | None = None  # prefill transients of joiners together (engine/transient.py)
+    memory_limit_bytes: int | None = None  # MLX's memory limit: decode sheds rows before passing it
     shape: ModelShape | None = None  # what those transients are computed from
 
 
@@ -98,6 +102,8 @@ class _Joiner:
         return self.done >= len(self.row.request.prompt_ids) - 1
 
 
+
+
 def _gathered(joiners: list[_Joiner]) -> tuple[list, bool]:
     """(caches, batched): a lone joiner's own caches (the serial lane's graph), or all merged."""
     if len(joiners) == 1:
@@ -105,7 +111,7 @@ def _gathered(joiners: list[_Joiner]) -> tuple[list, bool]:
     return merge_solo_rows([j.caches for j in joiners]), True
 
 
-class BatchScheduler:
+class BatchScheduler(MemoryShedding):
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
                  scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None,
@@ -170,6 +176,8 @@ class BatchScheduler:
             return False
         if self._joiners and self.transient_bytes(request) > (self.config.transient_budget_bytes or float("inf")):
             return False  # a lone joiner always runs: only joiners together are held to the reserve
+        if not self._fits_memory_now(len(request.prompt_ids), request.max_tokens, request):
+            return False
         budget = self.config.kv_budget_bytes
         return budget is None or self.projected_bytes(request) <= budget
 
@@ -253,58 +261,12 @@ class BatchScheduler:
         self._preempted = []
 
     # --- memory faults: requeue, recompute later (engine/preempt.py decides) ------------
-    def _preempt_running(self, keys: list, fault: MemoryFault) -> None:
-        """A decode step failed twice for memory: every running row's KV went with it.
-
-        Tokens computed before the step but not yet handed out are emitted first, the
-        sampler state goes back to before the step, and the rows are requeued to be
-        recomputed from their tokens; the most recently admitted wait for room.
-        """
-        inputs, logprobs_now, emitted = self._pending
-        tokens = inputs.tolist()  # evaluated by the previous step
-        rows = self._rows
-        self._rows, self._caches, self._pending, self._batched = [], None, None, False
-        release_cached_memory()
-        requeue = []
-        for i, row in enumerate(rows):
-            row.key = keys[i]
-            if not emitted[i] and not self._emit(row, tokens[i], logprobs_now[i]):
-                self._on_finish(row)
-                continue
-            requeue.append(row)
-        plan = plan_decode_preemption([self._times_preempted.get(r.request.request_id, 0) for r in requeue],
-                                      self.caps.rows)
-        log.warning("decode step out of memory (%s): %d rows requeued, row cap %d",
-                    fault.cause, len(requeue), plan.row_cap)
-        self.caps.lower_rows(plan.row_cap)
-        self._requeue([requeue[i] for i in plan.resume_first + plan.held_back])
-        self._fail_out_of_memory([requeue[i] for i in plan.failed], fault)
-
-    def _requeue(self, rows: list[Row]) -> None:
-        """Rows without KV wait ahead of new requests, in submission order, to be recomputed."""
-        for row in rows:
-            rid = row.request.request_id
-            times = self._times_preempted.get(rid, 0)
-            if times >= MAX_PREEMPTIONS:
-                self._fail_out_of_memory([row], None)
-                continue
-            self._times_preempted[rid] = times + 1
-            self.faults.counters.preemptions += 1
-            self._preempted.append(row)
-        self._preempted.sort(key=lambda r: r.request.submitted_at)
-
     def _readmit(self) -> None:
         while (self._preempted and len(self._rows) + len(self._joiners) < self.caps.rows
-               and len(self._joiners) < self.config.prompt_concurrency):
+               and len(self._joiners) < self.config.prompt_concurrency
+               and self._fits_memory_now(*resumed_size(self._preempted[0]), self._preempted[0].request)):
             row = self._preempted.pop(0)
             self._enter(_Joiner(resume_row(row), [], resumed=True))
-
-    def _fail_out_of_memory(self, rows: list[Row], fault: MemoryFault | None) -> None:
-        for row in rows:
-            self.faults.counters.failed_out_of_memory += 1
-            cause = f": {fault.cause}" if fault is not None else ""
-            row.output.finish(FinishReason.ERROR, error=f"out of memory after {MAX_PREEMPTIONS} requeues{cause}")
-            self._on_finish(row)
 
     # --- one iteration ------------------------------------------------------------
     def step(self) -> None:
@@ -317,6 +279,8 @@ class BatchScheduler:
             start = time.perf_counter()
             self._start_decoding(ready)
             self.phases.add_join(time.perf_counter() - start)
+        if len(self._rows) > 1:
+            self._shed_before_decode()
         if self._rows:
             keys = [row.key for row in self._rows]  # sampler state before this step, should it be redone
             try:

@@ -47,6 +47,13 @@ class ModelShape:
         return activations + logits + scores
 
 
+def decode_step_bytes(shape: ModelShape | None, context: int) -> int:
+    """Per row of a decode step: logits (and their float32 log-softmax) and one layer's scores."""
+    if shape is None:
+        return 0
+    return shape.vocab * (shape.dtype_bytes + 2 * SCORE_BYTES) + shape.heads * context * SCORE_BYTES
+
+
 def joiners_transient(shape: ModelShape | None, prompts: list[int], chunk_cap: int, group_cap: int) -> int:
     """The worst prefill step of joiners with these prompt lengths (each step spends ~one chunk cap)."""
     if shape is None or not prompts:

@@ -31,8 +31,9 @@ class Size:
 SIZES: dict[str, Size] = {
     # Fast tests: a forward pass costs well under a millisecond on 2 CPU cores.
     "tiny": Size(128, 4, 2, 1, 64, 256, 512, 4096, "float32", True),
-    # The embedded default of `mlxq serve`: builds in ~1 s, decodes quickly.
-    "default": Size(256, 4, 4, 2, 64, 768, 1024, 8192, "float32", True),
+    # The embedded default of `mlxq serve`: builds in ~1 s, decodes quickly. Its 64k context holds
+    # a real agent's first turn (opencode's is ~17k tokens); random RoPE weights do not care.
+    "default": Size(256, 4, 4, 2, 64, 768, 1024, 65536, "float32", True),
     # CPU benchmarks: ~33M parameters.
     "small": Size(512, 8, 8, 4, 64, 1536, 8192, 8192, "float32", False),
     # Real shapes for the GPU (random weights, bf16).

@@ -72,6 +72,7 @@ class Accumulator:
 
     @property
     def is_complete(self) -> bool:
+        """Ended by the model or max_tokens (not cancelled, e.g. by a shutdown): a reply worth sending."""
         return self.finish in (FinishReason.STOP, FinishReason.LENGTH)
 
     def _logprob_entry(self, event: TokenEvent, offset: int) -> LogprobEntry | None:

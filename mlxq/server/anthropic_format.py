@@ -27,6 +27,12 @@ def sse_event(payload: dict) -> str:
     return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def stop_fields(acc: Accumulator) -> dict:
+    """stop_reason, and the stop_sequence when a stop sequence is what ended the message."""
+    reason = stop_reason(acc)
+    return {"stop_reason": reason, "stop_sequence": acc.stop_sequence if reason == "stop_sequence" else None}
+
+
 def stop_reason(acc: Accumulator) -> str | None:
     if acc.finish is None:
         return None
@@ -57,8 +63,7 @@ def message_json(acc: Accumulator, message_id: str, model: str, prompt_tokens: i
     content = [{"type": "text", "text": acc.text}] if acc.text else []
     content += [tool_use_block(c) for c in acc.calls]
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(acc), "stop_sequence": acc.stop_sequence,
-            "usage": usage_json(acc.usage, prompt_tokens)}
+            **stop_fields(acc), "usage": usage_json(acc.usage, prompt_tokens)}
 
 
 class MessageStream:
@@ -91,8 +96,7 @@ class MessageStream:
             out.append(self._block_stop())
         if step.finished:
             out.append(self._close_text())
-            delta = {"stop_reason": stop_reason(self.acc), "stop_sequence": self.acc.stop_sequence}
-            out.append(sse_event({"type": "message_delta", "delta": delta,
+            out.append(sse_event({"type": "message_delta", "delta": stop_fields(self.acc),
                                   "usage": usage_json(self.acc.usage, self.prompt_tokens)}))
             out.append(sse_event({"type": "message_stop"}))
         return "".join(out)

@@ -6,6 +6,7 @@ call, ``tool_result`` a tool message. Tools' ``input_schema`` is their
 parameters. Fields mlxq cannot honour but that do not change what a client
 may rely on (``thinking``, ``cache_control``, ``metadata``, ``context_management``,
 server tools such as web search...) are accepted and ignored; see docs/clients.md.
+``tool_choice`` any/tool and ``output_config.format`` are enforced by a grammar (structured.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,6 @@ def parse_messages(body, lm, limits: TokenLimits) -> GenerationSpec:
         raise invalid("the request body must be a JSON object")
     if "max_tokens" not in body:
         raise invalid("'max_tokens' is required", "max_tokens")
-    output_config = body.get("output_config")
-    if isinstance(output_config, dict) and output_config.get("format") is not None:
-        raise invalid("'output_config.format' (structured outputs) is not supported yet", "output_config",
-                      "unsupported")
     chat = {
         "model": body.get("model"),
         "messages": _system(body.get("system")) + _messages(body.get("messages")),
@@ -36,6 +33,7 @@ def parse_messages(body, lm, limits: TokenLimits) -> GenerationSpec:
         "top_p": body.get("top_p"),
         "top_k": body.get("top_k"),
         "stream": body.get("stream"),
+        "response_format": _response_format(body.get("output_config")),
         **_tools(body.get("tools"), body.get("tool_choice")),
     }
     return parse_generation(chat, "chat", lm, limits)
@@ -73,10 +71,12 @@ def _messages(messages) -> list[dict]:
         raise invalid("'messages' must be a non-empty list", "messages")
     out: list[dict] = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
             raise invalid(f"messages[{i}] must be an object with role 'user' or 'assistant'", "messages")
         content = message.get("content")
-        if isinstance(content, str):
+        if message["role"] == "system":  # Claude Code puts reminders between turns as system messages
+            out.append({"role": "system", "content": _text_of(content, f"messages[{i}].content")})
+        elif isinstance(content, str):
             out.append({"role": message["role"], "content": content})
         elif isinstance(content, list):
             out.extend(_blocks(i, message["role"], content))
@@ -157,4 +157,17 @@ def _tools(tools, tool_choice) -> dict:
         raise invalid(f"tool_choice names {tool_choice.get('name')!r}, which is not among 'tools'", "tool_choice")
     if not functions or choice == "none":
         return {}
-    return {"tools": functions}
+    # any / tool force a call: chat completions' "required" / named function, enforced by a grammar.
+    forced = {"any": "required", "tool": {"type": "function", "function": {"name": (tool_choice or {}).get("name")}}}
+    return {"tools": functions, "tool_choice": forced.get(choice, "auto")}
+
+
+def _response_format(output_config) -> dict | None:
+    """``output_config.format`` (a JSON schema the reply must match) as chat's ``response_format``."""
+    fmt = output_config.get("format") if isinstance(output_config, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise invalid("'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                      "output_config")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}

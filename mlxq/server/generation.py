@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import replace
 
 from starlette.responses import StreamingResponse
 
-from mlxq.engine.admission import AdmissionError
+from mlxq.engine.admission import AdmissionError, max_tokens_within
 from mlxq.engine.types import Request
 from mlxq.server.bridge import stream_event_batches, stream_events
 from mlxq.server.choices import choice_params, merged
@@ -35,13 +36,22 @@ def check_limits(spec: GenerationSpec, config) -> None:
 
 
 def admit(state: ServerState, spec: GenerationSpec, prefix: str) -> list[Request]:
-    """The spec's engine requests (one per choice), once the server's limits and KV budget allow it."""
+    """The spec's engine requests (one per choice), once the server's limits and KV budget allow it.
+    Under --max-tokens-policy clamp, a max_tokens the KV budget cannot hold is lowered to what it can."""
     check_limits(spec, state.config)
     try:
         state.engine.check_admissible(len(spec.prompt_ids), spec.max_tokens)
     except AdmissionError as exc:
-        raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
+        fits = _kv_room(state, len(spec.prompt_ids)) if state.config.max_tokens_policy == "clamp" else 0
+        if fits < 1:
+            raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
+        spec = replace(spec, max_tokens=fits)
     return [_new_request(spec, prefix, i) for i in range(spec.n)]
+
+
+def _kv_room(state: ServerState, num_prompt: int) -> int:
+    engine = state.engine
+    return max_tokens_within(engine.footprint, engine.kv_budget_bytes, num_prompt)
 
 
 def _new_request(spec: GenerationSpec, prefix: str, index: int = 0) -> Request:

@@ -5,8 +5,9 @@ machine. Three rules keep such pages out by default (Ollama's defaults,
 and its fix for DNS rebinding, CVE-2024-28224):
 
 - an ``Origin`` header (browsers send one on every cross-origin request) must
-  be a loopback origin (``http(s)://localhost|127.0.0.1|[::1]``, any port) or
-  one given with ``--allowed-origins``; otherwise 403. Refusing, not merely
+  be a loopback origin (``http(s)://localhost|127.0.0.1|[::1]``, any port),
+  the server's own (the ``Host`` it was reached by), or one given with
+  ``--allowed-origins``; otherwise 403. Refusing, not merely
   leaving out the CORS headers, matters: a "no-cors" request still runs;
 - on a loopback bind, the ``Host`` header must name a loopback host or one
   given with ``--allowed-hosts``; otherwise 403. A DNS-rebinding page reaches
@@ -51,9 +52,12 @@ class GuardPolicy:
         """The policy of a ``ServerConfig``."""
         return cls(config.allowed_origins, config.allowed_hosts, check_host=config.is_loopback)
 
-    def origin_allowed(self, origin: str) -> bool:
+    def origin_allowed(self, origin: str, host: bytes | None = None) -> bool:
+        """Allowed, loopback, or the server's own origin (a page it served, e.g. /dashboard on a LAN address:
+        same-origin, and on loopback binds its ``Host`` has already passed the Host check)."""
         return ("*" in self.allowed_origins or origin in self.allowed_origins
-                or _LOOPBACK_ORIGIN.fullmatch(origin) is not None)
+                or _LOOPBACK_ORIGIN.fullmatch(origin) is not None
+                or (host is not None and origin.lower() in _own_origins(host.decode("latin-1"))))
 
     def host_allowed(self, host_header: str | None) -> bool:
         if not self.check_host or host_header is None or "*" in self.allowed_hosts:
@@ -69,13 +73,18 @@ class GuardPolicy:
                                  "(DNS rebinding protection); add it with --allowed-hosts",
                             type="permission_error", code="host_not_allowed")
         origin = headers.get(b"origin")
-        if origin is not None and not self.origin_allowed(origin.decode("latin-1")):
+        if origin is not None and not self.origin_allowed(origin.decode("latin-1"), host):
             return APIError(403, f"Origin {origin.decode('latin-1')!r} is not allowed; add it with "
                                  "--allowed-origins", type="permission_error", code="origin_not_allowed")
         if method == "POST" and _has_body(headers) and not _is_json(headers.get(b"content-type", b"")):
             return APIError(415, "POST bodies must be sent with 'Content-Type: application/json'",
                             type="invalid_request_error", code="unsupported_media_type")
         return None
+
+
+def _own_origins(host_header: str) -> tuple[str, str]:
+    host = host_header.strip().lower()
+    return f"http://{host}", f"https://{host}"
 
 
 def _has_body(headers: dict[bytes, bytes]) -> bool:

@@ -13,7 +13,7 @@ from mlxq.server.choices import collect
 from mlxq.server.errors import APIError
 from mlxq.server.generation import admit, event_batches, sse_response
 from mlxq.server.json_body import read_json
-from mlxq.server.openai_format import is_unfinished
+from mlxq.server.offload import off_loop
 from mlxq.server.state import ServerState
 
 
@@ -21,7 +21,7 @@ async def create_message(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     body = await read_json(http, state.config.max_request_bytes)
-    spec = parse_messages(body, state.loaded, state.config.token_limits)
+    spec = await off_loop(parse_messages, body, state.loaded, state.config.token_limits)
     [request] = admit(state, spec, "msg")
     acc = Accumulator(state.loaded.tokenizer, spec.tools)
     message_id = new_message_id()
@@ -29,7 +29,7 @@ async def create_message(http: HTTPRequest):
     if spec.stream:
         return sse_response(_stream(state, request, MessageStream(acc, message_id, model, len(spec.prompt_ids))))
     await collect(state.engine, [request], [acc], http.is_disconnected)
-    if is_unfinished(acc.finish):
+    if not acc.is_complete:
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
     return JSONResponse(message_json(acc, message_id, model, len(spec.prompt_ids)))
 
@@ -48,4 +48,4 @@ async def count_tokens(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     body = await read_json(http, state.config.max_request_bytes)
-    return JSONResponse({"input_tokens": parse_count_tokens(body, state.loaded)})
+    return JSONResponse({"input_tokens": await off_loop(parse_count_tokens, body, state.loaded)})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from mlxq.engine.types import FinishReason, TokenEvent, Usage
+from mlxq.engine.types import TokenEvent, Usage
 from mlxq.server.accumulator import Accumulator, LogprobEntry, Step
 from mlxq.server.tools import ToolCall
 
@@ -148,7 +148,3 @@ class ChoiceBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": "mlxq", "choices": choices}
 
-
-def is_unfinished(finish: FinishReason | None) -> bool:
-    """No finish, or cancelled (the server is shutting down): the reply would be a lie."""
-    return finish is None or finish is FinishReason.CANCELLED

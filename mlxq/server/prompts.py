@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from mlxq.server.errors import APIError, invalid
+from mlxq.server.token_bound import token_lower_bound
 
 # The model's own template (a client cannot supply one: server/template_kwargs.py) still runs with a budget,
 # in a worker thread: a render that outlives it is refused, and the caller stops waiting for it.
@@ -59,7 +60,7 @@ def _check_tool_calls(where: str, message: dict) -> None:
                           "{\"name\": ..., \"arguments\": ...}}", "messages")
 
 
-def tokenize_chat(tokenizer, messages, tools, template_kwargs: dict) -> list[int]:
+def tokenize_chat(tokenizer, messages, tools, template_kwargs: dict, context_length: int | None = None) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list", "messages")
     for i, message in enumerate(messages):
@@ -67,6 +68,7 @@ def tokenize_chat(tokenizer, messages, tools, template_kwargs: dict) -> list[int
     if not tokenizer.has_chat_template:
         raise invalid("this model has no chat template: use /v1/completions", "messages")
     text = render_chat(tokenizer, messages, tools, template_kwargs, add_generation_prompt=True)
+    refuse_if_it_cannot_fit(tokenizer, text, context_length, "messages")
     return list(tokenizer.encode(text, add_special_tokens=False))  # what apply_chat_template(tokenize=True) does
 
 
@@ -89,12 +91,24 @@ def render_chat(tokenizer, messages, tools, template_kwargs: dict, *, add_genera
     return text
 
 
-def tokenize_completion(tokenizer, prompt) -> list[int]:
+def refuse_if_it_cannot_fit(tokenizer, text: str, context_length: int | None, param: str) -> None:
+    """A 400 before tokenizing when ``text`` provably has more tokens than the context holds."""
+    if context_length is None:
+        return
+    at_least = token_lower_bound(tokenizer, text)
+    if at_least >= context_length:  # a prompt must leave room for one generated token
+        raise APIError(400, f"the prompt is at least {at_least} tokens ({len(text.encode('utf-8', 'replace'))} "
+                            f"bytes), and the model's context is {context_length}: shorten the prompt",
+                       param=param, code="context_length_exceeded")
+
+
+def tokenize_completion(tokenizer, prompt, context_length: int | None = None) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("'prompt' must not be empty", "prompt")
+        refuse_if_it_cannot_fit(tokenizer, prompt, context_length, "prompt")
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)

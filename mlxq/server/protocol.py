@@ -72,11 +72,11 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
         tools = None
     if kind == "chat":
         template_kwargs = read_template_kwargs(body)
-        prompt_ids = tokenize_chat(tokenizer, body.get("messages"), tools or None, template_kwargs)
+        prompt_ids = tokenize_chat(tokenizer, body.get("messages"), tools or None, template_kwargs, lm.context_length)
         snapshot_at = system_prefix_length(tokenizer, body["messages"], tools or None, template_kwargs, prompt_ids)
     else:
         snapshot_at = None
-        prompt_ids = tokenize_completion(tokenizer, body.get("prompt"))
+        prompt_ids = tokenize_completion(tokenizer, body.get("prompt"), lm.context_length)
         if any(not 0 <= t < lm.vocab_size for t in prompt_ids):
             raise invalid(f"'prompt' token ids must be in 0-{lm.vocab_size - 1}", "prompt")
     max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length, limits)

@@ -55,18 +55,18 @@ class ResponseRenderer:
             status = "incomplete"
         elif acc.finish is not None:
             status = "completed"
-        usage = None
-        if acc.usage is not None:
-            u = acc.usage
-            usage = {"input_tokens": u.prompt_tokens,
-                     "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
-                     "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": u.prompt_tokens + u.completion_tokens}
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+        body = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "model": self.model, "output": self.items, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "usage": usage, "store": False, "previous_response_id": None, "reasoning": None,
-                "text": {"format": {"type": "text"}}, "truncation": "disabled", **self.request.echo}
+                "store": False, "previous_response_id": None, "reasoning": None,
+                "truncation": "disabled", **self.request.echo}
+        if acc.usage is not None:  # absent until the end: the spec allows no null here
+            u = acc.usage
+            body["usage"] = {"input_tokens": u.prompt_tokens,
+                             "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+                             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": u.prompt_tokens + u.completion_tokens}
+        return body
 
     def final(self) -> dict:
         """The non-streamed Response: every item, completed."""

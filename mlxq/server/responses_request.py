@@ -6,7 +6,8 @@ leading system/developer items become one system message. Function tools, tools
 grouped in a ``namespace`` (as Codex sends MCP tools; the model sees
 ``namespace__name``) and ``custom`` (freeform) tools, whose one string input the
 model writes as ``{"input": ...}``, are offered through the chat template; hosted
-tools (web search, file search...) do not exist here and are left out.
+tools (web search, file search...) do not exist here and are left out. A forced
+tool_choice and ``text.format`` are enforced by a grammar (structured.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def parse_responses(body, lm, limits: TokenLimits) -> ResponsesRequest:
     }
     if functions and choice != "none":
         chat["tools"] = functions
+        chat["tool_choice"] = _chat_tool_choice(choice, names)
+    chat["response_format"] = _response_format(body.get("text"))
     spec = parse_generation(chat, "chat", lm, limits)
     if chat["max_tokens"] is None and lm.context_length is not None:
         # Responses has no default cap: as much as the context holds (and the server allows).
@@ -66,7 +69,8 @@ def parse_responses(body, lm, limits: TokenLimits) -> ResponsesRequest:
             "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
             "temperature": chat["temperature"], "top_p": body.get("top_p", 1.0),
             "max_output_tokens": chat["max_tokens"], "instructions": body.get("instructions"),
-            "metadata": body.get("metadata") or {}}
+            "metadata": body.get("metadata") or {},
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}}}
     return ResponsesRequest(spec, names, echo)
 
 
@@ -79,11 +83,30 @@ def _refuse_stateful(body: dict) -> None:
                       "conversation in 'input'", "conversation", "unsupported")
     if body.get("background"):
         raise invalid("'background' responses are not supported", "background", "unsupported")
-    text = body.get("text")
+
+
+def _chat_tool_choice(choice, names: dict[str, ToolName]):
+    """Responses' tool_choice in chat's words: "required", or a named function (by the name the model
+    writes: namespace__name), forced by a grammar; anything else (auto, allowed_tools...) is "auto"."""
+    if choice == "required":
+        return "required"
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
+        wanted = choice.get("name")
+        flat = next((flat for flat, tool in names.items()
+                     if tool.name == wanted and tool.namespace == choice.get("namespace")), wanted)
+        return {"type": "function", "function": {"name": flat}}
+    return "auto"
+
+
+def _response_format(text) -> dict | None:
+    """``text.format`` in chat's words: json_schema's fields sit one level up in Responses."""
     fmt = text.get("format") if isinstance(text, dict) else None
-    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-        raise invalid("'text.format' other than text (structured outputs) is not supported yet", "text",
-                      "unsupported")
+    if not isinstance(fmt, dict) or fmt.get("type", "text") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"),
+                                                       "schema": fmt.get("schema", {})}}
+    return fmt  # json_object, or a type structured.py refuses by name
 
 
 def _tools(tools) -> tuple[list[dict], dict[str, ToolName]]:

@@ -11,7 +11,7 @@ from mlxq.server.choices import collect
 from mlxq.server.errors import APIError
 from mlxq.server.generation import admit, event_batches, sse_response
 from mlxq.server.json_body import read_json
-from mlxq.server.openai_format import is_unfinished
+from mlxq.server.offload import off_loop
 from mlxq.server.responses_format import ResponseRenderer
 from mlxq.server.responses_request import parse_responses
 from mlxq.server.state import ServerState
@@ -21,7 +21,7 @@ async def create_response(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     body = await read_json(http, state.config.max_request_bytes)
-    parsed = parse_responses(body, state.loaded, state.config.token_limits)
+    parsed = await off_loop(parse_responses, body, state.loaded, state.config.token_limits)
     spec = parsed.spec
     [request] = admit(state, spec, "resp")
     acc = Accumulator(state.loaded.tokenizer, spec.tools)
@@ -30,7 +30,7 @@ async def create_response(http: HTTPRequest):
     if spec.stream:
         return sse_response(_stream(state, request, renderer))
     await collect(state.engine, [request], [acc], http.is_disconnected)
-    if is_unfinished(acc.finish):
+    if not acc.is_complete:
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
     return JSONResponse(renderer.final())
 

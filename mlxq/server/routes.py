@@ -12,8 +12,8 @@ from mlxq.engine.types import FinishReason, Request
 from mlxq.server.choices import collect
 from mlxq.server.errors import APIError
 from mlxq.server.generation import admit, choice_batches, sse_response
-from mlxq.server.json_body import read_json
-from mlxq.server.openai_format import ChoiceBuilder, is_unfinished, merged_final, merged_usage_chunk, sse_line
+from mlxq.server.offload import parse_request
+from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk, sse_line
 from mlxq.server.protocol import parse_generation
 from mlxq.server.state import ServerState
 
@@ -29,8 +29,8 @@ async def completions(http: HTTPRequest):
 async def _generate(http: HTTPRequest, kind):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
-    spec = parse_generation(await read_json(http, state.config.max_request_bytes), kind, state.loaded,
-                            limits=state.config.token_limits)
+    spec = await parse_request(http, state.config.max_request_bytes, parse_generation, kind, state.loaded,
+                               limits=state.config.token_limits)
     requests = admit(state, spec, "chatcmpl" if kind == "chat" else "cmpl")
     response_id = requests[0].request_id
     builders = [ChoiceBuilder(spec, state.loaded.tokenizer, response_id, state.model_name, index=i)
@@ -38,7 +38,7 @@ async def _generate(http: HTTPRequest, kind):
     if spec.stream:
         return sse_response(_sse(state, requests, builders))
     await collect(state.engine, requests, builders, http.is_disconnected)
-    if any(is_unfinished(b.acc.finish) for b in builders):
+    if not all(b.acc.is_complete for b in builders):
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
     return JSONResponse(merged_final(builders))
 

@@ -9,6 +9,7 @@ accepting, finishes open responses, and the lifespan stops the engine.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import socket
@@ -105,7 +106,7 @@ def serve(config: ServerConfig) -> None:
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                     log_config=None, access_log=False,  # mlxq logs each request once
                                     timeout_graceful_shutdown=config.shutdown_timeout_s, **_connection_limits(config)))
-    threading.Thread(target=_exit_if_load_fails, args=(state, server), daemon=True).start()
+    threading.Thread(target=_watch_model_load, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
     server.run(sockets=[listener])
     if lock is not None:
@@ -121,10 +122,17 @@ def _connection_limits(config: ServerConfig) -> dict:
             "backlog": min(cap, 4096)}
 
 
-def _exit_if_load_fails(state: ServerState, server: uvicorn.Server) -> None:
-    """A model that fails to load should end the process, not leave a 503 forever."""
+def _watch_model_load(state: ServerState, server: uvicorn.Server) -> None:
+    """A model that fails to load should end the process, not leave a 503 forever.
+
+    Once it is loaded, the heap built so far (model wrappers, tokenizer, templates: ~300k objects
+    on the tiny model) leaves the cyclic collector's view (``gc.freeze``): the full collection
+    that a big request's allocations trigger would otherwise walk all of it holding the GIL,
+    stalling every stream (0.5 s measured for a 100k-message body).
+    """
     while not state.engine.ready.wait(0.2):
         if state.engine.fatal_error:
             log.critical("model failed to load: %s", state.engine.fatal_error)
             server.should_exit = True
             return
+    gc.freeze()

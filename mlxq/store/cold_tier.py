@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlxq.store.fingerprint import FINGERPRINT_MEMO, model_fingerprint
+from mlxq.store.layout import layout_of
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
@@ -41,11 +42,16 @@ DEMOTE_CHECK_EVERY_S = 1.0
 
 
 def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_name: str,
-                   kv_scheme: str = "native") -> ColdTier:
-    """Fingerprint the model, scan its directory, and bind the tier to ``ram`` (engine thread)."""
+                   kv_scheme: str = "native", prototype: list | None = None) -> ColdTier:
+    """Fingerprint the model, scan its directory, and bind the tier to ``ram`` (engine thread).
+
+    ``prototype``: the model's populated caches in the stored representation; files whose
+    layers do not match them are removed instead of restored (store/layout.py).
+    """
     root = Path(config.directory).expanduser()
     identity = Identity(model_fingerprint(model_dir, root / FINGERPRINT_MEMO), kv_scheme, "")
-    store = SsdStore(root, identity, config.max_bytes, model_name)
+    store = SsdStore(root, identity, config.max_bytes, model_name,
+                     layout=layout_of(prototype) if prototype else None)
     try:
         store.scan(verify=config.verify)
     except OSError as exc:

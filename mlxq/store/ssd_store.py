@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxq.store.fingerprint import namespace_dir
+from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import (
     EntryHeader,
     Identity,
@@ -84,6 +85,7 @@ class SsdStore:
     model_name: str = ""
     index: dict[Path, IndexEntry] = field(default_factory=dict)
     stats: SsdStats = field(default_factory=SsdStats)
+    layout: list | None = None  # the model's own caches' layout (store.layout); None: not checked
     _warned_write: bool = False
     last_restore_s: float = 0.0  # reading time of the last restore
 
@@ -113,6 +115,7 @@ class SsdStore:
                 try:
                     header = verify_file(path) if verify else read_header(path)
                     self._check_identity(header)
+                    self._check_layout(header)
                 except (MlxkvError, OSError) as exc:
                     self._discard(path, exc)
                     continue
@@ -125,6 +128,10 @@ class SsdStore:
         if (header.identity.fingerprint, header.identity.kv_scheme) != (ours.fingerprint, ours.kv_scheme):
             raise MlxkvError(f"written for {header.identity.fingerprint}/{header.identity.kv_scheme}, "
                              f"not {ours.fingerprint}/{ours.kv_scheme}")
+
+    def _check_layout(self, header: EntryHeader) -> None:
+        if self.layout is not None:
+            check_layout(self.layout, header.layers, len(header.tokens))
 
     def _add(self, path: Path, namespace: str, tokens: tuple[int, ...], trimmable: bool) -> IndexEntry:
         st = path.stat()
@@ -154,6 +161,7 @@ class SsdStore:
             t = time.perf_counter()
             header = read_header(entry.path)
             self._check_identity(header)
+            self._check_layout(header)
             if header.tokens != entry.tokens:
                 raise MlxkvError("the file changed since it was indexed")
             steps = read_caches_steps(entry.path, header)
@@ -168,7 +176,7 @@ class SsdStore:
                     break
                 busy += time.perf_counter() - t
                 yield
-        except (MlxkvError, OSError) as exc:
+        except Exception as exc:  # any failure: remove the file, and the request prefills instead
             self._discard(entry.path, exc)
             return None
         now = time.time()

@@ -28,10 +28,10 @@ def test_auto_kv_budget_is_what_weights_and_cache_leave():
 def test_the_usable_share_is_bounded_by_what_is_free():
     from mlxq.engine.memory import DeviceMemory, usable_bytes
 
-    h200 = DeviceMemory(total=143 * 10**9, free=120 * 10**9, held=16 * 10**9, source="cuda")
-    assert usable_bytes(h200) == int(0.9 * 143 * 10**9)  # 128.7 GB: less than held + free (136 GB)
+    h200 = DeviceMemory(total=143 * 10**9, free=130 * 10**9, held=16 * 10**9, source="cuda")
+    assert usable_bytes(h200) == int(0.9 * 143 * 10**9)  # 128.7 GB: less than held + 90% of free (133 GB)
     shared = DeviceMemory(total=143 * 10**9, free=40 * 10**9, held=16 * 10**9, source="cuda")
-    assert usable_bytes(shared) == 56 * 10**9  # another process holds the rest
+    assert usable_bytes(shared) == 52 * 10**9  # another process holds the rest: 16 + 90% of 40
     assert usable_bytes(DeviceMemory(None, None, 0, "ram")) is None
 
 

@@ -75,3 +75,16 @@ def test_evaluator_retries_once_then_gives_up():
     assert (counters.memory_faults, counters.retried_ok) == (3, 1)
     with pytest.raises(ZeroDivisionError):  # anything else passes through untouched, at once
         evaluator.run("prefill", lambda: 1 / 0)
+
+
+def test_the_newest_rows_give_way_before_a_step_passes_the_limit():
+    from mlxq.engine.preempt import SHED_AT, rows_that_fit
+
+    gb = 10**9
+    # 16 GB of weights and 64 GB of KV over 64 rows; the next step adds a 2 GB block and 10 MB a row.
+    assert rows_that_fit(80 * gb, 100 * gb, 64, 64 * gb, 2 * gb, 10**7) == 64  # fits: nobody moves
+    keep = rows_that_fit(80 * gb, 84 * gb, 64, 64 * gb, 2 * gb, 10**7)
+    assert 1 < keep < 64
+    share = keep / 64
+    assert 80 * gb - 64 * gb * (1 - share) + 2 * gb * share + 10**7 * keep <= 84 * gb * SHED_AT
+    assert rows_that_fit(80 * gb, 10 * gb, 64, 64 * gb, 2 * gb, 10**7) == 1  # one row always runs

@@ -6,8 +6,11 @@ reads them, so greedy runs pass ``temperature: 0`` in the body (GREEDY).
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -68,6 +71,15 @@ def test_system_blocks_and_content_blocks_render_like_strings(client):
     assert as_strings.input_tokens == as_blocks.input_tokens > 0
 
 
+def test_system_messages_between_turns_are_accepted(client, oai):
+    """Claude Code sends reminders as role "system" messages among the turns."""
+    turns = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Agents: none."},
+             {"role": "user", "content": "Go"}]
+    counted = client.messages.count_tokens(model="x", messages=turns)
+    chat = oai.chat.completions.create(model="x", messages=turns, max_tokens=1)
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
 def test_stream_event_sequence_and_text(client):
     kwargs = {"model": "x", "max_tokens": 10, **GREEDY, "messages": [{"role": "user", "content": "Count"}]}
     plain = client.messages.create(**kwargs)
@@ -82,7 +94,9 @@ def test_stream_event_sequence_and_text(client):
 
 def test_stop_sequence_is_reported(client):
     kwargs = {"model": "x", **GREEDY, "messages": [{"role": "user", "content": "Say things"}]}
-    full = client.messages.create(max_tokens=16, **kwargs).content[0].text
+    plain = client.messages.create(max_tokens=16, stop_sequences=["\x00never"], **kwargs)
+    assert plain.stop_sequence is None  # configured, but not what ended it
+    full = plain.content[0].text
     stop = full[len(full) // 2: len(full) // 2 + 2]
     cut = client.messages.create(max_tokens=16, stop_sequences=[stop, "\x00never"], **kwargs)
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
@@ -114,6 +128,37 @@ def test_tool_use_round_trip_renders_through_the_template(client, oai):
     assert with_tools.input_tokens > without_tools.input_tokens
     none = client.messages.count_tokens(model="x", messages=messages[:1], tools=TOOLS, tool_choice={"type": "none"})
     assert none.input_tokens == without_tools.input_tokens
+
+
+# Bounded strings and numbers: a random model under a grammar cannot wander past max_tokens.
+BOUNDED = {"name": "book", "description": "Book a trip", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "nights": {"type": "integer",
+                                     "minimum": 1, "maximum": 9}, "class": {"enum": ["eco", "biz"]}},
+    "required": ["city", "nights", "class"], "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "book"}, {"type": "any"}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_use_input_matches_its_schema(client, choice, stream):
+    """tool_choice tool/any is enforced by a grammar: random weights still call the tool, with valid input."""
+    kwargs = {"model": "x", "max_tokens": 200, "tools": [BOUNDED], "tool_choice": choice,
+              "messages": [{"role": "user", "content": "Trip?"}], "extra_body": {"temperature": 0.7}}
+    if stream:
+        with client.messages.stream(**kwargs) as s:
+            msg = s.get_final_message()
+    else:
+        msg = client.messages.create(**kwargs)
+    assert msg.stop_reason == "tool_use"
+    [call] = [b for b in msg.content if b.type == "tool_use"]
+    assert call.name == "book" and call.id.startswith("toolu_")
+    jsonschema.validate(call.input, BOUNDED["input_schema"])
+
+
+def test_output_config_format_is_enforced(client):
+    schema = BOUNDED["input_schema"]
+    msg = client.messages.create(model="x", max_tokens=200, messages=[{"role": "user", "content": "Trip?"}],
+                                 output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(msg.content[0].text), schema)
 
 
 def test_beta_route_and_ignored_fields(client):
@@ -157,9 +202,9 @@ def test_errors_come_in_anthropic_shape(server, client):
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="x", max_tokens=5,
                                messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
-    with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
-        client.messages.create(model="x", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
-                               output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
+    with pytest.raises(anthropic.BadRequestError, match="not among"):
+        client.messages.create(model="x", max_tokens=5, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                               tool_choice={"type": "tool", "name": "nope"})
     missing = httpx.post(server.url + "/v1/messages", json={"model": "x", "messages": []}, headers={"x-api-key": KEY})
     assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.AuthenticationError) as auth:
@@ -195,8 +240,6 @@ def _events(load_tiny, text_pieces: list[str], finish: FinishReason):
 def test_streamed_tool_use_parses_in_the_sdk(load_tiny):
     """A tool call in the output becomes a tool_use block whose input the SDK's own stream
     accumulator rebuilds from input_json_delta, equal to the non-streamed message."""
-    import json
-
     from anthropic.lib.streaming._messages import accumulate_event
 
     pieces = ["Let me look. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',

@@ -132,8 +132,19 @@ def small_batch_server(tiny_model_dirs):
         yield server
 
 
-def test_request_that_can_never_fit_the_budget_is_refused_at_once(small_batch_server):
-    r = httpx.post(small_batch_server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 900})
+def test_max_tokens_the_budget_cannot_hold_is_clamped_to_what_it_can(small_batch_server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True}
+    r = httpx.post(small_batch_server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert 0 < r.json()["usage"]["completion_tokens"] < 900
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_request_that_can_never_fit_the_budget_is_refused_at_once(tiny_model_dirs):
+    args = ("--model", str(tiny_model_dirs["llama"]), "--batch", "4", "--kv-budget", "1.2MiB",
+            "--max-tokens-policy", "reject")
+    with ServerProcess(*args) as server:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 900})
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["code"] == "kv_budget_exceeded"

@@ -83,6 +83,10 @@ def test_flags_open_origins_and_hosts(tiny_model_dirs):
         assert httpx.get(server.url + "/v1/models", headers=auth | {"Origin": "http://x.test:81"}).status_code == 200
         assert httpx.get(server.url + "/v1/models", headers=auth | {"Origin": "http://x.test"}).status_code == 403
         assert httpx.get(server.url + "/v1/models", headers=auth | {"Host": "other.lan"}).status_code == 403
+        own = {"Host": "mlxq.lan:9000", "Origin": "http://mlxq.lan:9000"}  # a page the server served itself
+        assert httpx.get(server.url + "/v1/models", headers=auth | own).status_code == 200
+        other_port = {"Host": "mlxq.lan:9000", "Origin": "http://mlxq.lan:9001"}
+        assert httpx.get(server.url + "/v1/models", headers=auth | other_port).status_code == 403
         stats = httpx.get(server.url + "/stats", headers=auth).json()
         assert stats["model"]["path"] == str(tiny_model_dirs["llama"].resolve())  # the key holder sees paths
 

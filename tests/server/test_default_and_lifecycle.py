@@ -15,6 +15,8 @@ def test_sdk_streams_from_serve_with_no_arguments(tmp_path):
     with ServerProcess(env={"MLXQ_CACHE_DIR": str(tmp_path)}) as server:
         models = httpx.get(server.url + "/v1/models").json()["data"]
         assert models[0]["id"] == "mlxq-default-llama"
+        # Room for a real agent's first turn (Claude Code's is ~44k of this tokenizer's tokens).
+        assert httpx.get(server.url + "/stats").json()["model"]["context_length"] == 65536
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
             model=models[0]["id"], messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, stream=True

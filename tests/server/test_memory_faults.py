@@ -74,6 +74,19 @@ def test_a_bad_fault_spec_stops_the_server_at_start(tiny_model_dirs):
     assert "MLXQ_FAULT_INJECT" in server.proc.stdout.read()
 
 
+def test_rows_are_preempted_before_memory_runs_out(tiny_model_dirs, undisturbed):
+    # 4 MB: the tiny llama's 3.2 MB of weights and the KV of about one row (2 KiB per token, 256-token
+    # blocks): every decode step with more rows sheds the newest, which resume later.
+    args = (*ARGS, "--memory-limit", "4MB", "--prompt-cache", "0")
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), *args) as server:
+        answers = _burst(server.url)
+        stats = httpx.get(server.url + "/stats").json()
+    assert answers == undisturbed
+    faults = stats["batch"]["faults"]
+    assert faults["preemptions"] >= 1 and faults["memory_faults"] == 0  # shed before, not after, a fault
+    assert stats["engine"]["requests_failed"] == 0 and stats["memory"]["mlx_memory_limit_bytes"] == 4 * 10**6
+
+
 SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 12},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["word", "n"], "additionalProperties": False}

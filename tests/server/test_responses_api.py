@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from pydantic import TypeAdapter
@@ -16,6 +17,11 @@ from mlxq.server.responses_format import ResponseRenderer
 from mlxq.server.responses_request import ResponsesRequest, parse_responses
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
+# Bounded strings and numbers: a random model under a grammar cannot wander past max_output_tokens.
+TRIP = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "nights": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "nights"], "additionalProperties": False}
+BOOK = {"type": "function", "name": "book", "parameters": TRIP, "strict": True}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +70,8 @@ def test_raw_stream_sequence_numbers_count_up(llama_server):
     with httpx.stream("POST", llama_server.url + "/v1/responses", json=body) as r:
         data = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    # OpenAI's spec allows no null usage: absent while in progress, present at the end.
+    assert "usage" not in data[0]["response"] and data[-1]["response"]["usage"]["output_tokens"] >= 1
 
 
 def test_tool_items_render_like_chat_tool_messages(client):
@@ -98,14 +106,36 @@ def test_tool_items_render_like_chat_tool_messages(client):
     assert got.parallel_tool_calls is True and [t.type for t in got.tools] == ["function", "namespace", "web_search"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_function_call_arguments_validate(client, stream):
+    kwargs = {"model": "x", "input": "Trip?", "tools": [BOOK, {"type": "namespace", "name": "ns", "tools": [
+        {"type": "function", "name": "book", "parameters": {"type": "object"}}]}],
+              "tool_choice": {"type": "function", "name": "book"}, "max_output_tokens": 200, "temperature": 0.7}
+    if stream:
+        final = list(client.responses.create(stream=True, **kwargs))[-1].response
+    else:
+        final = client.responses.create(**kwargs)
+    assert final.status == "completed"
+    [call] = [item for item in final.output if item.type == "function_call"]
+    assert call.name == "book" and call.namespace is None
+    jsonschema.validate(json.loads(call.arguments), TRIP)
+
+
+def test_text_format_json_schema_is_enforced(client):
+    got = client.responses.create(model="x", input="Trip?", max_output_tokens=200,
+                                  text={"format": {"type": "json_schema", "name": "trip", "schema": TRIP}})
+    jsonschema.validate(json.loads(got.output_text), TRIP)
+    assert got.text.format.type == "json_schema"
+
+
 def test_stateful_and_unsupported_requests_are_clear_400s(client):
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model="x", input="hi", previous_response_id="resp_1")
     with pytest.raises(openai.BadRequestError, match="input_image"):
         client.responses.create(model="x", input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "http://x/y.png"}]}])
-    with pytest.raises(openai.BadRequestError, match="text.format"):
-        client.responses.create(model="x", input="hi", text={"format": {"type": "json_object"}})
+    with pytest.raises(openai.BadRequestError, match="not among"):
+        client.responses.create(model="x", input="hi", tools=[BOOK], tool_choice={"type": "function", "name": "no"})
 
 
 def test_model_by_id(client, llama_server):

@@ -1,0 +1,126 @@
+"""The batch lane under memory pressure: shed rows before a step, requeue them after a fault.
+
+A mixin of BatchScheduler (engine/scheduler.py), kept apart because it is one
+idea: what happens to rows when memory runs short. The decisions are plain
+data in engine/preempt.py; here they are carried out on the scheduler's rows,
+caches and pending tokens. A preempted row keeps its output and PRNG key and
+waits (oldest first, ahead of new requests) until the scheduler's ``_readmit``
+resumes it as a joiner whose prompt holds its emitted tokens (rows.resume_row).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+
+from mlxq.engine.faults import MemoryFault, release_cached_memory
+from mlxq.engine.preempt import MAX_PREEMPTIONS, SHED_AT, plan_decode_preemption, rows_that_fit
+from mlxq.engine.rows import Row
+from mlxq.engine.transient import decode_step_bytes
+from mlxq.engine.types import FinishReason, Request
+from mlxq.kv.batch_ops import extract_row, keep_rows
+
+log = logging.getLogger("mlxq.scheduler")
+
+
+def resumed_size(row: Row) -> tuple[int, int]:
+    """(prompt, max_tokens) of a preempted row once resumed (rows.resume_row), without resuming it."""
+    first, done = row.output.request, row.output.num_generated
+    return len(first.prompt_ids) + done, max(1, first.max_tokens - done)
+
+
+class MemoryShedding:
+    """Rows give way when memory runs short (mixed into BatchScheduler)."""
+
+    def _fits_memory_now(self, prompt: int, max_tokens: int, request: Request) -> bool:
+        """While rows run: MLX's active memory has room for this row's whole KV and its prefill.
+
+        Checked only while busy, so a request is never refused for it: it waits."""
+        limit = self.config.memory_limit_bytes
+        if limit is None or (not self._rows and not self._joiners):
+            return True
+        need = self.footprint.row_bytes(prompt + max_tokens, prompt) + self.transient_bytes(request)
+        return mx.get_active_memory() + need <= limit * SHED_AT
+
+    def _preempt_running(self, keys: list, fault: MemoryFault) -> None:
+        """A decode step failed twice for memory: every running row's KV went with it.
+
+        Tokens computed before the step but not yet handed out are emitted first, the
+        sampler state goes back to before the step, and the rows are requeued to be
+        recomputed from their tokens; the most recently admitted wait for room.
+        """
+        inputs, logprobs_now, emitted = self._pending
+        tokens = inputs.tolist()  # evaluated by the previous step
+        rows = self._rows
+        self._rows, self._caches, self._pending, self._batched = [], None, None, False
+        release_cached_memory()
+        requeue = []
+        for i, row in enumerate(rows):
+            row.key = keys[i]
+            if not emitted[i] and not self._emit(row, tokens[i], logprobs_now[i]):
+                self._on_finish(row)
+                continue
+            requeue.append(row)
+        plan = plan_decode_preemption([self._times_preempted.get(r.request.request_id, 0) for r in requeue],
+                                      self.caps.rows)
+        log.warning("decode step out of memory (%s): %d rows requeued, row cap %d",
+                    fault.cause, len(requeue), plan.row_cap)
+        self.caps.lower_rows(plan.row_cap)
+        self._requeue([requeue[i] for i in plan.resume_first + plan.held_back])
+        self._fail_out_of_memory([requeue[i] for i in plan.failed], fault)
+
+    def _shed_before_decode(self) -> None:
+        """Preempt the newest rows before a decode step that would pass the memory limit."""
+        limit = self.config.memory_limit_bytes
+        if limit is None:
+            return
+        lengths = [len(r.output.request.prompt_ids) + r.output.num_generated for r in self._rows]
+        kv_now = self.footprint.batch_bytes(lengths)
+        growth = self.footprint.batch_bytes([n + 1 for n in lengths]) - kv_now + kv_now // len(self.footprint.layers)
+        keep = rows_that_fit(mx.get_active_memory(), limit, len(lengths), kv_now, growth,
+                             decode_step_bytes(self.config.shape, max(lengths)))
+        if keep < len(self._rows):
+            log.warning("decode step would pass the memory limit: %d newest of %d rows preempted",
+                        len(self._rows) - keep, len(self._rows))
+            self._drop_newest(keep)
+
+    def _drop_newest(self, keep: int) -> None:
+        """Requeue rows[keep:] (their KV dropped, tokens computed but not handed out emitted first)."""
+        inputs, logprobs_now, emitted = self._pending
+        tokens = inputs.tolist() if not all(emitted[keep:]) else None
+        requeue = []
+        for i in range(keep, len(self._rows)):
+            row = self._rows[i]
+            if not emitted[i] and not self._emit(row, tokens[i], logprobs_now[i]):
+                self._on_finish(row)
+                continue
+            requeue.append(row)
+        kept = list(range(keep))
+        self._rows = self._rows[:keep]
+        self._pending = (inputs[mx.array(kept)], logprobs_now[:keep], emitted[:keep])
+        keep_rows(self._caches, kept)
+        if keep == 1:
+            self._caches, self._batched = extract_row(self._caches, 0), False
+        self.caps.lower_rows(keep)
+        self._requeue(requeue)
+
+    def _requeue(self, rows: list[Row]) -> None:
+        """Rows without KV wait ahead of new requests, in submission order, to be recomputed."""
+        for row in rows:
+            rid = row.request.request_id
+            times = self._times_preempted.get(rid, 0)
+            if times >= MAX_PREEMPTIONS:
+                self._fail_out_of_memory([row], None)
+                continue
+            self._times_preempted[rid] = times + 1
+            self.faults.counters.preemptions += 1
+            self._preempted.append(row)
+        self._preempted.sort(key=lambda r: r.request.submitted_at)
+
+    def _fail_out_of_memory(self, rows: list[Row], fault: MemoryFault | None) -> None:
+        for row in rows:
+            self.faults.counters.failed_out_of_memory += 1
+            cause = f": {fault.cause}" if fault is not None else ""
+            row.output.finish(FinishReason.ERROR, error=f"out of memory after {MAX_PREEMPTIONS} requeues{cause}")
+            self._on_finish(row)

@@ -1,0 +1,66 @@
+"""Request work that can take seconds runs in a worker thread, not on the event loop.
+
+Parsing a 15 MiB body, rendering a chat template over 100k messages and
+tokenizing megabytes of text each froze every stream for seconds when they
+ran inside the async handler. ``parse_request`` reads the body on the loop
+(it arrives in chunks) and does everything else in Starlette's thread pool
+(tokenizers release the GIL; the loop keeps its turns at the interpreter's
+switch interval). After a large body the worker also drops the body and
+hands freed heap pages back to the OS (``malloc_trim``, which runs without
+the GIL), so one big request does not leave gigabytes of resident memory
+behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HTTPRequest
+
+from mlxq.server.json_body import LARGE_REQUEST_BYTES, parse_json_body, read_body
+
+
+async def parse_request(http: HTTPRequest, limit: int, parse, *args, **kwargs):
+    """``parse(body_json, *args, **kwargs)`` in a worker thread, the body read here (413 over ``limit``)."""
+    raw = [await read_body(http, limit)]  # a list the worker empties: the bytes die with the parse
+    return await run_in_threadpool(_parse_and_release, raw, lambda body: parse(body, *args, **kwargs))
+
+
+async def off_loop(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a worker thread (for routes that keep the parsed body)."""
+    return await run_in_threadpool(fn, *args, **kwargs)
+
+
+def _parse_and_release(raw: list, parse):
+    large = len(raw[0]) >= LARGE_REQUEST_BYTES
+    try:
+        return _parse(raw, parse)
+    finally:
+        if large:
+            release_memory()
+
+
+def _parse(raw: list, parse):
+    body = parse_json_body(raw.pop())
+    return parse(body)  # ``body`` is garbage once this returns; only the parse result stays
+
+
+def release_memory() -> None:
+    """Hand freed heap pages back to the OS. No ``gc.collect()``: a request's garbage is acyclic (reference
+    counting has freed it already), and a full collection holds the GIL for the whole heap's walk."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (returns freed heap pages to the OS), or None elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
