@@ -1,51 +1,45 @@
-"""The RAM tier: a byte-capped LRU of prompt prefixes and their KV caches.
+"""The RAM tier: a byte-capped prefix tree of KV spans, each span stored once (store.prefix_tree).
 
-Keyed by (namespace, exact token prefix). ``take`` finds the entry sharing
-the longest prefix with a new prompt (capped at len(prompt) - 1, so at least
-one token is always computed and sampled from fresh logits) and *lends* its
-caches: the borrower gets new cache objects over views of the stored arrays,
-and its first write re-allocates, so a borrower never changes what is stored
-and many borrowers can share one prefix. ``put`` stores a finished request's
-caches, replacing exact duplicates and dropping entries that are strict
-prefixes of the new one (a longer entry serves every prompt they served).
+``take`` walks the prompt down the namespace's tree and hands the row caches
+it owns for the longest usable prefix (capped at len(prompt) - 1, so at
+least one token is always computed and sampled from fresh logits); the row
+never writes what is stored. ``put`` adds only the tokens the tree does not
+hold yet: the agents of one system prompt share its node, and the byte cap
+counts it once.
 
-Entries of full-attention models (every layer a ``KVCache``) are trimmable:
-one entry serves any shorter common prefix. Sliding-window rings
-(``RotatingKVCache``) and recurrent state (``ArraysCache``) cannot be cut
-back, so their entries serve only prompts they are an exact prefix of; the
-lanes store those as *prompt-boundary snapshots* (the state after a
-prompt's last-but-one token), which is what the next turn of a conversation
-or another agent with the same system prompt starts with. Such an entry
-keeps its shorter ancestors: a longer one cannot serve them.
+Full-attention models (every layer a ``KVCache``) are *trimmable*: any
+prefix along a stored path is usable. Sliding-window rings and recurrent
+state cannot be cut back, so their lanes store *snapshots* at prompt
+boundaries (the end of a system prompt, the last-but-one prompt token) and
+a prompt is served only from a node that holds one.
+
+Each put names a logical *entry* (namespace, tokens): what ``len()``
+counts, what idle demotion and the SSD tier see (one file per entry). A
+trimmable entry that a longer put extends is superseded; snapshot entries
+keep their ancestors. Eviction removes the least recently used unpinned
+leaf, then any ancestor left as an unmarked leaf. Pinned nodes (``pin``)
+are never evicted.
 
 With a cold tier attached (store.cold_tier), every put is reported to it
 (write-behind to SSD), every removal says why (an evicted entry that is not
-yet on disk is spilled), and ``take`` asks it for a strictly longer usable
-prefix than RAM holds, which it restores into RAM before lending.
+yet on disk is spilled: the entry still reaches its detached nodes), and
+``take`` asks it for a strictly longer usable prefix than RAM holds, which
+it restores into RAM before lending.
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxq.kv.quantized import QuantizedRotatingKVCache
-from mlxq.store.prefix import usable_prefix
+from mlxq.store import kv_spans
+from mlxq.store.entries import CacheEntry, TreeEntry, assemble, holds, prefix_bytes
+from mlxq.store.prefix_tree import Node, add_child, detach, match, split
 
-
-@dataclass
-class CacheEntry:
-    tokens: tuple[int, ...]  # the exact prefix whose state the caches hold
-    caches: list  # one cache per layer, private to the entry (copied in), never written
-    nbytes: int
-    trimmable: bool  # every layer a KVCache: the entry also serves shorter prefixes
-    namespace: str = ""
-    last_used: float = field(default_factory=time.monotonic)
+__all__ = ["CacheEntry", "Key", "PromptCache", "TreeEntry", "can_cache", "is_trimmable"]
 
 
 @dataclass
@@ -54,68 +48,17 @@ class PromptCacheStats:
     hits: int = 0  # take() calls that lent a prefix
     hit_tokens: int = 0  # prompt tokens served from the cache
     puts: int = 0
-    evictions: int = 0
+    evictions: int = 0  # entries evicted under the byte cap
 
 
-def _rebuild(cache, n: int, *, copy: bool):
-    """A new cache object over the state of ``cache``: views (``copy=False``, lending) or compact
-    copies (``copy=True``, storing). Trimmable caches keep their first ``n`` tokens.
+@dataclass
+class _Tree:
+    layout: tuple
+    root: Node = field(default_factory=lambda: Node((), None, []))
 
-    mlx-lm caches write in place through their own handles (``self.keys[...] = ...``); MLX
-    arrays have value semantics, so a write through a new handle never changes what another
-    handle sees, and a view with no spare capacity re-allocates on its first update.
-    """
-    own = mx.contiguous if copy else (lambda a: a[...])
-
-    def whole(x):
-        return None if x is None else tree_map(own, x)
-
-    def head(x):
-        return tree_map(lambda a: own(a[..., :n, :]), x)
-
-    kind = type(cache)
-    if kind is KVCache:
-        out = KVCache()
-        out.state = (head(cache.keys), head(cache.values), n)
-    elif kind is QuantizedKVCache:
-        out = QuantizedKVCache(cache.group_size, cache.bits)
-        out.keys, out.values, out.offset = head(cache.keys), head(cache.values), n
-    elif kind in (RotatingKVCache, QuantizedRotatingKVCache):
-        if kind is QuantizedRotatingKVCache:
-            out = QuantizedRotatingKVCache(cache.max_size, cache.keep, cache.group_size, cache.bits)
-        else:
-            out = RotatingKVCache(cache.max_size, cache.keep)
-        out.keys, out.values = whole(cache.keys), whole(cache.values)
-        out.offset, out._idx = cache.offset, cache._idx
-    else:
-        out = ArraysCache(len(cache.cache))
-        out.cache = [whole(a) for a in cache.cache]
-    return out
-
-
-def _lend(cache, n: int):
-    """A borrower's copy-on-write view of a stored cache."""
-    return _rebuild(cache, n, copy=False)
-
-
-def _copy_in(cache, n: int):
-    """The entry's own compact copy of ``cache`` (which keeps being written by its row)."""
-    return _rebuild(cache, n, copy=True)
-
-
-def _state_arrays(cache) -> list:
-    if isinstance(cache, ArraysCache):
-        return [a for a in cache.cache if a is not None]
-    return [cache.keys, cache.values]
-
-
-def _holds(cache, n: int) -> bool:
-    """Does ``cache`` hold state for exactly (untrimmable) or at least (KVCache) n tokens?"""
-    if type(cache) in (KVCache, QuantizedKVCache):
-        return cache.offset >= n
-    if type(cache) in (RotatingKVCache, QuantizedRotatingKVCache):
-        return cache.offset == n
-    return isinstance(cache, ArraysCache)
+    @property
+    def trimmable(self) -> bool:
+        return all(layer.spans for layer in self.layout)
 
 
 # Snapshot a prompt boundary only when the prefix is worth a lookup.
@@ -128,7 +71,7 @@ def is_trimmable(caches: list) -> bool:
 
 
 def can_cache(caches: list) -> bool:
-    """Cache classes the prompt cache knows how to copy and lend."""
+    """Cache classes the prompt cache knows how to store and lend."""
     return all(type(c) in (KVCache, QuantizedKVCache, ArraysCache)
                or (type(c) in (RotatingKVCache, QuantizedRotatingKVCache) and not c.keep) for c in caches)
 
@@ -139,94 +82,207 @@ Key = tuple[str, tuple[int, ...]]  # (namespace, exact tokens)
 class PromptCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[Key, CacheEntry] = OrderedDict()  # LRU first
-        self.bytes = 0
+        self._trees: dict[str, _Tree] = {}
+        self._entries: dict[Key, TreeEntry] = {}
+        self._leaves: set[Node] = set()
+        self.nodes = 0
+        self.bytes = 0  # what the tree holds: each span once
+        self.entry_bytes = 0  # what the entries would hold as separate copies
         self.stats = PromptCacheStats()
         self.cold = None  # store.cold_tier.ColdTier, when an SSD tier is configured
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    # --- lookups ----------------------------------------------------------------------
+    def _lookup(self, namespace: str, prompt: list[int]) -> tuple[list[Node], Node | None, int]:
+        """(nodes to assemble from, the snapshot node or None, tokens served) for the longest usable prefix."""
+        tree = self._trees.get(namespace)
+        limit = len(prompt) - 1
+        if tree is None or limit <= 0:
+            return [], None, 0
+        found = match(tree.root, tuple(prompt), limit)
+        if tree.trimmable:
+            nodes = found.path + ([found.partial] if found.partial is not None else [])
+            return nodes, None, found.length
+        for i in range(len(found.path) - 1, -1, -1):
+            if found.path[i].snapshot is not None:
+                return found.path[: i + 1], found.path[i], found.path[i].end
+        return [], None, 0
+
     def take(self, namespace: str, prompt: list[int], cold: bool = True) -> tuple[list | None, int]:
-        """(lent caches, cached token count) for the longest usable prefix, or (None, 0).
+        """(caches the caller owns, cached token count) for the longest usable prefix, or (None, 0).
 
         ``cold=False`` looks in RAM only (the batch lane restores from disk step by step,
         then calls ``adopt_restored``)."""
         self.stats.queries += 1
-        best_key, best_len = None, 0
-        for key, entry in self._entries.items():
-            if key[0] != namespace:
-                continue
-            n = usable_prefix(entry.tokens, entry.trimmable, prompt)
-            if n > best_len:
-                best_key, best_len = key, n
+        nodes, holder, n = self._lookup(namespace, prompt)
         if self.cold is not None and cold:
-            restored = self.cold.restore(namespace, prompt, better_than=best_len)
+            restored = self.cold.restore(namespace, prompt, better_than=n)
             if restored is not None:
-                entry, n = restored
-                return self.adopt_restored(namespace, entry, n, previous=0), n
-        if best_key is None:
+                entry, m = restored
+                return self.adopt_restored(namespace, entry, m, previous=0), m
+        if not n:
             return None, 0
-        self._entries.move_to_end(best_key)
-        entry = self._entries[best_key]
-        entry.last_used = time.monotonic()
+        for node in nodes:
+            node.touch()
         self.stats.hits += 1
-        self.stats.hit_tokens += best_len
-        return [_lend(c, best_len) for c in entry.caches], best_len
+        self.stats.hit_tokens += n
+        tree = self._trees[namespace]
+        return assemble(tree.layout, nodes, holder.snapshot if holder else None, n), n
 
     def adopt_restored(self, namespace: str, entry: CacheEntry, n: int, previous: int) -> list:
         """Hold an entry read from disk (already durable; kept only if it fits the tier) and lend its
         first ``n`` tokens to the request that asked for it, which had ``previous`` tokens from RAM."""
-        self._insert((namespace, entry.tokens), entry, durable=True)
+        self._store(namespace, list(entry.tokens), entry.caches, durable=True)
         if not previous:
             self.stats.hits += 1
         self.stats.hit_tokens += n - previous
-        return [_lend(c, n) for c in entry.caches]
+        return [kv_spans.lend(c, n) for c in entry.caches]
 
+    # --- storing ----------------------------------------------------------------------
     def put(self, namespace: str, tokens: list[int], caches: list) -> None:
-        """Store a copy of ``caches`` (their state after exactly ``tokens``; KVCaches may hold more)."""
-        n = len(tokens)
-        if n == 0 or not all(_holds(c, n) for c in caches):
-            return
-        trimmable = is_trimmable(caches)
-        key = (namespace, tuple(tokens))
-        for other, entry in list(self._entries.items()):
-            if other[0] != namespace or len(other[1]) > n or key[1][: len(other[1])] != other[1]:
-                continue
-            if other[1] == key[1] or (trimmable and entry.trimmable):
-                self._remove(other, "superseded")  # an exact duplicate, or a prefix this entry now serves
-        stored = [_copy_in(c, n) for c in caches]
-        mx.eval([_state_arrays(c) for c in stored])
-        entry = CacheEntry(key[1], stored, sum(c.nbytes for c in stored), trimmable, namespace)
-        if self._insert(key, entry, durable=False) is not None:
+        """Store ``caches``' state after exactly ``tokens`` (KVCaches may hold more): only what is new."""
+        if self._store(namespace, tokens, caches, durable=False):
             self.stats.puts += 1
 
-    def _insert(self, key: Key, entry: CacheEntry, *, durable: bool) -> Key | None:
-        """Hold ``entry`` (evicting LRU entries to fit); None when it is larger than the whole tier."""
-        if entry.nbytes > self.max_bytes:
-            return None
-        if key in self._entries:
-            self._remove(key, "superseded")
+    def _store(self, namespace: str, tokens: list[int], caches: list, *, durable: bool) -> bool:
+        n = len(tokens)
+        if n == 0 or not all(holds(c, n) for c in caches) or prefix_bytes(caches, n) > self.max_bytes:
+            return False
+        layout = kv_spans.layout_of(caches)
+        tree = self._trees.setdefault(namespace, _Tree(layout))
+        if tree.layout != layout:
+            return False  # another cache structure under this namespace: never mix them
+        key = (namespace, tuple(tokens))
+        found = match(tree.root, key[1], n)
+        if key in self._entries or (tree.trimmable and found.length == n):
+            # An exact duplicate, or a prefix a longer stored path already serves.
+            for node in found.path + ([found.partial] if found.partial is not None else []):
+                node.touch()
+            return True
+        node = self._grow(tree, found, key[1], caches)
+        self._mark(tree, node, key, caches, durable)
+        for each in node.chain():
+            each.touch()
+        node.pins += 1  # the new entry is not its own eviction victim
+        self._evict_to_cap()
+        node.pins -= 1
+        if self.bytes > self.max_bytes and not node.children and not node.pins:
+            self._remove_leaf(node, "evicted")  # pinned entries leave no room for it
+        return True
+
+    def _grow(self, tree: _Tree, found, tokens: tuple[int, ...], caches: list) -> Node:
+        """The node ending exactly at len(tokens): an existing one, the upper half of a split, or a new leaf."""
+        if found.partial is not None:
+            end = split(found.partial, found.length - found.partial.depth)
+            self.nodes += 1
+        else:
+            end = found.path[-1] if found.path else tree.root
+        if found.length == len(tokens):
+            return end
+        spans = [kv_spans.cut_span(c, found.length, len(tokens)) if layer.spans else None
+                 for layer, c in zip(tree.layout, caches, strict=True)]
+        mx.eval(kv_spans.arrays([s for s in spans if s is not None]))
+        child = add_child(end, tokens[found.length :], spans)
+        self._leaves.discard(end)
+        self._leaves.add(child)
+        self.nodes += 1
+        self.bytes += child.nbytes
+        return child
+
+    def _mark(self, tree: _Tree, node: Node, key: Key, caches: list, durable: bool) -> None:
+        """Name the entry ending at ``node`` (with its snapshot, for rings and recurrent state)."""
+        snapshot = None
+        if not tree.trimmable:
+            snapshot = [None if layer.spans else kv_spans.take_snapshot(c)
+                        for layer, c in zip(tree.layout, caches, strict=True)]
+            mx.eval([kv_spans.snapshot_arrays(s) for s in snapshot if s is not None])
+            node.snapshot = snapshot
+            self.bytes += kv_spans.snapshot_nbytes(snapshot)
+        entry = TreeEntry(key[1], node, snapshot, tree.layout, prefix_bytes(caches, len(key[1])),
+                          tree.trimmable, key[0])
+        node.mark = entry
         self._entries[key] = entry
-        self.bytes += entry.nbytes
+        self.entry_bytes += entry.nbytes
+        if tree.trimmable:
+            for ancestor in node.chain()[:-1]:
+                if ancestor.mark is not None:
+                    self._unmark(ancestor, "superseded")  # the new entry serves every prompt it served
         if self.cold is not None and not durable:
             self.cold.on_put(key, entry)
-        while self.bytes > self.max_bytes:
-            self._remove(next(iter(self._entries)), "evicted")
-            self.stats.evictions += 1
-        return key
 
-    def _remove(self, key: Key, reason: str) -> None:
-        entry = self._entries.pop(key)
-        self.bytes -= entry.nbytes
+    # --- removal ----------------------------------------------------------------------
+    def _unmark(self, node: Node, reason: str) -> None:
+        entry, node.mark = node.mark, None
+        key = (entry.namespace, entry.tokens)
+        del self._entries[key]
+        self.entry_bytes -= entry.nbytes
         if self.cold is not None:
             self.cold.on_removed(key, entry, reason)
 
+    def _remove_leaf(self, leaf: Node, reason: str) -> None:
+        """Detach an unpinned leaf, then any ancestor it leaves as an unmarked, unpinned leaf."""
+        if leaf.mark is not None:
+            if reason == "evicted":
+                self.stats.evictions += 1
+            self._unmark(leaf, reason)
+        detach(leaf)
+        self._leaves.discard(leaf)
+        self.nodes -= 1
+        self.bytes -= leaf.nbytes
+        parent = leaf.parent
+        if parent.parent is not None and not parent.children:
+            self._leaves.add(parent)
+            if parent.mark is None and not parent.pins:
+                self._remove_leaf(parent, reason)
+
+    def _evict_to_cap(self) -> None:
+        while self.bytes > self.max_bytes:
+            victims = [leaf for leaf in self._leaves if not leaf.pins]
+            if not victims:
+                return
+            self._remove_leaf(min(victims, key=lambda leaf: leaf.tick), "evicted")
+
     def drop(self, key: Key) -> None:
         """Let go of an entry that is safe on SSD (idle demotion)."""
-        if key in self._entries:
-            self._remove(key, "demoted")
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        node = entry.node
+        if not node.children and not node.pins:
+            self._remove_leaf(node, "demoted")
+            return
+        self._unmark(node, "demoted")
+        if node.snapshot is not None:
+            self.bytes -= kv_spans.snapshot_nbytes(node.snapshot)
+            node.snapshot = None
 
+    # --- pins -------------------------------------------------------------------------
+    def pin(self, namespace: str, tokens: list[int]) -> Node | None:
+        """Keep the stored prefix ``tokens`` (and so its whole path) from eviction until ``unpin``;
+        None when the tree does not hold all of it."""
+        tree = self._trees.get(namespace)
+        if tree is None or not tokens:
+            return None
+        found = match(tree.root, tuple(tokens), len(tokens))
+        if found.length != len(tokens):
+            return None
+        if found.partial is not None:
+            node = split(found.partial, found.length - found.partial.depth)
+            self.nodes += 1
+        else:
+            node = found.path[-1]
+        node.pins += 1
+        return node
+
+    def unpin(self, node: Node) -> None:
+        node.pins -= 1
+        if node.pins == 0 and node.in_tree and not node.children and node.mark is None:
+            self._remove_leaf(node, "released")
+        self._evict_to_cap()
+
+    # --- reporting --------------------------------------------------------------------
     def idle_keys(self, older_than: float) -> list[Key]:
         """Keys of entries not taken or put since the monotonic time ``older_than``."""
         return [k for k, e in self._entries.items() if e.last_used < older_than]
@@ -234,5 +290,6 @@ class PromptCache:
     def as_dict(self) -> dict:
         s = self.stats
         return {"entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes,
+                "nodes": self.nodes, "entry_bytes": self.entry_bytes,
                 "queries": s.queries, "hits": s.hits, "hit_tokens": s.hit_tokens, "puts": s.puts,
                 "evictions": s.evictions}

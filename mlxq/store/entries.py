@@ -1,0 +1,74 @@
+"""What the RAM tier names and hands out: entries, and a row's caches assembled from tree nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from mlxq.kv.quantized import QuantizedRotatingKVCache
+from mlxq.store import kv_spans
+from mlxq.store.prefix_tree import Node
+
+
+@dataclass
+class CacheEntry:
+    """An entry read back from the SSD tier: its caches, whole."""
+
+    tokens: tuple[int, ...]
+    caches: list
+    nbytes: int
+    trimmable: bool
+    namespace: str = ""
+
+
+@dataclass(eq=False)
+class TreeEntry:
+    """A logical entry: the prefix ending at ``node``. Its caches are assembled when asked for
+    (the SSD tier writes one file per entry); detached nodes keep their arrays for it."""
+
+    tokens: tuple[int, ...]
+    node: Node
+    snapshot: list | None
+    layout: tuple
+    nbytes: int  # the whole prefix: what one file of it holds
+    trimmable: bool
+    namespace: str = ""
+
+    @property
+    def caches(self) -> list:
+        return assemble(self.layout, self.node.chain(), self.snapshot, len(self.tokens))
+
+    @property
+    def last_used(self) -> float:
+        return self.node.last_used
+
+
+def assemble(layout: tuple, nodes: list[Node], snapshot: list | None, n: int) -> list:
+    out = []
+    for i, layer in enumerate(layout):
+        if layer.spans:
+            out.append(kv_spans.assemble_layer(layer, [node.spans[i] for node in nodes], n))
+        else:
+            out.append(kv_spans.lend_snapshot(snapshot[i]))
+    return out
+
+
+def holds(cache, n: int) -> bool:
+    """Does ``cache`` hold state for exactly (untrimmable) or at least (KVCache) n tokens?"""
+    if type(cache) in (KVCache, QuantizedKVCache):
+        return cache.offset >= n
+    if type(cache) in (RotatingKVCache, QuantizedRotatingKVCache):
+        return cache.offset == n
+    return isinstance(cache, ArraysCache)
+
+
+def prefix_bytes(caches: list, n: int) -> int:
+    """Bytes of an entry of ``n`` tokens: full-attention layers scale with n, snapshots are whole."""
+    total = 0
+    for c in caches:
+        if type(c) in kv_spans.SPAN_CLASSES:
+            total += sum(a.nbytes // a.shape[-2] * n for a in kv_spans.arrays((c.keys, c.values)))
+        else:
+            total += kv_spans.nbytes(kv_spans.snapshot_arrays(c))
+    return total
