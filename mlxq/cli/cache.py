@@ -7,9 +7,12 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from mlxq.store.mlxkv import EntryHeader
 
 app = typer.Typer(no_args_is_help=True, help="Inspect, verify and prune .mlxkv files; flush a live server.")
 
@@ -22,7 +25,7 @@ class _File:
     fingerprint: str  # the directory name: <model fingerprint>-<kv scheme>
     bytes: int
     mtime: float
-    header: object | None = None  # mlxkv.EntryHeader when readable
+    header: EntryHeader | None = None  # when readable
     problem: str | None = None
 
 

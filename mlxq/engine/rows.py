@@ -11,6 +11,7 @@ neighbours do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -26,7 +27,7 @@ from mlxq.engine.types import Request
 class Row:
     request: Request
     output: RequestOutput
-    sampler: object  # logprobs [1, V] -> token [1]; keyed (logprobs, key) when key is set
+    sampler: Callable[..., mx.array]  # logprobs [1, V] -> token [1]; keyed (logprobs, key) when key is set
     processors: list  # mlx-lm logits processors
     key: mx.array | None  # this row's PRNG state (seeded rows only)
     history: mx.array | None = None  # tokens the processors see; None when there are none

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -51,6 +52,9 @@ from mlxq.kv.projection import KvFootprint
 from mlxq.kv.scheme import NATIVE, KvScheme
 from mlxq.store.prefix import common_prefix
 from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS, is_trimmable
+
+if TYPE_CHECKING:
+    from mlxq.store.cold_tier import PendingRestore
 
 log = logging.getLogger("mlxq.scheduler")
 
@@ -84,7 +88,7 @@ class _Joiner:
     leader: _Joiner | None = None  # prefilling the prefix this joiner shares: wait for it, then take
     wait_until: int = 0  # the leader's ``done`` at which the shared prefix is in the prompt cache
     followers: int = 0  # joiners waiting on this one
-    restore: object | None = None  # store.cold_tier.PendingRestore: reading a longer prefix from disk
+    restore: PendingRestore | None = None  # reading a longer prefix from disk
     resumed: bool = False  # a preempted row recomputing its KV: its usage keeps its first cached count
 
     def start_from(self, caches: list, cached: int) -> None:

@@ -8,9 +8,13 @@ and a renderer only decides what the client's wire format looks like.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mlxq.engine.types import FinishReason, TokenEvent, TopLogprob, Usage
 from mlxq.server.tools import ToolCall, make_splitter
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class Step:
 class Accumulator:
     """Folds a request's TokenEvents in; ``tools`` set means tool calls are parsed out of the text."""
 
-    tokenizer: object
+    tokenizer: TokenizerWrapper
     tools: list | None = None
     want_logprobs: bool = False
     text: str = ""

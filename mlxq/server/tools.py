@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -36,7 +37,7 @@ class ToolCall:
 class ToolCallSplitter:
     start: str  # e.g. "<tool_call>"
     end: str  # e.g. "</tool_call>"
-    parse: object  # mlx-lm parse_tool_call(text, tools) -> dict
+    parse: Callable[[str, list | None], dict]  # mlx-lm's parse_tool_call(text, tools)
     tools: list | None
     _buffer: str = ""
 

@@ -34,7 +34,7 @@ from mlxq.store.layout import layout_of
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
-from mlxq.store.ssd_store import SsdStore
+from mlxq.store.ssd_store import IndexEntry, SsdStore
 
 log = logging.getLogger("mlxq.ssd")
 
@@ -63,7 +63,7 @@ def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_n
 class PendingRestore:
     """A restore in progress: one tensor per engine step (so decoding rows never wait for all of it)."""
 
-    index_entry: object  # ssd_store.IndexEntry
+    index_entry: IndexEntry
     n: int  # prompt tokens it will serve
     namespace: str
     steps: Iterator[None]

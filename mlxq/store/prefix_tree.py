@@ -25,8 +25,12 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mlxq.store.kv_spans import Span, nbytes, snapshot_nbytes, split_span
+
+if TYPE_CHECKING:
+    from mlxq.store.entries import TreeEntry
 
 _ticks = itertools.count(1)
 
@@ -40,7 +44,7 @@ class Node:
     children: dict[int, Node] = field(default_factory=dict)  # by first token
     snapshot: list | None = None  # per layer: ring / recurrent state at this node's end (None on span layers)
     pins: int = 0  # running rows and lent entries that need this node kept
-    mark: object = None  # the logical entry ending here (prompt_cache.TreeEntry), if any
+    mark: TreeEntry | None = None  # the logical entry ending here, if any
     tick: int = 0  # LRU order
     last_used: float = field(default_factory=time.monotonic)
     in_tree: bool = True
