@@ -63,8 +63,8 @@ def run_serial(
     With a ``prompt_cache`` (store.PromptCache), the prefill starts after the
     longest cached prefix and the caches are stored again when the request
     ends. Logits processors (penalties) see the whole prompt either way:
-    mlx-lm's loop only sees the tokens it prefills, so the cached prefix is
-    prefills.
+    mlx-lm's loop only sees the tokens it prefills, so each processor is
+    wrapped to see the cached prefix first (``_with_prefix``).
     """
     if request.params.seed is not None:
         mx.random.seed(request.params.seed)

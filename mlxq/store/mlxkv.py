@@ -59,7 +59,7 @@ class Identity:
     """What a file must match to be served: the model and the KV representation."""
 
     fingerprint: str  # model weights + config + tokenizer + runtime (store.fingerprint)
-    kv_scheme: str  # how KV is represented ("native" until quantized schemes exist)
+    kv_scheme: str  # how KV is represented: "native" (the model's own caches) or a --kv-quant scheme's key
     namespace: str  # prompt-cache partition (adapter)
 
     @property
