@@ -18,7 +18,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from mlxq.engine.engine import Engine
-from mlxq.engine.types import Request, TokenEvent
+from mlxq.engine.types import FinishReason, Request, TokenEvent
 
 
 class EventDispatcher:
@@ -57,6 +57,45 @@ def dispatcher_for(loop: asyncio.AbstractEventLoop) -> EventDispatcher:
     return _dispatchers[loop]
 
 
+class OpenStreams:
+    """Every request whose events a client is still reading, so a shutdown can end them properly.
+
+    At the shutdown deadline (or a second Ctrl-C) each gets an error event as its last
+    event: the route renders it in its protocol's shape (an SSE error, then the stream's
+    end) and returns, so the connection closes cleanly instead of being cut."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue, request: Request) -> None:
+        with self._lock:
+            self._open[request.request_id] = (loop, events, request)
+
+    def remove(self, request: Request) -> None:
+        with self._lock:
+            self._open.pop(request.request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def end_all(self, message: str) -> int:
+        """Any thread: end every open stream with an error event, then cancel its engine request."""
+        with self._lock:
+            streams = list(self._open.values())
+        for loop, events, request in streams:
+            final = TokenEvent(request.request_id, finish_reason=FinishReason.ERROR, error=message)
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, final)
+            except RuntimeError:  # the loop is closed: nobody is reading
+                pass
+            request.cancel()  # its engine-side CANCELLED event arrives after the error, unread
+        return len(streams)
+
+
+open_streams = OpenStreams()
+
+
 async def stream_events(
     engine: Engine, request: Request, is_disconnected: Callable[[], Awaitable[bool]] | None = None
 ) -> AsyncIterator[TokenEvent]:
@@ -85,6 +124,7 @@ async def stream_event_batches(
             request.cancel()
 
     engine.submit(request, emit)
+    open_streams.add(asyncio.get_running_loop(), events, request)
     try:
         while True:
             if is_disconnected is None:
@@ -101,6 +141,7 @@ async def stream_event_batches(
             if event.finish_reason is not None:
                 return
     finally:
+        open_streams.remove(request)
         request.cancel()  # a no-op when it already finished
 
 

@@ -3,7 +3,8 @@
 Lifecycle (uvicorn's own CLI -> Config -> Server split): the engine starts
 in the app's lifespan and loads the model on its own thread, so /health
 answers 503 "loading" until it is ready; on SIGINT/SIGTERM uvicorn stops
-accepting, finishes open responses, and the lifespan stops the engine.
+accepting, gives open responses --shutdown-timeout to finish (server/shutdown.py), and
+the lifespan flushes the SSD tier and stops the engine.
 """
 
 from __future__ import annotations
@@ -28,23 +29,11 @@ from mlxq.server.app import build_app
 from mlxq.server.config import ServerConfig
 from mlxq.server.connections import connection_cap, deadline_protocol
 from mlxq.server.log_setup import configure_logging
+from mlxq.server.shutdown import Server
 from mlxq.server.state import ServerState
 from mlxq.store.ssd_lock import SsdLock
 
 log = logging.getLogger("mlxq.server")
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, except that a handled SIGINT/SIGTERM ends the process with exit 0.
-
-    uvicorn re-raises the captured signal after its graceful shutdown, so the
-    process would die "by signal" even though nothing was lost. A drained,
-    orderly stop is a success; we forget the signal once it is handled.
-    """
-
-    def handle_exit(self, sig, frame) -> None:
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()
 
 
 class PortInUseError(ValueError):
@@ -103,9 +92,10 @@ def serve(config: ServerConfig) -> None:
     lock = SsdLock(Path(config.ssd.directory)).acquire() if config.ssd is not None else None  # held until exit
     state = make_state(config)
     app = build_app(state)
-    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                    log_config=None, access_log=False,  # mlxq logs each request once
-                                    timeout_graceful_shutdown=config.shutdown_timeout_s, **_connection_limits(config)))
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                   log_config=None, access_log=False,  # mlxq logs each request once
+                                   timeout_graceful_shutdown=config.shutdown_timeout_s, **_connection_limits(config)),
+                    grace_s=config.shutdown_timeout_s)
     threading.Thread(target=_watch_model_load, args=(state, server), daemon=True).start()
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
     server.run(sockets=[listener])
