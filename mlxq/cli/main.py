@@ -8,6 +8,18 @@ from mlxq import __version__
 from mlxq.cli import bench, cache, golden, model, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Serve MLX language models.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"mlxq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Serve MLX language models."""
 app.command("serve")(serve.serve)
 app.add_typer(model.app, name="model")
 app.add_typer(golden.app, name="golden")

@@ -22,8 +22,9 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8080,
     served_model_name: Annotated[str | None, typer.Option(help="Model id reported by /v1/models.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="MLXQ_API_KEY",
-                                                   help="Require 'Authorization: Bearer KEY' "
-                                                        "(all endpoints but /health).")] = None,
+                                                   help="Require 'Authorization: Bearer KEY' or 'x-api-key: "
+                                                        "KEY' on every endpoint but /health, /ready and "
+                                                        "/dashboard.")] = None,
     allowed_origins: Annotated[str, typer.Option(help="Browser origins allowed besides loopback ones "
                                                       "(http(s)://localhost|127.0.0.1|[::1]), comma-separated; "
                                                       "'*' allows any web page.")] = "",

@@ -106,6 +106,7 @@ class SsdStore:
         """Index this fingerprint's files (headers only, or every tensor when ``verify``)."""
         self.index.clear()
         if not self.directory.is_dir():
+            log.info("SSD cache %s: empty (new); prompts are written here", self.directory)
             return
         for path in sorted(self.directory.glob("*/*")):
             if path.name.endswith(".tmp"):

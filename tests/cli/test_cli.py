@@ -135,3 +135,10 @@ def test_start_up_errors_name_the_flag_and_the_choices():
         assert "Traceback" not in result.output
     bench = runner.invoke(app, ["bench", "serving-load", "--dataset", "foo"])
     assert bench.exit_code == 2 and "shared-prefix" in bench.output
+
+
+def test_version_flag_and_command():
+    flag = runner.invoke(app, ["--version"])
+    assert flag.exit_code == 0 and flag.output.startswith("mlxq ")
+    assert runner.invoke(app, ["version"]).output.startswith(flag.output.strip())
+    assert "Usage" in runner.invoke(app, []).output  # no arguments: the help, as before

@@ -263,3 +263,11 @@ def test_n_choices_store_their_shared_prompt_once(tmp_path):
     again = tier(tmp_path)
     _, n = again.ram.take("", prompt + [7, 7])
     assert n == len(prompt)  # the one file serves the shared prompt
+
+
+def test_a_new_ssd_directory_is_announced_at_start(tmp_path, caplog):
+    """The log says the tier is on even when it starts with nothing on disk."""
+    store = SsdStore(tmp_path / "new", Identity("f" * 16, "native", ""))
+    with caplog.at_level("INFO", logger="mlxq"):
+        store.scan()
+    assert any("empty (new)" in r.getMessage() and str(tmp_path / "new") in r.getMessage() for r in caplog.records)
