@@ -20,8 +20,9 @@ from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.output import EmitFn, RequestOutput
 from mlxq.engine.sampling import make_request_processors, make_request_sampler
 from mlxq.engine.types import FinishReason, Request
+from mlxq.kv.capabilities import is_trimmable
 from mlxq.kv.scheme import NATIVE, KvScheme
-from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS, is_trimmable
+from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS
 
 
 class _Cancelled(Exception):

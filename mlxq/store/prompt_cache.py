@@ -32,9 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxq.kv.quantized import QuantizedRotatingKVCache
+from mlxq.kv.capabilities import can_cache, is_trimmable
 from mlxq.store import kv_spans
 from mlxq.store.entries import CacheEntry, TreeEntry, assemble, holds, prefix_bytes
 from mlxq.store.prefix_tree import Node, add_child, detach, match, split
@@ -63,17 +62,6 @@ class _Tree:
 
 # Snapshot a prompt boundary only when the prefix is worth a lookup.
 MIN_SNAPSHOT_TOKENS = 32
-
-
-def is_trimmable(caches: list) -> bool:
-    """Full-attention only: store at finish (any shorter prefix is servable). Else: snapshots."""
-    return all(type(c) in (KVCache, QuantizedKVCache) for c in caches)
-
-
-def can_cache(caches: list) -> bool:
-    """Cache classes the prompt cache knows how to store and lend."""
-    return all(type(c) in (KVCache, QuantizedKVCache, ArraysCache)
-               or (type(c) in (RotatingKVCache, QuantizedRotatingKVCache) and not c.keep) for c in caches)
 
 
 Key = tuple[str, tuple[int, ...]]  # (namespace, exact tokens)

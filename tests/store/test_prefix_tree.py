@@ -7,8 +7,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxq.kv.capabilities import is_spans
 from mlxq.kv.projection import measure_footprint
-from mlxq.store.kv_spans import SPAN_CLASSES
 from mlxq.store.prompt_cache import PromptCache, is_trimmable
 
 PREFIX = [(7 * i) % 200 + 3 for i in range(120)]  # a shared "system prompt"
@@ -29,7 +29,7 @@ def state_arrays(caches: list) -> list:
     """Every layer's state, full-attention layers cut to their offset: what attention reads."""
     out = []
     for c in caches:
-        if type(c) in SPAN_CLASSES:
+        if is_spans(c):
             out += [a[..., : c.offset, :] for _, a in tree_flatten((c.keys, c.values))]
         else:
             out += [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
