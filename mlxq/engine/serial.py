@@ -22,7 +22,7 @@ from mlxq.engine.sampling import make_request_processors, make_request_sampler
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.capabilities import is_trimmable
 from mlxq.kv.scheme import NATIVE, KvScheme
-from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS
+from mlxq.store.prefix import boundary_snapshot, finish_tokens, system_snapshot
 
 
 class _Cancelled(Exception):
@@ -81,8 +81,8 @@ def run_serial(
 
     snapshot = prompt_cache is not None and not is_trimmable(caches)
     start = cached
-    split = request.snapshot_at
-    if snapshot and split and cached < split < len(prompt) - 1 and split >= MIN_SNAPSHOT_TOKENS:
+    split = system_snapshot(len(prompt), request.snapshot_at, cached, trimmable=not snapshot)
+    if split is not None:
         # Prefill up to the end of the shared system prompt first and snapshot it there:
         # other agents with the same system prompt start from this entry.
         try:
@@ -98,7 +98,7 @@ def run_serial(
         if request.cancelled.is_set():
             raise _Cancelled
         boundary = start + done
-        if snapshot and done and total - done == 1 and boundary >= MIN_SNAPSHOT_TOKENS:
+        if done and total - done == 1 and boundary == boundary_snapshot(len(prompt), trimmable=not snapshot):
             # All but the last prompt token are in: the state the next turn starts from.
             prompt_cache.put(request.namespace, prompt[:boundary], caches)
 
@@ -132,7 +132,8 @@ def run_serial(
         output.finish(FinishReason.CANCELLED)
     finally:
         steps.close()
-    if prompt_cache is not None and not snapshot:
+    stored = None if prompt_cache is None else finish_tokens(prompt + output.tokens, caches)
+    if stored is not None:
         # The caches hold every token fed so far: the prompt, then the generated ones.
-        prompt_cache.put(request.namespace, (prompt + output.tokens)[: caches[0].offset], caches)
+        prompt_cache.put(request.namespace, stored, caches)
     return output

@@ -163,3 +163,30 @@ def test_an_evicted_entry_spills_whole_from_its_detached_nodes_and_restores_exac
     ColdTier(store, again)
     caches, n = again.take("", PREFIX + tail(0) + [1])
     assert n == len(PREFIX) + 12 and same_state(caches, rows[0])
+
+
+def test_a_lease_pins_the_chain_it_was_served_from_until_released(load_tiny):
+    model, _ = load_tiny("llama")
+    per_token = per_token_bytes(model)
+    pc = PromptCache(per_token * (len(PREFIX) + 2 * 12))  # the prefix and two tails
+    pc.put("", PREFIX + tail(0), prefilled(model, PREFIX + tail(0)))
+    lease = pc.lease("", PREFIX + tail(0)[:7] + [1])  # ends inside agent 0's tail node
+    assert lease.cached == len(PREFIX) + 7 and lease.held
+    assert same_state(lease.caches, prefilled(model, PREFIX + tail(0)[:7]))
+    chain = lease.chain()
+    assert [n.end for n in chain] == [len(PREFIX) + 12] and chain[-1].pins == 1
+    # What a kind referencing the shared prefix reads: the chain's spans, cut to ``cached``.
+    keys = mx.concatenate([n.spans[0][0] for n in chain], axis=-2)[..., : lease.cached, :]
+    assert mx.array_equal(keys, lease.caches[0].keys[..., : lease.cached, :]).item()
+    for agent in range(1, 5):
+        pc.put("", PREFIX + tail(agent), prefilled(model, PREFIX + tail(agent)))
+    assert pc.take("", PREFIX + tail(0) + [1])[1] == len(PREFIX) + 12  # leased: never evicted
+    assert chain[-1].pins == 1  # ``take`` alone pins nothing
+    lease.release()
+    lease.release()  # a second release does nothing
+    assert chain[-1].pins == 0
+    assert pc.take("", PREFIX + tail(4) + [1])[1] == len(PREFIX) + 12  # agent 4 is now used more recently
+    pc.put("", PREFIX + tail(5), prefilled(model, PREFIX + tail(5)))
+    assert pc.take("", PREFIX + tail(0) + [1])[1] == len(PREFIX)  # released: it ages out like the rest
+    miss = pc.lease("", [9, 9, 9])
+    assert miss.cached == 0 and miss.caches is None and not miss.held
