@@ -165,24 +165,28 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
 
     # --- one iteration ------------------------------------------------------------
     def step(self) -> None:
+        if self.joiners or self._preempted:  # else nothing to plan: a steady decode step costs no planning
+            self._plan_and_prefill()
+        if len(self.batch.rows) > 1:
+            self._shed_before_decode()
+        if self.batch.rows:
+            self._decode_or_shed()
+        if self.is_idle and self.caps.lowered:
+            self.caps.reset()
+
+    def _plan_and_prefill(self) -> None:
         preempted = [(Extent(*resumed_size(r)), r.request.cancelled.is_set()) for r in self._preempted]
-        running = self._load().running
-        self._intake(plan_intake(self.joiners.views(self._chunk_len), preempted, running, self._limits(),
-                                 self.sizing))
-        if self.joiners:
-            self.timing.interrupt()  # prefill work sits between these decode steps
+        self._intake(plan_intake(self.joiners.views(self._chunk_len), preempted, self._load().running,
+                                 self._limits(), self.sizing))
+        if not self.joiners:
+            return
+        self.timing.interrupt()  # prefill work sits between these decode steps
         self._prefill(plan_prefill(self.joiners.views(self._chunk_len), self._limits(), self.scheme.quantized))
         ready = self.joiners.take_ready()
         if ready:
             start = time.perf_counter()
             self._start_decoding(ready)
             self.phases.add_join(time.perf_counter() - start)
-        if len(self.batch) > 1:
-            self._shed_before_decode()
-        if self.batch:
-            self._decode_or_shed()
-        if self.is_idle and self.caps.lowered:
-            self.caps.reset()
 
     def _decode_or_shed(self) -> None:
         keys = [row.key for row in self.batch.rows]  # sampler state before this step, should it be redone
@@ -218,7 +222,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
         waited = time.perf_counter() - submitted
         keep = [i for i, row in enumerate(batch.rows)
                 if pending.emitted[i] or self._emit(row, tokens[i], pending.logprobs[i])]
-        done_now = [False] * len(batch)
+        done_now = [False] * len(batch.rows)
         joined = [i for i in keep if batch.rows[i].awaiting_first]
         if joined:
             # This step computed token 0 of rows that joined before it: hand it out now, not one
@@ -231,12 +235,12 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
                 if not self._emit(batch.rows[i], drawn[i], next_logprobs[i]):
                     keep.remove(i)
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
-        if len(keep) < len(batch):
+        if len(keep) < len(batch.rows):
             self._evict(keep)
         self.timing.record(start, built, submitted, waited)
         if self.timing.steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        if not batch:
+        if not batch.rows:
             self.timing.interrupt()  # the batch ran dry: the next step starts after an idle gap
 
     def _sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list]:
