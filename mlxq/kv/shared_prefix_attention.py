@@ -1,0 +1,121 @@
+"""Attention for rows that share one prefix: the prefix read once per group, merged by log-sum-exp.
+
+A group of B rows attends over [shared prefix (P keys)] + [its own tail]. The
+prefix part does not depend on the row, so all rows' queries are stacked as
+one matrix per KV head ([B * group * L, D] against the prefix's [P, D]: one
+GEMM that reads the prefix once instead of B times). Each row's tail (its
+own tokens, left-padded like mlx-lm's BatchKVCache) is attended separately
+with its mask. Each part is a *partial*: its unnormalized softmax-weighted
+values plus its running max and sum of exponentials, in float32; partials
+combine exactly (the online-softmax identity, as in FlashInfer's merge_state
+and vLLM's cascade attention). Attention sinks (gpt_oss) are one more
+partial with a logit per head and no values.
+
+The merge is float32 throughout and every partial keeps its own max: a level
+with no visible keys (a fully masked padding query) has max -inf and weighs
+exactly zero, never 0 * inf. vLLM's cascade path made itself opt-in after
+accuracy reports that came from reading LSE tensors with the wrong strides
+and from mixed-precision merges; here every partial is a fresh contiguous
+float32 array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+_NEG_INF = -float("inf")
+
+
+@dataclass(frozen=True)
+class Partial:
+    """One level's attention before normalization (all float32)."""
+
+    weighted: mx.array  # [B, Hq, L, Dv]: sum_j exp(s_j - peak) v_j
+    peak: mx.array  # [B, Hq, L, 1]: max_j s_j (-inf when no key is visible)
+    total: mx.array  # [B, Hq, L, 1]: sum_j exp(s_j - peak)
+
+
+def _stats(scores: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """exp(scores - peak), peak and total over the last axis, in float32; -inf scores weigh 0."""
+    scores = scores.astype(mx.float32)
+    peak = scores.max(axis=-1, keepdims=True)
+    safe = mx.where(peak == _NEG_INF, mx.array(0.0, mx.float32), peak)
+    weights = mx.exp(scores - safe)
+    return weights, peak, weights.sum(axis=-1, keepdims=True)
+
+
+def prefix_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> Partial:
+    """Every row's queries against one shared prefix, as one matrix per KV head.
+
+    queries [B, Hq, L, D]; keys [1, Hkv, P, D]; values [1, Hkv, P, Dv] (Hq a multiple of Hkv).
+    """
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, group * length, dim)
+    stacked = q.swapaxes(0, 1).reshape(kv_heads, batch * group * length, dim)  # [Hkv, B*G*L, D]
+    weights, peak, total = _stats(stacked @ keys[0].swapaxes(-1, -2))  # scores [Hkv, B*G*L, P]
+    weighted = (weights.astype(values.dtype) @ values[0]).astype(mx.float32)
+
+    def unstack(x):  # [Hkv, B*G*L, n] -> [B, Hq, L, n]
+        return x.reshape(kv_heads, batch, group * length, -1).swapaxes(0, 1).reshape(batch, heads, length, -1)
+
+    return Partial(unstack(weighted), unstack(peak), unstack(total))
+
+
+def tail_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                 mask: mx.array | None) -> Partial:
+    """Each row's queries against its own keys. keys [B, Hkv, T, D]; mask [B or 1, 1, L, T] bool or None."""
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, group, length, dim)
+    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, Hkv, G, L, T]
+    if mask is not None:
+        scores = mx.where(mask[:, :, None], scores, mx.array(_NEG_INF, scores.dtype))
+    weights, peak, total = _stats(scores)
+    weighted = (weights.astype(values.dtype) @ values[:, :, None]).astype(mx.float32)
+    shape = (batch, heads, length, -1)
+    return Partial(weighted.reshape(shape), peak.reshape(shape), total.reshape(shape))
+
+
+def merge(partials: list[Partial], sinks: mx.array | None = None, dtype=mx.float32) -> mx.array:
+    """softmax over the union of the partials' keys (and one sink logit per head), times values."""
+    peak = partials[0].peak
+    for p in partials[1:]:
+        peak = mx.maximum(peak, p.peak)
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, -1, 1, 1)
+        peak = mx.maximum(peak, sink)
+    weighted = total = None
+    for p in partials:
+        factor = mx.exp(p.peak - peak)  # 0 for a level whose peak is -inf
+        weighted = p.weighted * factor if weighted is None else weighted + p.weighted * factor
+        total = p.total * factor if total is None else total + p.total * factor
+    if sinks is not None:
+        total = total + mx.exp(sink - peak)
+    return (weighted / total).astype(dtype)
+
+
+def tail_mask(starts: mx.array, length: int, span: int) -> mx.array:
+    """[B, 1, L, T] bool: the last ``length`` of ``span`` tail positions see the keys from their row's start on."""
+    columns = mx.arange(span)
+    rows = mx.arange(span - length, span)[:, None]
+    visible = (rows >= columns[None, :])[None, None]
+    return visible & (columns[None, None, None, :] >= starts[:, None, None, None])
+
+
+def shared_prefix_attention(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array,
+                            tail_keys: mx.array, tail_values: mx.array, tail_starts: mx.array, scale: float,
+                            sinks: mx.array | None = None) -> mx.array:
+    """softmax(q [prefix ; tail_b]^T * scale) [prefix ; tail_b] for every row b of a group.
+
+    queries [B, Hq, L, D] are the last L positions of each row's tail; prefix_* [1, Hkv, P, D*];
+    tail_* [B, Hkv, T, D*], row b's own keys being tail[b, :, tail_starts[b]:] (left padding before).
+    """
+    length, span = queries.shape[2], tail_keys.shape[2]
+    parts = [prefix_partial(queries, prefix_keys, prefix_values, scale),
+             tail_partial(queries, tail_keys, tail_values, scale, tail_mask(tail_starts, length, span))]
+    return merge(parts, sinks, queries.dtype)

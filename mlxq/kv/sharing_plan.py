@@ -1,0 +1,103 @@
+"""Which layers of a model can read a shared prefix once per group, and the group's caches.
+
+``plan_sharing(model)`` decides once per model, as plain data: a layer
+shares when its cache is a plain full-attention ``KVCache`` *and* a probe
+forward shows its attention arrives at the routing seam with the keys the
+cache handed out. Everything else keeps per-row caches, as the batch lane
+has them today:
+
+- sliding-window layers (rings: each row's window is its own),
+- recurrent layers (per-row state),
+- quantized layers (``--kv-quant``: mlx-lm's quantized attention has no
+  partial/merge form here yet),
+- and the whole model when any full-attention layer computes attention by
+  hand (it would see the tail alone): ``declined`` names why.
+
+``share_prefix(plan, rows, prefix_length)`` then builds one batched cache
+list for rows that begin with the same ``prefix_length`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from mlxq.kv import attention_route
+from mlxq.kv.batch_ops import merge_solo_rows
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
+
+
+@dataclass(frozen=True)
+class SharingPlan:
+    shared: tuple[bool, ...]  # per layer: the prefix is read once for the whole group
+    declined: str | None  # why no layer shares (None when at least one does)
+
+    @property
+    def can_share(self) -> bool:
+        return self.declined is None
+
+
+class _Probe(SharedPrefixBatchCache):
+    """Records whether the model's attention for this layer came through the seam unchanged."""
+
+    def __init__(self):
+        super().__init__(mx.zeros((1, 1, 1, 1)), mx.zeros((1, 1, 1, 1)), BatchKVCache([0]))
+        self.routed = False
+
+    def attend(self, queries, keys, values, scale, sinks=None):
+        self.routed = self.routed or self.fetched(keys)
+        return mx.zeros((*queries.shape[:-1], values.shape[-1]), queries.dtype)
+
+
+def plan_sharing(model) -> SharingPlan:
+    """Probe ``model`` once (one traced token, nothing evaluated) and decide per layer."""
+    caches = make_prompt_cache(model)
+    candidates = [type(c) is KVCache for c in caches]
+    if not any(candidates):
+        return SharingPlan(tuple(candidates), "no full-attention KVCache layer")
+    probes = [_Probe() if share else cache for share, cache in zip(candidates, caches, strict=True)]
+    attention_route.install()
+    model(mx.array([[0]]), cache=probes)
+    bypassed = [i for i, p in enumerate(probes) if isinstance(p, _Probe) and not p.routed]
+    if bypassed:
+        return SharingPlan((False,) * len(caches),
+                           f"layers {bypassed} compute attention outside mlx-lm's scaled_dot_product_attention")
+    return SharingPlan(tuple(candidates), None)
+
+
+def _layer_shares(plan: SharingPlan, layer: int, column: list) -> bool:
+    return plan.can_share and plan.shared[layer] and all(type(c) is KVCache for c in column)
+
+
+def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
+                 prefix: list[tuple[mx.array, mx.array] | None] | None = None) -> list:
+    """Per layer, one batched cache for ``rows`` (solo cache lists whose first ``prefix_length``
+    tokens are the same): shared layers reference the prefix once (``prefix[layer]`` as
+    ([1, Hkv, P, D] keys, values), e.g. a prompt-cache node chain's spans, else row 0's own
+    view) plus each row's tail; the other layers merge per-row caches as the batch lane does."""
+    if prefix_length <= 0:
+        raise ValueError("a shared prefix has at least one token")
+    out = []
+    for layer in range(len(rows[0])):
+        column = [row[layer] for row in rows]
+        if not _layer_shares(plan, layer, column):
+            out.append(merge_solo_rows([[c] for c in column])[0])
+            continue
+        if any(c.offset < prefix_length for c in column):
+            raise ValueError(f"layer {layer}: a row holds fewer than {prefix_length} tokens")
+        keys, values = (prefix[layer] if prefix is not None and prefix[layer] is not None else
+                        (column[0].keys[:, :, :prefix_length], column[0].values[:, :, :prefix_length]))
+        out.append(SharedPrefixBatchCache.from_tails(keys, values, [_tail(c, prefix_length) for c in column]))
+    return out
+
+
+def _tail(cache: KVCache, prefix_length: int) -> KVCache:
+    """A row's own tokens after the prefix, as a solo cache (a view of its arrays)."""
+    tail = KVCache()
+    if cache.offset > prefix_length:
+        tail.keys = cache.keys[:, :, prefix_length:cache.offset]
+        tail.values = cache.values[:, :, prefix_length:cache.offset]
+        tail.offset = cache.offset - prefix_length
+    return tail
