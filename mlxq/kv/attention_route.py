@@ -22,7 +22,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base
 
-from mlxq.kv import cuda_attention
+from mlxq.kv import cuda_attention, shared_prefix_kernel
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 _mlx_lm_attention = base.scaled_dot_product_attention
@@ -49,7 +49,9 @@ def _model_modules():
 def install() -> None:
     """Route every loaded mlx-lm model module's attention through ``route`` (idempotent).
 
-    Call after the model is loaded: its module must already be imported."""
+    Call after the model is loaded: its module must already be imported. On CUDA this also
+    turns on the shared-prefix decode kernel once its self-check passes."""
+    shared_prefix_kernel.enable()
     for module in _model_modules():
         if module.scaled_dot_product_attention in (_mlx_lm_attention, cuda_attention.route):
             module.scaled_dot_product_attention = route
