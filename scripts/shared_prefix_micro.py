@@ -12,12 +12,14 @@ One decode step (one query per row) of one attention layer, for each case
   batch lane runs on CUDA today; CUDA only);
 - ``shared_ops``: kv/shared_prefix_attention.py as plain MLX operations;
 - ``shared_compiled``: the same under ``mx.compile`` (fewer launches);
-- ``shared_kernel``: kv/shared_prefix_kernel.py, one CUDA kernel (CUDA only).
+- ``shared_full``: kv/shared_prefix_kernel.py, one CUDA kernel (CUDA only);
+- ``shared_split``: kv/tail_merge_kernel.py, prefix GEMMs + one kernel for
+  the tails and the merge (CUDA only).
 
 Each timing is the mean of ``reps`` calls evaluated together after one
-warm-up; ``diff`` / ``kernel_diff`` are the plain path's / the kernel's max
-|difference| to ``copies_masked``. On CUDA the kernel's float32 self-check
-against the plain path is printed first.
+warm-up; ``diff`` / ``full_diff`` / ``split_diff`` are each path's max
+|difference| to ``copies_masked``. On CUDA the kernels' self-checks against
+the plain path (float32, bf16) are printed first.
 Tails are left-padded with per-row starts spread over 0..own/2 (rows of a
 batch differ in length).
 """
@@ -31,8 +33,8 @@ from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 
+from mlxq.kv import shared_prefix_decode
 from mlxq.kv.shared_prefix_attention import shared_prefix_attention
-from mlxq.kv.shared_prefix_kernel import self_check, shared_prefix_decode
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class Shape:
 
 SHAPES = {
     "8b": Shape(32, 8, 128, "bfloat16",
-                ((64, 2048, 300), (64, 16384, 300), (16, 12288, 300), (8, 2048, 300), (64, 0, 2048)), 20),
+                ((64, 2048, 300), (64, 16384, 300), (16, 12288, 300), (8, 2048, 300), (64, 0, 2048),
+                 (4, 2048, 300), (16, 2048, 300), (32, 2048, 300), (64, 512, 300), (16, 512, 300)), 20),
     "cpu": Shape(8, 4, 64, "float32",
                  ((16, 512, 64), (16, 2048, 64), (4, 1536, 64), (2, 512, 64), (16, 0, 512)), 5),
     "smoke": Shape(4, 2, 64, "float32", ((4, 64, 8), (2, 0, 16)), 1),  # tests/test_scripts.py
@@ -64,9 +67,11 @@ class Row:
     copies_kernel_ms: float | None
     shared_ops_ms: float | None
     shared_compiled_ms: float | None
-    shared_kernel_ms: float | None
+    shared_full_ms: float | None
+    shared_split_ms: float | None
     diff: float | None  # plain shared path vs copies_masked, max abs
-    kernel_diff: float | None  # shared kernel vs copies_masked, max abs
+    full_diff: float | None
+    split_diff: float | None
 
 
 def timed(fn, reps: int) -> float:
@@ -98,7 +103,8 @@ def measure(shape: Shape, rows: int, prefix: int, own: int) -> Row:
     mask = (mx.arange(prefix + own)[None, :] >= starts[:, None])[:, None, None, :]
     mx.eval(q, keys, values, mask, tail_k, tail_v)
     masked = timed(lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask), shape.reps)
-    kernel = ops = compiled = diff = shared_kernel = kernel_diff = None
+    kernel = ops = compiled = diff = None
+    paths: dict[str, tuple[float, float]] = {}
     if mx.cuda.is_available():
         from mlxq.kv.decode_kernel import masked_decode_attention
 
@@ -114,14 +120,16 @@ def measure(shape: Shape, rows: int, prefix: int, own: int) -> Row:
         compiled = timed(lambda: fused(q, pk, pv, tail_k, tail_v, starts, scale), shape.reps)
         want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
         diff = mx.abs(shared().astype(mx.float32) - want.astype(mx.float32)).max().item()
-        if mx.cuda.is_available():
-            def kernel_call():
-                return shared_prefix_decode(q, pk, pv, tail_k, tail_v, starts, scale)
-
-            shared_kernel = timed(kernel_call, shape.reps)
-            kernel_diff = mx.abs(kernel_call().astype(mx.float32) - want.astype(mx.float32)).max().item()
+        for path in ("full", "split") if mx.cuda.is_available() else ():
+            with shared_prefix_decode.forced(path):
+                got = shared_prefix_decode.attention(q, pk, pv, tail_k, tail_v, starts, scale)
+                paths[path] = (timed(lambda: shared_prefix_decode.attention(  # noqa: B023
+                    q, pk, pv, tail_k, tail_v, starts, scale), shape.reps),
+                    mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
     kv_mb = (keys.nbytes + values.nbytes) / 1e6
-    return Row(rows, prefix, own, round(kv_mb, 1), masked, kernel, ops, compiled, shared_kernel, diff, kernel_diff)
+    full, split = paths.get("full", (None, None)), paths.get("split", (None, None))
+    return Row(rows, prefix, own, round(kv_mb, 1), masked, kernel, ops, compiled, full[0], split[0], diff,
+               full[1], split[1])
 
 
 def float32_check() -> float:
@@ -152,8 +160,9 @@ def main() -> None:
     print(f"float32 max |shared - copies|: {check:.3g}", flush=True)
     kernel_check = None
     if mx.cuda.is_available():
-        kernel_check = {"float32": self_check(mx.float32), "bfloat16": self_check(mx.bfloat16)}
-        print(f"shared-prefix kernel self-check (max |kernel - plain|): {kernel_check}", flush=True)
+        kernel_check = {"float32": shared_prefix_decode.self_check(mx.float32),
+                        "bfloat16": shared_prefix_decode.self_check(mx.bfloat16)}
+        print(f"shared-prefix kernels' self-checks (max |kernel - plain|): {kernel_check}", flush=True)
     out = []
     for rows, prefix, own in shape.cases:
         row = measure(shape, rows, prefix, own)

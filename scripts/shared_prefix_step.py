@@ -12,7 +12,8 @@ decode steps of the whole model are timed for:
   (today's batch lane; on CUDA its decode attention is mlxq's decode
   kernel), skipped when the copies would not fit in ``--max-copies-gb``;
 - ``shared_ops``: SharedPrefixBatchCache with the plain-operations path;
-- ``shared_kernel``: the same with kv/shared_prefix_kernel.py (CUDA only).
+- ``shared_full`` / ``shared_split``: the same with each CUDA path of
+  kv/shared_prefix_decode.py (CUDA only).
 
 Also: the first step's max logit difference of each shared path to the
 copies (bf16 rounding carried through the layers on the GPU).
@@ -27,7 +28,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from mlxq.kv import attention_route, cuda_attention, shared_prefix_kernel
+from mlxq.kv import attention_route, cuda_attention, shared_prefix_decode
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 
@@ -92,15 +93,15 @@ def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb) -> dict:
     if result["copies_gb"] <= max_copies_gb:
         result["copies_ms"], reference = time_steps(model, caches_for(prefix_cache, rows, own, False), rows, steps)
         mx.clear_cache()
-    modes = [("shared_ops", False)] + ([("shared_kernel", True)] if shared_prefix_kernel.is_enabled() else [])
-    for name, kernel_on in modes:
-        shared_prefix_kernel._enabled = kernel_on
-        ms, logits = time_steps(model, caches_for(prefix_cache, rows, own, True), rows, steps)
+    paths = ("ops", "full", "split") if shared_prefix_decode.is_enabled() else ("ops",)
+    for path in paths:
+        name = f"shared_{path}"
+        with shared_prefix_decode.forced(path):
+            ms, logits = time_steps(model, caches_for(prefix_cache, rows, own, True), rows, steps)
         result[f"{name}_ms"] = ms
         if reference is not None:
             result[f"{name}_logit_diff"] = mx.abs(logits - reference).max().item()
         mx.clear_cache()
-    shared_prefix_kernel._enabled = any(k for _, k in modes)
     for key in [k for k in result if k.endswith("_ms")]:
         result[key.replace("_ms", "_tok_s")] = rows * 1000 / result[key]
     return result

@@ -22,7 +22,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base
 
-from mlxq.kv import cuda_attention, shared_prefix_kernel
+from mlxq.kv import cuda_attention, shared_prefix_decode
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 _mlx_lm_attention = base.scaled_dot_product_attention
@@ -50,8 +50,8 @@ def install() -> None:
     """Route every loaded mlx-lm model module's attention through ``route`` (idempotent).
 
     Call after the model is loaded: its module must already be imported. On CUDA this also
-    turns on the shared-prefix decode kernel once its self-check passes."""
-    shared_prefix_kernel.enable()
+    turns on the shared-prefix decode kernels once their self-checks pass."""
+    shared_prefix_decode.enable()
     for module in _model_modules():
         if module.scaled_dot_product_attention in (_mlx_lm_attention, cuda_attention.route):
             module.scaled_dot_product_attention = route

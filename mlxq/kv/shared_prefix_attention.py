@@ -37,32 +37,43 @@ class Partial:
     total: mx.array  # [B, Hq, L, 1]: sum_j exp(s_j - peak)
 
 
-def _stats(scores: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """exp(scores - peak), peak and total over the last axis, in float32; -inf scores weigh 0."""
+def _stats(scores: mx.array, guard: bool = True) -> tuple[mx.array, mx.array, mx.array]:
+    """exp(scores - peak), peak and total over the last axis, in float32; -inf scores weigh 0.
+
+    ``guard=False`` when every row has a visible key (a prefix): its peak is finite."""
     scores = scores.astype(mx.float32)
     peak = scores.max(axis=-1, keepdims=True)
-    safe = mx.where(peak == _NEG_INF, mx.array(0.0, mx.float32), peak)
+    safe = mx.where(peak == _NEG_INF, mx.array(0.0, mx.float32), peak) if guard else peak
     weights = mx.exp(scores - safe)
     return weights, peak, weights.sum(axis=-1, keepdims=True)
 
 
-def prefix_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> Partial:
+def stacked_prefix_stats(queries: mx.array, keys: mx.array, values: mx.array,
+                         scale: float) -> tuple[mx.array, mx.array, mx.array]:
     """Every row's queries against one shared prefix, as one matrix per KV head.
 
     queries [B, Hq, L, D]; keys [1, Hkv, P, D]; values [1, Hkv, P, Dv] (Hq a multiple of Hkv).
+    Returns (weighted, peak, total) in the stacked layout [Hkv, B * group * L, Dv or 1], row
+    b's head h = kv * group + i at position L at index (kv, (b * group + i) * L + position).
     """
     batch, heads, length, dim = queries.shape
     kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, group * length, dim)
-    stacked = q.swapaxes(0, 1).reshape(kv_heads, batch * group * length, dim)  # [Hkv, B*G*L, D]
-    weights, peak, total = _stats(stacked @ keys[0].swapaxes(-1, -2))  # scores [Hkv, B*G*L, P]
+    q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, heads // kv_heads * length, dim)
+    stacked = q.swapaxes(0, 1).reshape(kv_heads, -1, dim)  # [Hkv, B*G*L, D]
+    weights, peak, total = _stats(stacked @ keys[0].swapaxes(-1, -2), guard=False)  # scores [Hkv, B*G*L, P]
     weighted = (weights.astype(values.dtype) @ values[0]).astype(mx.float32)
+    return weighted, peak, total
+
+
+def prefix_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> Partial:
+    """``stacked_prefix_stats`` in the rows' own layout [B, Hq, L, n]."""
+    batch, heads, length, _ = queries.shape
+    kv_heads = keys.shape[1]
 
     def unstack(x):  # [Hkv, B*G*L, n] -> [B, Hq, L, n]
-        return x.reshape(kv_heads, batch, group * length, -1).swapaxes(0, 1).reshape(batch, heads, length, -1)
+        return x.reshape(kv_heads, batch, -1, x.shape[-1]).swapaxes(0, 1).reshape(batch, heads, length, -1)
 
-    return Partial(unstack(weighted), unstack(peak), unstack(total))
+    return Partial(*(unstack(x) for x in stacked_prefix_stats(queries, keys, values, scale)))
 
 
 def tail_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float,

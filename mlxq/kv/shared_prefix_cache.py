@@ -25,8 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache
 
-from mlxq.kv import shared_prefix_kernel
-from mlxq.kv.shared_prefix_attention import shared_prefix_attention
+from mlxq.kv import shared_prefix_decode
 
 
 class PrefixMismatch(ValueError):
@@ -72,10 +71,8 @@ class SharedPrefixBatchCache(_BaseCache):
         """Attention of the rows' queries over [prefix ; own tail]; ``keys``/``values`` are the fetched tail."""
         if not self.fetched(keys):
             raise ValueError("shared-prefix attention needs the keys update_and_fetch returned, unchanged")
-        args = (queries, self.prefix_keys, self.prefix_values, keys, values, self.tail.left_padding, scale, sinks)
-        if shared_prefix_kernel.is_enabled() and shared_prefix_kernel.can_run(queries, self.prefix_keys, keys, values):
-            return shared_prefix_kernel.shared_prefix_decode(*args)
-        return shared_prefix_attention(*args)
+        return shared_prefix_decode.attention(queries, self.prefix_keys, self.prefix_values, keys, values,
+                                              self.tail.left_padding, scale, sinks)
 
     def prepare(self, **kwargs):
         self.tail.prepare(**kwargs)

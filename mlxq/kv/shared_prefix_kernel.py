@@ -1,8 +1,8 @@
 """One-query shared-prefix attention as one CUDA kernel (the decode step of a group).
 
 The plain-operations path (kv/shared_prefix_attention.py) stacks the rows'
-queries into one GEMM per KV head, then merges partials: ~25 launches per
-layer, which bound it at small groups. This kernel is kv/decode_kernel.py's
+queries into one GEMM per KV head, then merges partials: ~55 operations per
+layer, whose launches bound it at small groups. This kernel is kv/decode_kernel.py's
 shape with two key segments: one block per (row, query head), 32 warps
 striding first over the shared prefix (the same device pointer for every
 row: no per-row copy exists) and then over the row's own tail from its
@@ -13,28 +13,25 @@ registers and in the epilogue's combine across warps; a sink logit per head
 Blocks are laid out rows-fastest (blockIdx.x = row), so the blocks resident
 together are every row of the same heads and read the same prefix slice:
 the prefix comes from device memory about once and from L2 for the other
-rows (a 2k-token prefix of one KV head is 1 MB in bf16). The CUDA backend
-runs it only after ``self_check`` agrees with the plain path.
+rows (a 2k-token prefix of one KV head is 1 MB in bf16). But each block
+still does the prefix's multiply-adds key by key: measured on the H200 it
+costs what per-row copies cost at 64 rows, and wins only for small groups,
+where launches dominate. kv/shared_prefix_decode.py picks the path.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import mlx.core as mx
-
-log = logging.getLogger("mlxq.kv")
 
 HEAD_DIMS = (64, 128, 256)
 _WARPS = 32
 
-_HEADER = """
+HEADER = """
 #define NEG_INF __int_as_float(0xff800000)
 """
 
 # Accumulates key j of a segment into this warp's running (m, total, o).
-_STEP = """
+KEY_STEP = """
         {
             float score = 0.0f;
             for (int i = 0; i < E; i++) {
@@ -115,7 +112,7 @@ _SOURCE = """
         }
         out[((int64_t)b * heads + h) * D + t] = static_cast<T>(acc / denom);
     }
-""".replace("STEP", _STEP)
+""".replace("STEP", KEY_STEP)
 
 _kernel = None
 _scales: dict[float, mx.array] = {}
@@ -139,7 +136,7 @@ def shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_va
             name="mlxq_shared_prefix_decode",
             input_names=["queries", "prefix_keys", "prefix_values", "tail_keys", "tail_values", "starts",
                          "scale", "sinks"],
-            output_names=["out"], source=_SOURCE, header=_HEADER, ensure_row_contiguous=False)
+            output_names=["out"], source=_SOURCE, header=HEADER, ensure_row_contiguous=False)
         _NO_SINKS = mx.zeros((1,), mx.float32)
     if scale not in _scales:
         _scales[scale] = mx.array([scale], mx.float32)
@@ -155,44 +152,3 @@ def shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_va
         output_dtypes=[queries.dtype],
     )[0]
 
-
-def self_check(dtype=mx.bfloat16) -> float:
-    """Max |kernel - plain path| on a random group with padding and sinks, tails as strided views."""
-    from mlxq.kv.shared_prefix_attention import shared_prefix_attention
-
-    rows, heads, kv_heads, prefix, own, dim = 6, 8, 2, 333, 40, 128
-    q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
-    pk, pv = (mx.random.normal((1, kv_heads, prefix, dim)).astype(dtype) for _ in range(2))
-    buffer = mx.random.normal((2, rows, kv_heads, own + 24, dim)).astype(dtype)
-    tk, tv = buffer[0, :, :, :own], buffer[1, :, :, :own]
-    starts = mx.array([0, 1, 17, 39, 5, 20])
-    worst = 0.0
-    for sinks in (None, mx.random.normal((heads,))):
-        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks).astype(mx.float32)
-        got = shared_prefix_decode(q, pk, pv, tk, tv, starts, dim**-0.5, sinks).astype(mx.float32)
-        worst = max(worst, mx.abs(got - want).max().item())
-    return worst
-
-
-_enabled = False
-
-
-def enable() -> bool:
-    """Run the kernel for one-query group steps from now on, if CUDA is here and its self-check
-    agrees with the plain path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx``
-    keeps the plain path."""
-    global _enabled
-    if not _enabled and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
-        try:
-            error = self_check()
-        except Exception as exc:  # no compiler, an unsupported GPU: the plain path stays
-            log.warning("shared-prefix kernel unavailable (%s: %s)", type(exc).__name__, exc)
-            return False
-        _enabled = error < 2e-2
-        if not _enabled:
-            log.warning("shared-prefix kernel disagrees with the plain path (max diff %g)", error)
-    return _enabled
-
-
-def is_enabled() -> bool:
-    return _enabled

@@ -1,0 +1,103 @@
+"""Which implementation runs a shared-prefix group's attention, decided per call from plain data.
+
+- ``ops``: kv/shared_prefix_attention.py, plain MLX operations (every
+  backend; prefill chunks of a group and anything the kernels do not take);
+- ``full``: kv/shared_prefix_kernel.py, one CUDA kernel per layer (small
+  groups, where the plain path's launches dominate);
+- ``split``: kv/tail_merge_kernel.py, the prefix as stacked GEMMs plus one
+  CUDA kernel for the tails and the merge (larger groups).
+
+The kernels run only on CUDA, only after ``enable()``'s self-check agrees
+with the plain path, and only for one query per row with a head width they
+have. FULL_KERNEL_MAX_ROWS comes from the H200 measurements in
+docs/benchmarks.md ("H200: shared-prefix attention per layer").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import mlx.core as mx
+
+from mlxq.kv import shared_prefix_kernel, tail_merge_kernel
+from mlxq.kv.shared_prefix_attention import shared_prefix_attention
+
+log = logging.getLogger("mlxq.kv")
+
+FULL_KERNEL_MAX_ROWS = 8  # up to this many rows one kernel beats the split path's launches
+PATHS = ("ops", "full", "split")
+
+_enabled = False
+_forced: str | None = None  # set by ``forced`` (benchmarks, tests)
+
+
+def choose(queries: mx.array, prefix_keys: mx.array, tail_keys: mx.array, tail_values: mx.array) -> str:
+    if _forced is not None:
+        return _forced
+    if not _enabled or not shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys, tail_values):
+        return "ops"
+    return "full" if queries.shape[0] <= FULL_KERNEL_MAX_ROWS else "split"
+
+
+def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
+              sinks: mx.array | None = None) -> mx.array:
+    args = (queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale, sinks)
+    path = choose(queries, prefix_keys, tail_keys, tail_values)
+    if path == "full":
+        return shared_prefix_kernel.shared_prefix_decode(*args)
+    if path == "split":
+        return tail_merge_kernel.split_shared_prefix_decode(*args)
+    return shared_prefix_attention(*args)
+
+
+@contextlib.contextmanager
+def forced(path: str):
+    """Within: every call takes ``path`` (which must be able to run it)."""
+    global _forced
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
+    _forced = path
+    try:
+        yield
+    finally:
+        _forced = None
+
+
+def self_check(dtype=mx.bfloat16) -> dict[str, float]:
+    """Max |kernel - plain path| per kernel on a random group with padding and sinks, tails as strided views."""
+    rows, heads, kv_heads, prefix, own, dim = 6, 8, 2, 333, 40, 128
+    q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
+    pk, pv = (mx.random.normal((1, kv_heads, prefix, dim)).astype(dtype) for _ in range(2))
+    buffer = mx.random.normal((2, rows, kv_heads, own + 24, dim)).astype(dtype)
+    tk, tv = buffer[0, :, :, :own], buffer[1, :, :, :own]
+    starts = mx.array([0, 1, 17, 39, 5, 20])
+    worst = {"full": 0.0, "split": 0.0}
+    for sinks in (None, mx.random.normal((heads,))):
+        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks).astype(mx.float32)
+        for path in worst:
+            with forced(path):
+                got = attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks).astype(mx.float32)
+            worst[path] = max(worst[path], mx.abs(got - want).max().item())
+    return worst
+
+
+def enable() -> bool:
+    """Let the kernels run from now on, if CUDA is here and both self-checks agree with the plain
+    path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path."""
+    global _enabled
+    if not _enabled and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
+        try:
+            errors = self_check()
+        except Exception as exc:  # no compiler, an unsupported GPU: the plain path stays
+            log.warning("shared-prefix kernels unavailable (%s: %s)", type(exc).__name__, exc)
+            return False
+        _enabled = max(errors.values()) < 2e-2
+        if not _enabled:
+            log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
+    return _enabled
+
+
+def is_enabled() -> bool:
+    return _enabled
