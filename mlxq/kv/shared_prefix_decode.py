@@ -3,14 +3,21 @@
 - ``ops``: kv/shared_prefix_attention.py, plain MLX operations (every
   backend; prefill chunks of a group and anything the kernels do not take);
 - ``full``: kv/shared_prefix_kernel.py, one CUDA kernel per layer (small
-  groups, where the plain path's launches dominate);
+  groups, where the split path's dozen launches dominate);
 - ``split``: kv/tail_merge_kernel.py, the prefix as stacked GEMMs plus one
-  CUDA kernel for the tails and the merge (larger groups).
+  CUDA kernel for the tails and the merge (large groups).
 
 The kernels run only on CUDA, only after ``enable()``'s self-check agrees
 with the plain path, and only for one query per row with a head width they
-have. FULL_KERNEL_MAX_ROWS comes from the H200 measurements in
-docs/benchmarks.md ("H200: shared-prefix attention per layer").
+have. The thresholds come from the H200 measurements in docs/benchmarks.md
+("H200: shared-prefix attention per layer"), in group tokens (rows x prefix
+length): from 32k on the split path beats one kernel (64 x 512: 0.26 vs
+0.36 ms; 16 x 2k: 0.17 vs 0.18; 8 x 2k: 0.33 vs 0.11), and per-row copies
+through kv/decode_kernel.py beat both below it (8 x 2k: 0.10 ms; 16 x 512:
+0.07) while the split path beats the copies from it on (16 x 2k: 0.17 vs
+0.24 ms; 64 x 16k: 0.83 vs 4.34). ``worth_sharing`` is that gate, for the
+scheduler to call; on the CPU sharing measured at parity with copies
+(the exponentials, not the reads, bound it there), so it says no.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from mlxq.kv.shared_prefix_attention import shared_prefix_attention
 
 log = logging.getLogger("mlxq.kv")
 
-FULL_KERNEL_MAX_ROWS = 8  # up to this many rows one kernel beats the split path's launches
+SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path wins (H200, 8B layer)
 PATHS = ("ops", "full", "split")
 
 _enabled = False
@@ -38,7 +45,13 @@ def choose(queries: mx.array, prefix_keys: mx.array, tail_keys: mx.array, tail_v
         return _forced
     if not _enabled or not shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys, tail_values):
         return "ops"
-    return "full" if queries.shape[0] <= FULL_KERNEL_MAX_ROWS else "split"
+    return "split" if queries.shape[0] * prefix_keys.shape[2] >= SPLIT_MIN_GROUP_TOKENS else "full"
+
+
+def worth_sharing(rows: int, prefix_length: int) -> bool:
+    """Whether a decode step of ``rows`` rows on a ``prefix_length``-token prefix is faster shared
+    than over per-row copies (measured on the H200; the CPU measured no gain)."""
+    return _enabled and rows * prefix_length >= SPLIT_MIN_GROUP_TOKENS
 
 
 def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,

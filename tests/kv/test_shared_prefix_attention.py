@@ -96,3 +96,22 @@ def test_half_precision_stays_at_rounding_level(dtype, bound):
     got = shared_prefix_attention(q, pk, pv, tk, tv, starts, 0.125).astype(mx.float32)
     want = reference(*(x.astype(mx.float32) for x in (q, pk, pv, tk, tv)), starts, 0.125)
     assert mx.abs(got - want).max().item() < bound
+
+
+def test_the_path_is_decided_from_the_group_shape(monkeypatch):
+    """Plain ops wherever the kernels are off (CPU, Metal, before the CUDA self-check); with them on,
+    one kernel for small groups and prefix GEMMs + tail kernel from 32k group tokens (H200 figures)."""
+    from mlxq.kv import shared_prefix_decode as decode
+
+    def shapes(rows, prefix):
+        return mx.zeros((rows, 8, 1, 128)), mx.zeros((1, 2, prefix, 128)), mx.zeros((rows, 2, 5, 128))
+
+    q, pk, tk = shapes(8, 2048)
+    assert decode.choose(q, pk, tk, tk) == "ops" and not decode.worth_sharing(64, 16384)
+    monkeypatch.setattr(decode, "_enabled", True)
+    assert decode.choose(q, pk, tk, tk) == "full" and not decode.worth_sharing(8, 2048)
+    q, pk, tk = shapes(16, 2048)
+    assert decode.choose(q, pk, tk, tk) == "split" and decode.worth_sharing(16, 2048)
+    assert decode.choose(mx.zeros((16, 8, 2, 128)), pk, tk, tk) == "ops"  # a prefill chunk: two queries a row
+    with pytest.raises(ValueError, match="unknown path"), decode.forced("fastest"):
+        pass
