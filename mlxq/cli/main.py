@@ -20,7 +20,7 @@ def _print_version(value: bool) -> None:
 def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     """Serve MLX language models."""
-app.command("serve")(serve.serve)
+app.command("serve", epilog=serve.EXAMPLES)(serve.serve)
 app.add_typer(model.app, name="model")
 app.add_typer(golden.app, name="golden")
 app.add_typer(bench.app, name="bench")
