@@ -35,6 +35,7 @@ from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
 from mlxq.store.ssd_store import IndexEntry, SsdStore
+from mlxq.store.vanished import forget_vanished
 
 log = logging.getLogger("mlxq.ssd")
 
@@ -286,7 +287,10 @@ class ColdTier:
         self._flush_started = time.monotonic()
 
     def flush_result(self, *, timed_out: bool = False, report: bool = True) -> FlushResult:
-        """The state of durability now; ``report`` also resets the lost-since-last-flush count."""
+        """The state of durability now; ``report`` (engine thread) also resets the lost-since-last-flush count
+        and forgets files removed under the server, so only files on disk are claimed durable."""
+        if report:
+            forget_vanished(self.store.index)
         pending = len(self._dirty) + len(self._spills)
         failed = self.counters.failed - self._flush_failures_at
         lost = self._lost

@@ -1,0 +1,49 @@
+"""`mlxq cache prune` beside a running server: its flush and its shutdown line count only files on disk."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import httpx
+
+from mlxq.golden.cases import LONG
+from tests.conftest import ServerProcess
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlxq.cli.main", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def flush(url: str) -> dict:
+    done = cli("cache", "flush", "--url", url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def test_flush_and_shutdown_stop_claiming_files_a_prune_removed(tiny_model_dirs, tmp_path):
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--ssd-cache", str(tmp_path)) as server:
+        for opening in ("First", "Second"):
+            reply = httpx.post(server.url + "/v1/completions", timeout=120,
+                               json={"prompt": f"{opening}: {LONG}", "max_tokens": 4})
+            assert reply.status_code == 200, reply.text
+        before = flush(server.url)
+        assert before["durable"] is True and before["entries"] == 2
+        assert len(list(tmp_path.rglob("*.mlxkv"))) == 2
+        pruned = cli("cache", "prune", str(tmp_path), "--max-bytes", "1")
+        assert pruned.returncode == 0 and "2 files" in pruned.stdout, pruned.stdout + pruned.stderr
+        after = flush(server.url)
+        assert after["entries"] == 0 and after["longest_durable_prefix_tokens"] == 0
+        assert httpx.get(server.url + "/stats").json()["ssd_cache"]["entries"] == 0
+        # The server still serves these prompts (from RAM) and writes nothing back the operator removed.
+        again = httpx.post(server.url + "/v1/completions", json={"prompt": f"First: {LONG}", "max_tokens": 4})
+        assert again.status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        log = server.proc.stdout.read()
+    assert "2 files were removed by another process" in log
+    assert "SSD cache durable at shutdown: 0 entries, longest prefix 0 tokens" in log
+    assert not list(tmp_path.rglob("*.mlxkv"))
