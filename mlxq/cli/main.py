@@ -7,7 +7,14 @@ import typer
 from mlxq import __version__
 from mlxq.cli import bench, cache, golden, model, serve
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Serve MLX language models.")
+EXAMPLES = """Examples:
+
+  mlxq model pull mlx-community/Qwen3-4B-4bit        # a real model
+  mlxq serve --model mlx-community/Qwen3-4B-4bit
+  mlxq --install-completion                          # tab completion
+"""
+
+app = typer.Typer(no_args_is_help=True, help="Serve MLX language models.", epilog=EXAMPLES)
 
 
 def _print_version(value: bool) -> None:
@@ -37,7 +44,7 @@ def version() -> None:
 
 
 def main() -> None:
-    app()
+    app(prog_name="mlxq")  # `python -m mlxq.cli.main` too: completion scripts and usage lines name `mlxq`
 
 
 if __name__ == "__main__":
