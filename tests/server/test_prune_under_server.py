@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 
 from mlxq.golden.cases import LONG
 from tests.conftest import ServerProcess
+
+SERVER_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "server-config.md"
+# What docs/server-config.md says the tier writes: DIR/<fingerprint>-<kv scheme>/<namespace digest>/<random id>.mlxkv
+DOCUMENTED_LAYOUT = re.compile(r"[0-9a-f]{16}-native/[0-9a-f]{16}/[0-9a-f]{32}\.mlxkv")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -32,7 +38,10 @@ def test_flush_and_shutdown_stop_claiming_files_a_prune_removed(tiny_model_dirs,
             assert reply.status_code == 200, reply.text
         before = flush(server.url)
         assert before["durable"] is True and before["entries"] == 2
-        assert len(list(tmp_path.rglob("*.mlxkv"))) == 2
+        files = [path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*.mlxkv")]
+        assert len(files) == 2 and all(DOCUMENTED_LAYOUT.fullmatch(f) for f in files), files
+        assert "`DIR/<fingerprint>-<kv scheme>/<namespace digest>/<random id>.mlxkv`" in \
+            " ".join(SERVER_CONFIG.read_text().split())
         pruned = cli("cache", "prune", str(tmp_path), "--max-bytes", "1")
         assert pruned.returncode == 0 and "2 files" in pruned.stdout, pruned.stdout + pruned.stderr
         after = flush(server.url)
