@@ -52,7 +52,7 @@ def parse_responses(body, lm, limits: TokenLimits, defaults: RequestDefaults = P
     chat = {
         "model": body.get("model"),
         "messages": _messages(body.get("instructions"), body.get("input"), names),
-        "max_tokens": read_int(body, "max_output_tokens", defaults.max_tokens, lo=1),
+        "max_tokens": read_int(body, "max_output_tokens", None, lo=1),
         "temperature": body.get("temperature", defaults.get("temperature", RESPONSES_DEFAULT_TEMPERATURE)),
         "top_p": body.get("top_p"),
         "stream": body.get("stream"),
@@ -65,7 +65,7 @@ def parse_responses(body, lm, limits: TokenLimits, defaults: RequestDefaults = P
     if chat["max_tokens"] is None and lm.context_length is not None:
         # Responses has no default cap: as much as the context holds (and the server allows).
         room = lm.context_length - len(spec.prompt_ids)
-        spec = replace(spec, max_tokens=room if limits.cap is None else min(room, limits.cap))
+        spec = replace(spec, max_tokens=min(x for x in (room, limits.cap, defaults.max_tokens) if x is not None))
     echo = {"tools": body.get("tools") or [], "tool_choice": choice,
             "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
             "temperature": chat["temperature"], "top_p": body.get("top_p", defaults.get("top_p", 1.0)),

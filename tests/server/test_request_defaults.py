@@ -69,7 +69,7 @@ def test_responses_and_messages_take_the_servers_temp_instead_of_their_own_defau
     greedy = _oracle(load_tiny, prompt_ids, 6)
     response = httpx.post(greedy_server.url + "/v1/responses", json={"input": MESSAGES}).json()
     assert response["output"][0]["content"][0]["text"] == greedy
-    assert response["temperature"] == 0 and response["max_output_tokens"] == 6
+    assert response["temperature"] == 0 and response["usage"]["output_tokens"] == 6
     message = httpx.post(greedy_server.url + "/v1/messages", json={"messages": MESSAGES, "max_tokens": 6}).json()
     assert message["content"][0]["text"] == greedy
     chat = httpx.post(greedy_server.url + "/v1/chat/completions", json={"messages": MESSAGES}).json()
