@@ -63,6 +63,8 @@ def test_dashboard_renders_stats_in_a_real_browser(tiny_model_dirs, tmp_path):
         finally:
             stop.set()
             decoding.join(60)
+        server.stop()
+        log = server.proc.stdout.read()
     assert 'id="status" class="ok">ok<' in dom
     assert "mlxq-tiny-llama" in dom
     assert 'id="rows">0<' in dom and 'id="mode">batch<' in dom
@@ -73,6 +75,8 @@ def test_dashboard_renders_stats_in_a_real_browser(tiny_model_dirs, tmp_path):
     # Bytes in decimal units, as the log prints them (GB = 10^9 bytes), never KiB/MiB/GiB.
     assert re.fullmatch(r"\d+(\.\d+)? (B|kB|MB|GB)", element(dom, "ram")), element(dom, "ram")
     assert "iB" not in dom
+    logged_budget = re.search(r"KV budget: ([0-9.]+ GB)", log)
+    assert logged_budget and element(dom, "budget") == logged_budget.group(1)  # the log's number, the log's unit
     # While a row decodes, the page reads a live token rate, and the chart says what it plots.
     assert int(element(live, "rows")) >= 1
     assert float(element(live, "tps")) > 0
