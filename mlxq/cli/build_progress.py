@@ -28,6 +28,8 @@ def build_progress(name: str) -> Iterator[Progress | None]:
         task = bar.add_task(f"drawing {name}'s weights", total=None)
 
         def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            saving = done == total  # the last tensor is drawn; the file write follows (seconds at 1B)
+            bar.update(task, completed=done, total=total,
+                       description=f"writing {name}'s model.safetensors" if saving else None)
 
         yield update

@@ -63,4 +63,4 @@ def test_model_build_draws_a_progress_bar_on_a_terminal(tmp_path):
         seen += chunk
     os.close(master)
     assert proc.wait(60) == 0 and proc.stdout.read().startswith(b"mlxq-tiny-llama: ")
-    assert b"drawing mlxq-tiny-llama's weights" in seen and b"100%" in seen
+    assert b"mlxq-tiny-llama's model.safetensors" in seen and b"100%" in seen  # the bar's last state
