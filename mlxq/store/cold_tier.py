@@ -287,9 +287,8 @@ class ColdTier:
         self._flush_started = time.monotonic()
 
     def flush_result(self, *, timed_out: bool = False, report: bool = True) -> FlushResult:
-        """The state of durability now; ``report`` (engine thread) also resets the lost-since-last-flush count
-        and forgets files removed under the server, so only files on disk are claimed durable."""
-        if report:
+        """The state of durability now; ``report`` also resets the lost-since-last-flush count."""
+        if report:  # the engine thread: forget files removed under the server (cache prune), claim only what is there
             forget_vanished(self.store.index)
         pending = len(self._dirty) + len(self._spills)
         failed = self.counters.failed - self._flush_failures_at
