@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
+from typer.testing import CliRunner
 
+from mlxq.cli.main import app
 from mlxq.golden.cases import LONG
 from tests.conftest import ServerProcess
 
@@ -19,15 +19,10 @@ SERVER_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "server-config.md
 DOCUMENTED_LAYOUT = re.compile(r"[0-9a-f]{16}-native/[0-9a-f]{16}/[0-9a-f]{32}\.mlxkv")
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxq.cli.main", *args], capture_output=True, text=True,
-                          timeout=120)
-
-
 def flush(url: str) -> dict:
-    done = cli("cache", "flush", "--url", url)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout)
+    done = CliRunner().invoke(app, ["cache", "flush", "--url", url])
+    assert done.exit_code == 0, done.output
+    return json.loads(done.output)
 
 
 def test_flush_and_shutdown_stop_claiming_files_a_prune_removed(tiny_model_dirs, tmp_path):
@@ -42,8 +37,8 @@ def test_flush_and_shutdown_stop_claiming_files_a_prune_removed(tiny_model_dirs,
         assert len(files) == 2 and all(DOCUMENTED_LAYOUT.fullmatch(f) for f in files), files
         assert "`DIR/<fingerprint>-<kv scheme>/<namespace digest>/<random id>.mlxkv`" in \
             " ".join(SERVER_CONFIG.read_text().split())
-        pruned = cli("cache", "prune", str(tmp_path), "--max-bytes", "1")
-        assert pruned.returncode == 0 and "2 files" in pruned.stdout, pruned.stdout + pruned.stderr
+        pruned = CliRunner().invoke(app, ["cache", "prune", str(tmp_path), "--max-bytes", "1"])
+        assert pruned.exit_code == 0 and "2 files" in pruned.output, pruned.output
         after = flush(server.url)
         assert after["entries"] == 0 and after["longest_durable_prefix_tokens"] == 0
         assert httpx.get(server.url + "/stats").json()["ssd_cache"]["entries"] == 0
