@@ -17,6 +17,11 @@ exactly zero, never 0 * inf. vLLM's cascade path made itself opt-in after
 accuracy reports that came from reading LSE tensors with the wrong strides
 and from mixed-precision merges; here every partial is a fresh contiguous
 float32 array.
+
+Quantized K/V (``--kv-quant``: each of keys and values a triple of packed
+data, scales and biases, as mlx-lm's QuantizedKVCache holds them) take the
+same path with ``mx.quantized_matmul`` in place of both products (``quant``
+names the group size and bits), as mlx-lm's quantized attention does.
 """
 
 from __future__ import annotations
@@ -26,6 +31,35 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 _NEG_INF = -float("inf")
+
+KV = mx.array | tuple[mx.array, mx.array, mx.array]  # plain, or a quantized triple
+
+
+@dataclass(frozen=True)
+class Quant:
+    group_size: int
+    bits: int
+
+
+def _map(x: KV, fn) -> KV:
+    return tuple(fn(a) for a in x) if isinstance(x, (tuple, list)) else fn(x)
+
+
+def _shape(x: KV) -> tuple[int, ...]:
+    return x[0].shape if isinstance(x, (tuple, list)) else x.shape
+
+
+def _times_keys(q: mx.array, keys: KV, quant: Quant | None) -> mx.array:
+    if quant is None:
+        return q @ keys.swapaxes(-1, -2)
+    return mx.quantized_matmul(q, *keys, transpose=True, group_size=quant.group_size, bits=quant.bits)
+
+
+def _times_values(weights: mx.array, values: KV, quant: Quant | None, dtype) -> mx.array:
+    if quant is None:
+        return (weights.astype(values.dtype) @ values).astype(mx.float32)
+    return mx.quantized_matmul(weights.astype(dtype), *values, transpose=False, group_size=quant.group_size,
+                               bits=quant.bits).astype(mx.float32)
 
 
 @dataclass(frozen=True)
@@ -48,8 +82,8 @@ def _stats(scores: mx.array, guard: bool = True) -> tuple[mx.array, mx.array, mx
     return weights, peak, weights.sum(axis=-1, keepdims=True)
 
 
-def stacked_prefix_stats(queries: mx.array, keys: mx.array, values: mx.array,
-                         scale: float) -> tuple[mx.array, mx.array, mx.array]:
+def stacked_prefix_stats(queries: mx.array, keys: KV, values: KV, scale: float,
+                         quant: Quant | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """Every row's queries against one shared prefix, as one matrix per KV head.
 
     queries [B, Hq, L, D]; keys [1, Hkv, P, D]; values [1, Hkv, P, Dv] (Hq a multiple of Hkv).
@@ -57,37 +91,37 @@ def stacked_prefix_stats(queries: mx.array, keys: mx.array, values: mx.array,
     b's head h = kv * group + i at position L at index (kv, (b * group + i) * L + position).
     """
     batch, heads, length, dim = queries.shape
-    kv_heads = keys.shape[1]
+    kv_heads = _shape(keys)[1]
     q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, heads // kv_heads * length, dim)
     stacked = q.swapaxes(0, 1).reshape(kv_heads, -1, dim)  # [Hkv, B*G*L, D]
-    weights, peak, total = _stats(stacked @ keys[0].swapaxes(-1, -2), guard=False)  # scores [Hkv, B*G*L, P]
-    weighted = (weights.astype(values.dtype) @ values[0]).astype(mx.float32)
-    return weighted, peak, total
+    scores = _times_keys(stacked, _map(keys, lambda a: a[0]), quant)  # [Hkv, B*G*L, P]
+    weights, peak, total = _stats(scores, guard=False)
+    return _times_values(weights, _map(values, lambda a: a[0]), quant, queries.dtype), peak, total
 
 
-def prefix_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> Partial:
+def prefix_partial(queries: mx.array, keys: KV, values: KV, scale: float, quant: Quant | None = None) -> Partial:
     """``stacked_prefix_stats`` in the rows' own layout [B, Hq, L, n]."""
     batch, heads, length, _ = queries.shape
-    kv_heads = keys.shape[1]
+    kv_heads = _shape(keys)[1]
 
     def unstack(x):  # [Hkv, B*G*L, n] -> [B, Hq, L, n]
         return x.reshape(kv_heads, batch, -1, x.shape[-1]).swapaxes(0, 1).reshape(batch, heads, length, -1)
 
-    return Partial(*(unstack(x) for x in stacked_prefix_stats(queries, keys, values, scale)))
+    return Partial(*(unstack(x) for x in stacked_prefix_stats(queries, keys, values, scale, quant)))
 
 
-def tail_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                 mask: mx.array | None) -> Partial:
+def tail_partial(queries: mx.array, keys: KV, values: KV, scale: float, mask: mx.array | None,
+                 quant: Quant | None = None) -> Partial:
     """Each row's queries against its own keys. keys [B, Hkv, T, D]; mask [B or 1, 1, L, T] bool or None."""
     batch, heads, length, dim = queries.shape
-    kv_heads = keys.shape[1]
+    kv_heads = _shape(keys)[1]
     group = heads // kv_heads
     q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, group, length, dim)
-    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, Hkv, G, L, T]
+    scores = _times_keys(q, _map(keys, lambda a: a[:, :, None]), quant)  # [B, Hkv, G, L, T]
     if mask is not None:
         scores = mx.where(mask[:, :, None], scores, mx.array(_NEG_INF, scores.dtype))
     weights, peak, total = _stats(scores)
-    weighted = (weights.astype(values.dtype) @ values[:, :, None]).astype(mx.float32)
+    weighted = _times_values(weights, _map(values, lambda a: a[:, :, None]), quant, queries.dtype)
     shape = (batch, heads, length, -1)
     return Partial(weighted.reshape(shape), peak.reshape(shape), total.reshape(shape))
 
@@ -118,15 +152,16 @@ def tail_mask(starts: mx.array, length: int, span: int) -> mx.array:
     return visible & (columns[None, None, None, :] >= starts[:, None, None, None])
 
 
-def shared_prefix_attention(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array,
-                            tail_keys: mx.array, tail_values: mx.array, tail_starts: mx.array, scale: float,
-                            sinks: mx.array | None = None) -> mx.array:
+def shared_prefix_attention(queries: mx.array, prefix_keys: KV, prefix_values: KV, tail_keys: KV, tail_values: KV,
+                            tail_starts: mx.array, scale: float, sinks: mx.array | None = None,
+                            quant: Quant | None = None) -> mx.array:
     """softmax(q [prefix ; tail_b]^T * scale) [prefix ; tail_b] for every row b of a group.
 
     queries [B, Hq, L, D] are the last L positions of each row's tail; prefix_* [1, Hkv, P, D*];
     tail_* [B, Hkv, T, D*], row b's own keys being tail[b, :, tail_starts[b]:] (left padding before).
+    With ``quant`` every K/V is a quantized triple.
     """
-    length, span = queries.shape[2], tail_keys.shape[2]
-    parts = [prefix_partial(queries, prefix_keys, prefix_values, scale),
-             tail_partial(queries, tail_keys, tail_values, scale, tail_mask(tail_starts, length, span))]
+    length, span = queries.shape[2], _shape(tail_keys)[2]
+    parts = [prefix_partial(queries, prefix_keys, prefix_values, scale, quant),
+             tail_partial(queries, tail_keys, tail_values, scale, tail_mask(tail_starts, length, span), quant)]
     return merge(parts, sinks, queries.dtype)

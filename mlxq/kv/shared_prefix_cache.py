@@ -18,14 +18,20 @@ it when any shared layer's attention does not come through the seam.
 ``filter``/``extend`` move the tail rows and keep the prefix reference;
 ``extract`` gives one row as a plain mlx-lm KVCache (prefix + its tail: the
 one copy, made when a row leaves the group).
+
+Quantized layers (``--kv-quant``) are the same with triples: the prefix as
+(data, scales, biases) for keys and for values, the tails in a
+BatchQuantizedKVCache, ``extract`` giving a QuantizedKVCache.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, _BaseCache
 
 from mlxq.kv import shared_prefix_decode
+from mlxq.kv.quantized import BatchQuantizedKVCache, triple_nbytes
+from mlxq.kv.shared_prefix_attention import KV, Quant
 
 
 class PrefixMismatch(ValueError):
@@ -33,18 +39,25 @@ class PrefixMismatch(ValueError):
 
 
 class SharedPrefixBatchCache(_BaseCache):
-    def __init__(self, prefix_keys: mx.array, prefix_values: mx.array, tail: BatchKVCache):
-        if prefix_keys.ndim != 4 or prefix_keys.shape[0] != 1 or prefix_keys.shape[2] == 0:
-            raise ValueError(f"prefix keys must be [1, kv_heads, P>0, dim], got {prefix_keys.shape}")
+    def __init__(self, prefix_keys: KV, prefix_values: KV, tail: BatchKVCache):
+        self.quant = Quant(tail.group_size, tail.bits) if isinstance(tail, BatchQuantizedKVCache) else None
+        shape = prefix_keys[0].shape if self.quant else prefix_keys.shape
+        if isinstance(prefix_keys, (tuple, list)) != (self.quant is not None):
+            raise ValueError("a quantized tail needs a quantized (triple) prefix, and a plain one a plain prefix")
+        if len(shape) != 4 or shape[0] != 1 or shape[2] == 0:
+            raise ValueError(f"prefix keys must be [1, kv_heads, P>0, dim], got {shape}")
         self.prefix_keys = prefix_keys
         self.prefix_values = prefix_values
-        self.prefix_length = prefix_keys.shape[2]
+        self.prefix_length = shape[2]
         self.tail = tail
         self._fetched = None  # the tail arrays update_and_fetch last returned (see attend)
 
     @classmethod
-    def from_tails(cls, prefix_keys: mx.array, prefix_values: mx.array, tails: list[KVCache]):
-        """The group of rows whose own tokens after the prefix are ``tails`` (solo caches, possibly empty)."""
+    def from_tails(cls, prefix_keys: KV, prefix_values: KV, tails: list):
+        """The group of rows whose own tokens after the prefix are ``tails`` (solo KVCache or
+        QuantizedKVCache, possibly empty)."""
+        if type(tails[0]) is QuantizedKVCache:
+            return cls(prefix_keys, prefix_values, BatchQuantizedKVCache.merge(tails))
         return cls(prefix_keys, prefix_values, BatchKVCache.merge(tails))
 
     @property
@@ -72,7 +85,7 @@ class SharedPrefixBatchCache(_BaseCache):
         if not self.fetched(keys):
             raise ValueError("shared-prefix attention needs the keys update_and_fetch returned, unchanged")
         return shared_prefix_decode.attention(queries, self.prefix_keys, self.prefix_values, keys, values,
-                                              self.tail.left_padding, scale, sinks)
+                                              self.tail.left_padding, scale, sinks, self.quant)
 
     def prepare(self, **kwargs):
         self.tail.prepare(**kwargs)
@@ -88,17 +101,15 @@ class SharedPrefixBatchCache(_BaseCache):
             raise PrefixMismatch("rows sharing different prefixes cannot join one group")
         self.tail.extend(other.tail)
 
-    def extract(self, idx: int) -> KVCache:
-        """Row ``idx`` as a solo KVCache over prefix + its own tail (a copy it owns)."""
-        cache = KVCache()
-        if self.tail.keys is None:
-            keys, values = self.prefix_keys, self.prefix_values
-        else:
-            own_keys, own_values = self.tail.extract(idx).state[:2]
-            keys = mx.concatenate([self.prefix_keys, own_keys], axis=2)
-            values = mx.concatenate([self.prefix_values, own_values], axis=2)
-        cache.keys, cache.values = mx.contiguous(keys), mx.contiguous(values)
-        cache.offset = cache.keys.shape[2]
+    def extract(self, idx: int) -> KVCache | QuantizedKVCache:
+        """Row ``idx`` as a solo cache over prefix + its own tail (a copy it owns)."""
+        cache = QuantizedKVCache(self.quant.group_size, self.quant.bits) if self.quant else KVCache()
+        keys, values = self.prefix_keys, self.prefix_values
+        if self.tail.keys is not None:
+            own = self.tail.extract(idx)
+            keys, values = _join(keys, own.keys), _join(values, own.values)
+        cache.keys, cache.values = _contiguous(keys), _contiguous(values)
+        cache.offset = (cache.keys[0] if self.quant else cache.keys).shape[2]
         return cache
 
     def is_trimmable(self) -> bool:
@@ -120,6 +131,8 @@ class SharedPrefixBatchCache(_BaseCache):
 
     @property
     def prefix_nbytes(self) -> int:
+        if self.quant:
+            return triple_nbytes(self.prefix_keys) + triple_nbytes(self.prefix_values)
         return self.prefix_keys.nbytes + self.prefix_values.nbytes
 
     @property
@@ -129,3 +142,13 @@ class SharedPrefixBatchCache(_BaseCache):
     @state.setter
     def state(self, v):
         raise TypeError("a shared-prefix cache is built from a prefix and tails, not restored")
+
+
+def _join(prefix: KV, own: KV) -> KV:
+    if isinstance(prefix, (tuple, list)):
+        return tuple(mx.concatenate([p, o], axis=2) for p, o in zip(prefix, own, strict=True))
+    return mx.concatenate([prefix, own], axis=2)
+
+
+def _contiguous(x: KV) -> KV:
+    return tuple(mx.contiguous(a) for a in x) if isinstance(x, (tuple, list)) else mx.contiguous(x)

@@ -1,7 +1,8 @@
 """Which implementation runs a shared-prefix group's attention, decided per call from plain data.
 
 - ``ops``: kv/shared_prefix_attention.py, plain MLX operations (every
-  backend; prefill chunks of a group and anything the kernels do not take);
+  backend; prefill chunks of a group, quantized K/V and anything the
+  kernels do not take);
 - ``full``: kv/shared_prefix_kernel.py, one CUDA kernel per layer (small
   groups, where the split path's dozen launches dominate);
 - ``split``: kv/tail_merge_kernel.py, the prefix as stacked GEMMs plus one
@@ -29,7 +30,7 @@ import os
 import mlx.core as mx
 
 from mlxq.kv import shared_prefix_kernel, tail_merge_kernel
-from mlxq.kv.shared_prefix_attention import shared_prefix_attention
+from mlxq.kv.shared_prefix_attention import Quant, shared_prefix_attention
 
 log = logging.getLogger("mlxq.kv")
 
@@ -40,10 +41,11 @@ _enabled = False
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
 
 
-def choose(queries: mx.array, prefix_keys: mx.array, tail_keys: mx.array, tail_values: mx.array) -> str:
+def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant | None = None) -> str:
     if _forced is not None:
         return _forced
-    if not _enabled or not shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys, tail_values):
+    if quant is not None or not _enabled or not shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys,
+                                                                              tail_values):
         return "ops"
     return "split" if queries.shape[0] * prefix_keys.shape[2] >= SPLIT_MIN_GROUP_TOKENS else "full"
 
@@ -55,14 +57,15 @@ def worth_sharing(rows: int, prefix_length: int) -> bool:
 
 
 def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
-              sinks: mx.array | None = None) -> mx.array:
+              sinks: mx.array | None = None, quant: Quant | None = None) -> mx.array:
+    """Plain MLX arrays, or quantized triples with ``quant`` (which always take plain operations)."""
     args = (queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale, sinks)
-    path = choose(queries, prefix_keys, tail_keys, tail_values)
+    path = choose(queries, prefix_keys, tail_keys, tail_values, quant)
     if path == "full":
         return shared_prefix_kernel.shared_prefix_decode(*args)
     if path == "split":
         return tail_merge_kernel.split_shared_prefix_decode(*args)
-    return shared_prefix_attention(*args)
+    return shared_prefix_attention(*args, quant)
 
 
 @contextlib.contextmanager

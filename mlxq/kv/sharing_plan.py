@@ -1,15 +1,15 @@
 """Which layers of a model can read a shared prefix once per group, and the group's caches.
 
 ``plan_sharing(model)`` decides once per model, as plain data: a layer
-shares when its cache is a plain full-attention ``KVCache`` *and* a probe
+shares when its cache is a full-attention ``KVCache`` *and* a probe
 forward shows its attention arrives at the routing seam with the keys the
-cache handed out. Everything else keeps per-row caches, as the batch lane
-has them today:
+cache handed out. Its rows may hold it as ``KVCache`` or, under
+``--kv-quant``, ``QuantizedKVCache`` (the group then shares quantized
+triples). Everything else keeps per-row caches, as the batch lane has
+them today:
 
 - sliding-window layers (rings: each row's window is its own),
 - recurrent layers (per-row state),
-- quantized layers (``--kv-quant``: mlx-lm's quantized attention has no
-  partial/merge form here yet),
 - and the whole model when any full-attention layer computes attention by
   hand (it would see the tail alone): ``declined`` names why.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlxq.kv import attention_route
 from mlxq.kv.batch_ops import merge_solo_rows
@@ -68,7 +68,8 @@ def plan_sharing(model) -> SharingPlan:
 
 
 def _layer_shares(plan: SharingPlan, layer: int, column: list) -> bool:
-    return plan.can_share and plan.shared[layer] and all(type(c) is KVCache for c in column)
+    kinds = {type(c) for c in column}
+    return plan.can_share and plan.shared[layer] and (kinds == {KVCache} or kinds == {QuantizedKVCache})
 
 
 def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
@@ -88,16 +89,26 @@ def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
         if any(c.offset < prefix_length for c in column):
             raise ValueError(f"layer {layer}: a row holds fewer than {prefix_length} tokens")
         keys, values = (prefix[layer] if prefix is not None and prefix[layer] is not None else
-                        (column[0].keys[:, :, :prefix_length], column[0].values[:, :, :prefix_length]))
+                        (_head(column[0].keys, prefix_length), _head(column[0].values, prefix_length)))
         out.append(SharedPrefixBatchCache.from_tails(keys, values, [_tail(c, prefix_length) for c in column]))
     return out
 
 
-def _tail(cache: KVCache, prefix_length: int) -> KVCache:
-    """A row's own tokens after the prefix, as a solo cache (a view of its arrays)."""
-    tail = KVCache()
+def _head(x, n: int):
+    """Row 0's first ``n`` tokens: a view (a compact copy for quantized triples, which CUDA's
+    quantized_matmul cannot read strided)."""
+    if isinstance(x, (tuple, list)):
+        return tuple(mx.contiguous(a[:, :, :n]) for a in x)
+    return x[:, :, :n]
+
+
+def _tail(cache, prefix_length: int):
+    """A row's own tokens after the prefix, as a solo cache of its class (views of its arrays)."""
+    quantized = type(cache) is QuantizedKVCache
+    tail = QuantizedKVCache(cache.group_size, cache.bits) if quantized else KVCache()
     if cache.offset > prefix_length:
-        tail.keys = cache.keys[:, :, prefix_length:cache.offset]
-        tail.values = cache.values[:, :, prefix_length:cache.offset]
+        cut = slice(prefix_length, cache.offset)
+        tail.keys, tail.values = ((tuple(a[:, :, cut] for a in x) if quantized else x[:, :, cut])
+                                  for x in (cache.keys, cache.values))
         tail.offset = cache.offset - prefix_length
     return tail
