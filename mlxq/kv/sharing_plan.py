@@ -94,6 +94,27 @@ def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
     return out
 
 
+def prefix_from_spans(spans_per_layer: list[list[tuple] | None]) -> list[tuple | None]:
+    """Per layer, a group's prefix (keys, values) from the spans of a prompt-cache node chain
+    (``Node.spans[layer]`` root to leaf, each (keys, values) of [1, H, tokens, ...], arrays or
+    quantized triples): one concatenation per group and layer, never one per row. ``None`` for
+    layers without spans (rings, recurrent state)."""
+    out = []
+    for spans in spans_per_layer:
+        if not spans:
+            out.append(None)
+            continue
+        keys, values = (_cat([span[i] for span in spans]) for i in (0, 1))
+        out.append((keys, values))
+    return out
+
+
+def _cat(parts: list):
+    if isinstance(parts[0], (tuple, list)):
+        return tuple(mx.concatenate([p[i] for p in parts], axis=2) for i in range(len(parts[0])))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
 def _head(x, n: int):
     """Row 0's first ``n`` tokens: a view (a compact copy for quantized triples, which CUDA's
     quantized_matmul cannot read strided)."""

@@ -115,6 +115,28 @@ def test_rows_leave_and_join_a_group_without_copying_the_prefix(load_tiny):
         group[0].extend(other[0])
 
 
+def test_the_prefix_can_come_from_a_node_chains_spans(load_tiny):
+    """The scheduler hands the prefix as the prompt cache's spans (here cut at uneven boundaries
+    with the store's own cut_span): the group decodes exactly as with row 0's own view."""
+    from mlxq.kv.sharing_plan import prefix_from_spans
+    from mlxq.store.kv_spans import cut_span
+
+    model, tokenizer = load_tiny("llama")
+    prefix_length, rows = prompts(tokenizer)
+    plan = plan_sharing(model)
+    donor = prefilled(model, rows[0])
+    cuts = [0, 7, 40, prefix_length]
+    spans = [[cut_span(c, a, b) for a, b in zip(cuts, cuts[1:], strict=False)] for c in donor]
+    prefix = prefix_from_spans(spans)
+    from_spans = share_prefix(plan, [prefilled(model, p) for p in rows], prefix_length, prefix)
+    from_row = share_prefix(plan, [prefilled(model, p) for p in rows], prefix_length)
+    last = [p[-1] for p in rows]
+    (tokens, logits), (want, want_logits) = greedy(model, from_spans, last, 3), greedy(model, from_row, last, 3)
+    assert tokens == want
+    assert all(mx.array_equal(a, b).item() for a, b in zip(logits, want_logits, strict=True))
+    assert prefix_from_spans([None, []]) == [None, None]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_quantized_rows_share_a_quantized_prefix(load_tiny, arch):
     """--kv-quant: the group shares the prefix's triples (mx.quantized_matmul for both products).
