@@ -154,14 +154,17 @@ def tail_mask(starts: mx.array, length: int, span: int) -> mx.array:
 
 def shared_prefix_attention(queries: mx.array, prefix_keys: KV, prefix_values: KV, tail_keys: KV, tail_values: KV,
                             tail_starts: mx.array, scale: float, sinks: mx.array | None = None,
-                            quant: Quant | None = None) -> mx.array:
+                            quant: Quant | None = None, shares: mx.array | None = None) -> mx.array:
     """softmax(q [prefix ; tail_b]^T * scale) [prefix ; tail_b] for every row b of a group.
 
     queries [B, Hq, L, D] are the last L positions of each row's tail; prefix_* [1, Hkv, P, D*];
     tail_* [B, Hkv, T, D*], row b's own keys being tail[b, :, tail_starts[b]:] (left padding before).
-    With ``quant`` every K/V is a quantized triple.
+    With ``quant`` every K/V is a quantized triple. ``shares`` [B] bool: rows set False do not see
+    the prefix (rows of the batch outside the group: their tail is their whole history).
     """
     length, span = queries.shape[2], _shape(tail_keys)[2]
-    parts = [prefix_partial(queries, prefix_keys, prefix_values, scale, quant),
-             tail_partial(queries, tail_keys, tail_values, scale, tail_mask(tail_starts, length, span), quant)]
+    prefix = prefix_partial(queries, prefix_keys, prefix_values, scale, quant)
+    if shares is not None:  # a level with peak -inf weighs exactly 0 in the merge
+        prefix = Partial(prefix.weighted, mx.where(shares[:, None, None, None], prefix.peak, _NEG_INF), prefix.total)
+    parts = [prefix, tail_partial(queries, tail_keys, tail_values, scale, tail_mask(tail_starts, length, span), quant)]
     return merge(parts, sinks, queries.dtype)

@@ -15,6 +15,10 @@ model that computed attention from the returned keys by hand would see the
 tail alone: kv/sharing_plan.py probes a model once and declines sharing for
 it when any shared layer's attention does not come through the seam.
 
+Rows of the batch outside the group (``shares`` False: a stray in a batch
+of agents) keep their whole history as their tail and never see the
+prefix; their offsets are the tail's alone.
+
 ``filter``/``extend`` move the tail rows and keep the prefix reference;
 ``extract`` gives one row as a plain mlx-lm KVCache (prefix + its tail: the
 one copy, made when a row leaves the group).
@@ -39,7 +43,7 @@ class PrefixMismatch(ValueError):
 
 
 class SharedPrefixBatchCache(_BaseCache):
-    def __init__(self, prefix_keys: KV, prefix_values: KV, tail: BatchKVCache):
+    def __init__(self, prefix_keys: KV, prefix_values: KV, tail: BatchKVCache, shares: list[bool] | None = None):
         self.quant = Quant(tail.group_size, tail.bits) if isinstance(tail, BatchQuantizedKVCache) else None
         shape = prefix_keys[0].shape if self.quant else prefix_keys.shape
         if isinstance(prefix_keys, (tuple, list)) != (self.quant is not None):
@@ -50,19 +54,27 @@ class SharedPrefixBatchCache(_BaseCache):
         self.prefix_values = prefix_values
         self.prefix_length = shape[2]
         self.tail = tail
+        rows = tail.left_padding.shape[0]
+        self._set_shares([True] * rows if shares is None else list(shares))
+        if len(self.row_shares) != rows:
+            raise ValueError(f"shares names {len(self.row_shares)} rows, the tail holds {rows}")
         self._fetched = None  # the tail arrays update_and_fetch last returned (see attend)
 
     @classmethod
-    def from_tails(cls, prefix_keys: KV, prefix_values: KV, tails: list):
+    def from_tails(cls, prefix_keys: KV, prefix_values: KV, tails: list, shares: list[bool] | None = None):
         """The group of rows whose own tokens after the prefix are ``tails`` (solo KVCache or
-        QuantizedKVCache, possibly empty)."""
-        if type(tails[0]) is QuantizedKVCache:
-            return cls(prefix_keys, prefix_values, BatchQuantizedKVCache.merge(tails))
-        return cls(prefix_keys, prefix_values, BatchKVCache.merge(tails))
+        QuantizedKVCache, possibly empty; a row outside the group: its whole history)."""
+        batch_class = BatchQuantizedKVCache if type(tails[0]) is QuantizedKVCache else BatchKVCache
+        return cls(prefix_keys, prefix_values, batch_class.merge(tails), shares)
+
+    def _set_shares(self, row_shares: list[bool]) -> None:
+        self.row_shares = [bool(x) for x in row_shares]  # per row: it sees the prefix (host side: no sync)
+        self.shares = mx.array(self.row_shares)
+        self._all_share = all(self.row_shares)
 
     @property
     def offset(self) -> mx.array:
-        return self.tail.offset + self.prefix_length
+        return self.tail.offset + mx.where(self.shares, self.prefix_length, 0)
 
     @property
     def left_padding(self) -> mx.array:
@@ -85,7 +97,8 @@ class SharedPrefixBatchCache(_BaseCache):
         if not self.fetched(keys):
             raise ValueError("shared-prefix attention needs the keys update_and_fetch returned, unchanged")
         return shared_prefix_decode.attention(queries, self.prefix_keys, self.prefix_values, keys, values,
-                                              self.tail.left_padding, scale, sinks, self.quant)
+                                              self.tail.left_padding, scale, sinks, self.quant,
+                                              None if self._all_share else self.shares)
 
     def prepare(self, **kwargs):
         self.tail.prepare(**kwargs)
@@ -95,14 +108,19 @@ class SharedPrefixBatchCache(_BaseCache):
 
     def filter(self, batch_indices) -> None:
         self.tail.filter(batch_indices)
+        indices = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        self._set_shares([self.row_shares[i] for i in indices])
 
     def extend(self, other: SharedPrefixBatchCache) -> None:
         if other.prefix_keys is not self.prefix_keys or other.prefix_values is not self.prefix_values:
             raise PrefixMismatch("rows sharing different prefixes cannot join one group")
         self.tail.extend(other.tail)
+        self._set_shares(self.row_shares + other.row_shares)
 
     def extract(self, idx: int) -> KVCache | QuantizedKVCache:
         """Row ``idx`` as a solo cache over prefix + its own tail (a copy it owns)."""
+        if not self.row_shares[idx]:
+            return self.tail.extract(idx)  # outside the group: its tail is its whole history
         cache = QuantizedKVCache(self.quant.group_size, self.quant.bits) if self.quant else KVCache()
         keys, values = self.prefix_keys, self.prefix_values
         if self.tail.keys is not None:

@@ -57,15 +57,16 @@ def worth_sharing(rows: int, prefix_length: int) -> bool:
 
 
 def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
-              sinks: mx.array | None = None, quant: Quant | None = None) -> mx.array:
-    """Plain MLX arrays, or quantized triples with ``quant`` (which always take plain operations)."""
+              sinks: mx.array | None = None, quant: Quant | None = None, shares: mx.array | None = None) -> mx.array:
+    """Plain MLX arrays, or quantized triples with ``quant`` (which always take plain operations);
+    ``shares`` [B] bool marks the rows that see the prefix (None: all)."""
     args = (queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale, sinks)
     path = choose(queries, prefix_keys, tail_keys, tail_values, quant)
     if path == "full":
-        return shared_prefix_kernel.shared_prefix_decode(*args)
+        return shared_prefix_kernel.shared_prefix_decode(*args, shares)
     if path == "split":
-        return tail_merge_kernel.split_shared_prefix_decode(*args)
-    return shared_prefix_attention(*args, quant)
+        return tail_merge_kernel.split_shared_prefix_decode(*args, shares)
+    return shared_prefix_attention(*args, quant, shares)
 
 
 @contextlib.contextmanager
@@ -82,7 +83,8 @@ def forced(path: str):
 
 
 def self_check(dtype=mx.bfloat16) -> dict[str, float]:
-    """Max |kernel - plain path| per kernel on a random group with padding and sinks, tails as strided views."""
+    """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
+    the group, tails as strided views."""
     rows, heads, kv_heads, prefix, own, dim = 6, 8, 2, 333, 40, 128
     q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
     pk, pv = (mx.random.normal((1, kv_heads, prefix, dim)).astype(dtype) for _ in range(2))
@@ -90,11 +92,11 @@ def self_check(dtype=mx.bfloat16) -> dict[str, float]:
     tk, tv = buffer[0, :, :, :own], buffer[1, :, :, :own]
     starts = mx.array([0, 1, 17, 39, 5, 20])
     worst = {"full": 0.0, "split": 0.0}
-    for sinks in (None, mx.random.normal((heads,))):
-        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks).astype(mx.float32)
+    for sinks, shares in ((None, None), (mx.random.normal((heads,)), mx.array([True, False, True, True, False, True]))):
+        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks, None, shares).astype(mx.float32)
         for path in worst:
             with forced(path):
-                got = attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks).astype(mx.float32)
+                got = attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks, None, shares).astype(mx.float32)
             worst[path] = max(worst[path], mx.abs(got - want).max().item())
     return worst
 

@@ -5,7 +5,7 @@ queries into one GEMM per KV head, then merges partials: ~55 operations per
 layer, whose launches bound it at small groups. This kernel is kv/decode_kernel.py's
 shape with two key segments: one block per (row, query head), 32 warps
 striding first over the shared prefix (the same device pointer for every
-row: no per-row copy exists) and then over the row's own tail from its
+row: no per-row copy exists; skipped for a row outside the group) and then over the row's own tail from its
 start, one online softmax across both, so the log-sum-exp merge happens in
 registers and in the epilogue's combine across warps; a sink logit per head
 (gpt_oss) joins that combine as one more level with no values.
@@ -59,7 +59,7 @@ _SOURCE = """
     const int lane = threadIdx.x % 32;
     const int heads = queries_shape[1];
     const int g = h / (heads / prefix_keys_shape[1]);
-    const int prefix_len = prefix_keys_shape[2];
+    const int prefix_len = shares[b] ? prefix_keys_shape[2] : 0;
     const int tail_len = tail_keys_shape[2];
     const T* q = queries + ((int64_t)b * heads + h) * D + lane * E;
     const T* pk = prefix_keys + g * prefix_keys_strides[1] + lane * E;
@@ -119,6 +119,11 @@ _scales: dict[float, mx.array] = {}
 _NO_SINKS = None
 
 
+def row_shares(shares: mx.array | None, rows: int) -> mx.array:
+    """[rows] int32: 1 where the row sees the prefix."""
+    return mx.ones((rows,), mx.int32) if shares is None else mx.contiguous(shares.astype(mx.int32))
+
+
 def can_run(queries: mx.array, prefix_keys: mx.array, tail_keys: mx.array, tail_values: mx.array) -> bool:
     """One query per row, a head width the kernel has, keys and values alike, GQA-divisible heads."""
     dim = queries.shape[-1]
@@ -128,14 +133,14 @@ def can_run(queries: mx.array, prefix_keys: mx.array, tail_keys: mx.array, tail_
 
 
 def shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
-                         sinks: mx.array | None = None) -> mx.array:
+                         sinks: mx.array | None = None, shares: mx.array | None = None) -> mx.array:
     """kv/shared_prefix_attention.shared_prefix_attention for one query per row, as one kernel."""
     global _kernel, _NO_SINKS
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
             name="mlxq_shared_prefix_decode",
             input_names=["queries", "prefix_keys", "prefix_values", "tail_keys", "tail_values", "starts",
-                         "scale", "sinks"],
+                         "scale", "sinks", "shares"],
             output_names=["out"], source=_SOURCE, header=HEADER, ensure_row_contiguous=False)
         _NO_SINKS = mx.zeros((1,), mx.float32)
     if scale not in _scales:
@@ -144,7 +149,7 @@ def shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_va
     return _kernel(
         inputs=[mx.contiguous(queries), prefix_keys, prefix_values, tail_keys, tail_values,
                 mx.contiguous(tail_starts.astype(mx.int32)), _scales[scale],
-                _NO_SINKS if sinks is None else sinks.astype(mx.float32)],
+                _NO_SINKS if sinks is None else sinks.astype(mx.float32), row_shares(shares, queries.shape[0])],
         template=[("T", queries.dtype), ("D", dim), ("W", _WARPS), ("HAS_SINKS", sinks is not None)],
         grid=(batch * _WARPS * 32, heads, 1),
         threadgroup=(_WARPS * 32, 1, 1),

@@ -73,24 +73,31 @@ def _layer_shares(plan: SharingPlan, layer: int, column: list) -> bool:
 
 
 def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
-                 prefix: list[tuple[mx.array, mx.array] | None] | None = None) -> list:
-    """Per layer, one batched cache for ``rows`` (solo cache lists whose first ``prefix_length``
-    tokens are the same): shared layers reference the prefix once (``prefix[layer]`` as
-    ([1, Hkv, P, D] keys, values), e.g. a prompt-cache node chain's spans, else row 0's own
-    view) plus each row's tail; the other layers merge per-row caches as the batch lane does."""
+                 prefix: list[tuple[mx.array, mx.array] | None] | None = None,
+                 shares: list[bool] | None = None) -> list:
+    """Per layer, one batched cache for ``rows`` (solo cache lists; those with ``shares`` True, all
+    by default, begin with the same ``prefix_length`` tokens): shared layers reference the prefix
+    once (``prefix[layer]`` as ([1, Hkv, P, D] keys, values), e.g. from a prompt-cache node
+    chain's spans, else the first sharing row's own view) plus each row's tail (a row outside the
+    group: its whole history); the other layers merge per-row caches as the batch lane does."""
     if prefix_length <= 0:
         raise ValueError("a shared prefix has at least one token")
+    shares = [True] * len(rows) if shares is None else list(shares)
+    if len(shares) != len(rows) or not any(shares):
+        raise ValueError("shares names one flag per row, and at least one row shares")
+    donor = shares.index(True)
     out = []
     for layer in range(len(rows[0])):
         column = [row[layer] for row in rows]
         if not _layer_shares(plan, layer, column):
             out.append(merge_solo_rows([[c] for c in column])[0])
             continue
-        if any(c.offset < prefix_length for c in column):
-            raise ValueError(f"layer {layer}: a row holds fewer than {prefix_length} tokens")
+        if any(c.offset < prefix_length for c, s in zip(column, shares, strict=True) if s):
+            raise ValueError(f"layer {layer}: a sharing row holds fewer than {prefix_length} tokens")
         keys, values = (prefix[layer] if prefix is not None and prefix[layer] is not None else
-                        (_head(column[0].keys, prefix_length), _head(column[0].values, prefix_length)))
-        out.append(SharedPrefixBatchCache.from_tails(keys, values, [_tail(c, prefix_length) for c in column]))
+                        (_head(column[donor].keys, prefix_length), _head(column[donor].values, prefix_length)))
+        tails = [_tail(c, prefix_length if s else 0) for c, s in zip(column, shares, strict=True)]
+        out.append(SharedPrefixBatchCache.from_tails(keys, values, tails, shares))
     return out
 
 

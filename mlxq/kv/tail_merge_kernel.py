@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
-from mlxq.kv.shared_prefix_kernel import HEADER, KEY_STEP
+from mlxq.kv.shared_prefix_kernel import HEADER, KEY_STEP, row_shares
 
 _WARPS = 32
 
@@ -64,14 +64,14 @@ _SOURCE = """
     const int t = threadIdx.x;
     if (t < D) {
         const float sink = HAS_SINKS ? static_cast<float>(sinks[h]) : NEG_INF;
-        const float p_peak = prefix_peak[level];
+        const float p_peak = shares[b] ? prefix_peak[level] : NEG_INF;  // outside the group: no prefix
         float mx_all = fmaxf(sink, p_peak);
         for (int w = 0; w < W; w++) {
             mx_all = fmaxf(mx_all, warp_max[w]);
         }
         const float pf = expf(p_peak - mx_all);
-        float denom = (HAS_SINKS ? expf(sink - mx_all) : 0.0f) + prefix_total[level] * pf;
-        float acc = prefix_weighted[level * D + t] * pf;
+        float denom = (HAS_SINKS ? expf(sink - mx_all) : 0.0f) + (shares[b] ? prefix_total[level] * pf : 0.0f);
+        float acc = shares[b] ? prefix_weighted[level * D + t] * pf : 0.0f;
         for (int w = 0; w < W; w++) {
             const float f = warp_max[w] == NEG_INF ? 0.0f : expf(warp_max[w] - mx_all);
             denom += warp_total[w] * f;
@@ -89,14 +89,15 @@ _NO_SINKS = None
 
 
 def split_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts,
-                               scale: float, sinks: mx.array | None = None) -> mx.array:
+                               scale: float, sinks: mx.array | None = None,
+                               shares: mx.array | None = None) -> mx.array:
     """kv/shared_prefix_attention.shared_prefix_attention for one query per row: prefix GEMMs + one kernel."""
     global _kernel, _NO_SINKS
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
             name="mlxq_tail_merge_decode",
             input_names=["queries", "tail_keys", "tail_values", "starts", "scale", "sinks",
-                         "prefix_weighted", "prefix_peak", "prefix_total"],
+                         "prefix_weighted", "prefix_peak", "prefix_total", "shares"],
             output_names=["out"], source=_SOURCE, header=HEADER, ensure_row_contiguous=False)
         _NO_SINKS = mx.zeros((1,), mx.float32)
     if scale not in _scales:
@@ -106,7 +107,8 @@ def split_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, t
     return _kernel(
         inputs=[mx.contiguous(queries), tail_keys, tail_values, mx.contiguous(tail_starts.astype(mx.int32)),
                 _scales[scale], _NO_SINKS if sinks is None else sinks.astype(mx.float32),
-                mx.contiguous(weighted), mx.contiguous(peak), mx.contiguous(total)],
+                mx.contiguous(weighted), mx.contiguous(peak), mx.contiguous(total),
+                row_shares(shares, batch)],
         template=[("T", queries.dtype), ("D", dim), ("W", _WARPS), ("HAS_SINKS", sinks is not None)],
         grid=(batch * _WARPS * 32, heads, 1),
         threadgroup=(_WARPS * 32, 1, 1),

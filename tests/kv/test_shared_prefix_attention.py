@@ -3,8 +3,8 @@
 The oracle is MLX's attention (mlx-lm's entry point calls mx.fast.scaled_dot_product_attention) over
 the concatenated per-row K/V [prefix ; row's tail] with the left padding masked, on CPU in float32.
 A hypothesis sweep covers rows, heads, GQA ratios, prefix and tail lengths, query lengths (decode and
-prefill chunks), padding and sinks. Measured max difference over 300 random shapes (prefix up to 300
-keys): 8.3e-7; the bound is 1e-5.
+prefill chunks), padding, sinks and rows outside the group. Measured max difference over 300 random
+shapes (prefix up to 300 keys): 8.3e-7; the bound is 1e-5.
 """
 
 from __future__ import annotations
@@ -19,15 +19,19 @@ from mlxq.kv.shared_prefix_attention import merge, prefix_partial, shared_prefix
 TOLERANCE = 1e-5
 
 
-def reference(queries, prefix_k, prefix_v, tail_k, tail_v, starts, scale, sinks=None):
-    """MLX's attention over every row's own copy of the prefix followed by its tail."""
+def reference(queries, prefix_k, prefix_v, tail_k, tail_v, starts, scale, sinks=None, shares=None):
+    """MLX's attention over every row's own copy of the prefix followed by its tail (rows with
+    ``shares`` False: over their tail alone)."""
     rows = queries.shape[0]
     keys = mx.concatenate([mx.repeat(prefix_k, rows, axis=0), tail_k], axis=2)
     values = mx.concatenate([mx.repeat(prefix_v, rows, axis=0), tail_v], axis=2)
     length, prefix, span = queries.shape[2], prefix_k.shape[2], keys.shape[2]
     columns = mx.arange(span)
     causal = mx.arange(span - length, span)[:, None] >= columns[None, :]
-    own = (columns[None, :] < prefix) | (columns[None, :] >= (prefix + starts)[:, None])  # [B, S]
+    in_prefix = columns[None, :] < prefix
+    if shares is not None:
+        in_prefix = in_prefix & shares[:, None]
+    own = in_prefix | (columns[None, :] >= (prefix + starts)[:, None])  # [B, S]
     mask = causal[None, None] & own[:, None, None, :]
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
@@ -52,18 +56,23 @@ def groups(draw):
     starts = draw(st.lists(st.integers(0, tail - 1), min_size=rows, max_size=rows))
     dim = draw(st.sampled_from([8, 32, 64]))
     sinks = draw(st.booleans())
-    return rows, kv_heads, group, prefix, tail, length, dim, starts, sinks, draw(st.integers(0, 1 << 16))
+    # rows outside the group (no prefix) see at least their own first query's key
+    shares = draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=rows, max_size=rows)))
+    if shares is not None:
+        starts = [s if share else min(s, tail - length) for s, share in zip(starts, shares, strict=True)]
+    return rows, kv_heads, group, prefix, tail, length, dim, starts, sinks, shares, draw(st.integers(0, 1 << 16))
 
 
 @settings(max_examples=60, deadline=None)
 @given(groups())
 def test_equals_attention_over_per_row_copies(case):
-    rows, kv_heads, group, prefix, tail, length, dim, starts, with_sinks, seed = case
+    rows, kv_heads, group, prefix, tail, length, dim, starts, with_sinks, shares, seed = case
     q, pk, pv, tk, tv, st_ = make_group(rows, kv_heads, group, prefix, tail, length, dim, starts, seed)
     sinks = mx.random.normal((kv_heads * group,)) if with_sinks else None
+    shares = None if shares is None else mx.array(shares)
     scale = dim**-0.5
-    got = shared_prefix_attention(q, pk, pv, tk, tv, st_, scale, sinks)
-    want = reference(q, pk, pv, tk, tv, st_, scale, sinks)
+    got = shared_prefix_attention(q, pk, pv, tk, tv, st_, scale, sinks, shares=shares)
+    want = reference(q, pk, pv, tk, tv, st_, scale, sinks, shares)
     assert got.shape == want.shape and got.dtype == q.dtype
     assert mx.abs(got - want).max().item() < TOLERANCE
 

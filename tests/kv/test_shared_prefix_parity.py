@@ -115,6 +115,26 @@ def test_rows_leave_and_join_a_group_without_copying_the_prefix(load_tiny):
         group[0].extend(other[0])
 
 
+def test_a_row_outside_the_group_decodes_beside_it(load_tiny):
+    """A stray row (another prompt) rides in the same cache with shares=False: its tail is its whole
+    history and it never sees the prefix; every row still equals its solo run."""
+    model, tokenizer = load_tiny("qwen3")
+    prefix_length, rows = prompts(tokenizer)
+    rows[2] = tokenizer.encode("An unrelated request with a prompt of its own.")
+    shares = [True, True, False, True]
+    group = share_prefix(plan_sharing(model), [prefilled(model, p) for p in rows], prefix_length, shares=shares)
+    assert group[0].offset.tolist() == [len(p) - 1 for p in rows]
+    last = [p[-1] for p in rows]
+    tokens, logits = greedy(model, group, last, 4)
+    _, unshared_logits = greedy(model, merge_solo_rows([prefilled(model, p) for p in rows]), last, 4)
+    assert tokens == [solo(model, p, 4) for p in rows]
+    assert max(mx.abs(a - b).max().item() for a, b in zip(logits, unshared_logits, strict=True)) < LOGIT_BOUND
+    stray = group[0].extract(2)
+    assert stray.offset == len(rows[2]) - 1 + 4
+    keep_rows(group, [2, 3])
+    assert group[0].row_shares == [False, True]
+
+
 def test_the_prefix_can_come_from_a_node_chains_spans(load_tiny):
     """The scheduler hands the prefix as the prompt cache's spans (here cut at uneven boundaries
     with the store's own cut_span): the group decodes exactly as with row 0's own view."""
