@@ -80,10 +80,15 @@ def _seeded_burst(url: str) -> list[dict]:
         return list(pool.map(lambda job: _stream(url, job[0], **job[1]), zip(PROMPTS, SEEDED, strict=True)))
 
 
-@pytest.mark.parametrize("faults", ["decode:4-5,decode:12,decode:18-19,token0:2-3", "decode:9-10,prefill:3-4"])
-def test_seeded_sampled_rows_resume_with_the_draws_of_an_undisturbed_run(tiny_model_dirs, faults):
+@pytest.fixture(scope="module")
+def seeded_reference(tiny_model_dirs) -> list[dict]:
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), *ARGS) as server:
-        reference = _seeded_burst(server.url)
+        return _seeded_burst(server.url)
+
+
+@pytest.mark.parametrize("faults", ["decode:4-5,decode:12,decode:18-19,token0:2-3", "decode:9-10,prefill:3-4"])
+def test_seeded_sampled_rows_resume_with_the_draws_of_an_undisturbed_run(tiny_model_dirs, seeded_reference, faults):
+    reference = seeded_reference
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), *ARGS, env={"MLXQ_FAULT_INJECT": faults}) as server:
         answers = _seeded_burst(server.url)
         stats = httpx.get(server.url + "/stats").json()
