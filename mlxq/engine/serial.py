@@ -140,18 +140,11 @@ def _attempt(model, run: SerialRun, evaluator: Evaluator, step: int, on_step, pr
         output.cached_tokens = cached  # a resumed run keeps what the client's prompt found
     check = evaluator.injector.check
     snapshot = prompt_cache is not None and not is_trimmable(caches)
-    start = cached
-    split = request.snapshot_at
-    if snapshot and split and cached < split < len(prompt) - 1 and split >= MIN_SNAPSHOT_TOKENS:
-        # Prefill up to the end of the shared system prompt first and snapshot it there:
-        # other agents with the same system prompt start from this entry.
-        try:
-            _prefill(model, caches, prompt[cached:split], step, on_step, request, scheme, check)
-        except _Cancelled:
-            output.finish(FinishReason.CANCELLED)
-            return
-        prompt_cache.put(request.namespace, prompt[:split], caches)
-        start = split
+    try:
+        start = _to_snapshot(model, caches, cached, prompt, request, prompt_cache, step, on_step, scheme, check)
+    except _Cancelled:
+        output.finish(FinishReason.CANCELLED)
+        return
 
     def on_prefill_progress(done: int, total: int) -> None:
         on_step()
@@ -169,6 +162,22 @@ def _attempt(model, run: SerialRun, evaluator: Evaluator, step: int, on_step, pr
     if prompt_cache is not None and not snapshot:
         # The caches hold every token fed so far: the sequence, then the generated ones.
         prompt_cache.put(request.namespace, (request.prompt_ids + output.tokens)[: caches[0].offset], caches)
+
+
+def _to_snapshot(model, caches, cached: int, prompt: list[int], request: Request, prompt_cache, step: int,
+                 on_step, scheme, check) -> int:
+    """Where mlx-lm's loop starts: after the cached prefix, or after the shared system prompt.
+
+    Caches that cannot be trimmed (sliding windows, recurrent state) are stored only where
+    they stand: prefill up to the end of the system prompt first and snapshot it there, so
+    other agents with the same system prompt start from this entry."""
+    split = request.snapshot_at
+    if (prompt_cache is None or is_trimmable(caches) or not split or not cached < split < len(prompt) - 1
+            or split < MIN_SNAPSHOT_TOKENS):
+        return cached
+    _prefill(model, caches, prompt[cached:split], step, on_step, request, scheme, check)
+    prompt_cache.put(request.namespace, prompt[:split], caches)
+    return split
 
 
 def _generate(model, run: SerialRun, check, prompt: list[int], start: int, caches, step: int, on_progress,
