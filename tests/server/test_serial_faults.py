@@ -10,6 +10,7 @@ MLX's global key) and grammar-constrained requests answer exactly as it does.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 
@@ -67,3 +68,21 @@ def test_a_request_requeued_too_often_fails_clearly_and_the_server_goes_on(tiny_
     faults = stats["batch"]["faults"]
     assert faults["failed_out_of_memory"] == 1 and faults["preemptions"] == 8
     assert stats["engine"]["requests_failed"] == 1 and stats["engine"]["requests_finished"] == 1
+
+
+def test_a_client_that_leaves_while_its_request_waits_to_resume_cancels_it(tiny_model_dirs):
+    # As above, but the client leaves after ~2.5 s, while the request waits out a back-off (they
+    # add up to 7 s before the 8th requeue would fail it); the next request finishes.
+    env = {"MLXQ_FAULT_INJECT": "decode:2,token0:2-10"}
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), *ARGS, env=env) as server:
+        body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")  # token 0 went out before the faults
+            time.sleep(2.5)
+        after = httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=120)
+        stats = httpx.get(server.url + "/stats").json()
+    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] == "length"
+    engine = stats["engine"]
+    assert (engine["requests_cancelled"], engine["requests_failed"], engine["requests_finished"]) == (1, 0, 1)
+    assert stats["batch"]["faults"]["preemptions"] >= 2
