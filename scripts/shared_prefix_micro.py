@@ -149,11 +149,39 @@ def float32_check() -> float:
     return worst
 
 
+def quantized_check(rows: int = 8, prefix: int = 2048, tail: int = 40) -> dict[int, float]:
+    """Max |quantized shared - mlx-lm's quantized attention over per-row copies| in bf16, per bits."""
+    from mlx_lm.models import base
+
+    from mlxq.kv.shared_prefix_attention import Quant
+
+    q = mx.random.normal((rows, 32, 1, 128)).astype(mx.bfloat16)
+    pk, pv = (mx.random.normal((1, 8, prefix, 128)).astype(mx.bfloat16) for _ in range(2))
+    tk, tv = (mx.random.normal((rows, 8, tail, 128)).astype(mx.bfloat16) for _ in range(2))
+    starts = mx.array([i % 7 for i in range(rows)])
+    columns = mx.arange(prefix + tail)[None, :]
+    mask = ((columns < prefix) | (columns >= (prefix + starts)[:, None]))[:, None, None, :]
+    out = {}
+    for bits in (4, 8):
+        qpk, qpv, qtk, qtv = (tuple(mx.quantize(x, group_size=64, bits=bits)) for x in (pk, pv, tk, tv))
+        got = shared_prefix_attention(q, qpk, qpv, qtk, qtv, starts, 0.088, quant=Quant(64, bits))
+        keys, values = (tuple(mx.concatenate([mx.repeat(a, rows, 0), b], axis=2) for a, b in zip(p, t, strict=True))
+                        for p, t in ((qpk, qtk), (qpv, qtv)))
+        want = base.quantized_scaled_dot_product_attention(mx.array(q), keys, values, 0.088, mask, 64, bits)
+        out[bits] = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     parser.add_argument("--json", help="write the rows here as JSON")
+    parser.add_argument("--quantized-check", action="store_true",
+                        help="only compare quantized shared attention with mlx-lm's over copies (bf16)")
     args = parser.parse_args()
+    if args.quantized_check:
+        print(f"quantized shared vs mlx-lm quantized copies, max diff by bits: {quantized_check()}")
+        return
     shape = SHAPES[args.shape]
     mx.random.seed(0)
     check = float32_check()

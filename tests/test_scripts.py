@@ -107,6 +107,7 @@ def test_shared_prefix_micro(tmp_path):
     shared, own = doc["rows"]
     assert shared["diff"] < 1e-5 and shared["shared_ops_ms"] > 0
     assert own["prefix"] == 0 and own["shared_ops_ms"] is None  # nothing to share
+    run("shared_prefix_micro.py", "--quantized-check")
 
 
 def test_shared_prefix_step(small_model, tmp_path):
