@@ -30,6 +30,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlxq.kv.quantized import BatchQuantizedKVCache, BatchQuantizedRotatingKVCache, QuantizedRotatingKVCache
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 
 class CacheKind(str, Enum):
@@ -82,6 +83,7 @@ _TABLE: dict[type, KindOps] = {
                                       "rotating-qkv"),
     # Batched classes: what a running batch holds (never stored, never quantized again).
     BatchKVCache: KindOps(CacheKind.FULL, None, None),
+    SharedPrefixBatchCache: KindOps(CacheKind.FULL, None, None),  # rows' tails over one referenced prefix
     BatchRotatingKVCache: KindOps(CacheKind.ROTATING, None, None),
     BatchQuantizedKVCache: KindOps(CacheKind.FULL, None, None),
     BatchQuantizedRotatingKVCache: KindOps(CacheKind.ROTATING, None, None),
