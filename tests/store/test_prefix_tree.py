@@ -9,6 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.kv.capabilities import is_spans
 from mlxq.kv.projection import measure_footprint
+from mlxq.kv.sharing_plan import prefix_from_spans
 from mlxq.store.prompt_cache import PromptCache, is_trimmable
 
 PREFIX = [(7 * i) % 200 + 3 for i in range(120)]  # a shared "system prompt"
@@ -178,6 +179,10 @@ def test_a_lease_pins_the_chain_it_was_served_from_until_released(load_tiny):
     # What a kind referencing the shared prefix reads: the chain's spans, cut to ``cached``.
     keys = mx.concatenate([n.spans[0][0] for n in chain], axis=-2)[..., : lease.cached, :]
     assert mx.array_equal(keys, lease.caches[0].keys[..., : lease.cached, :]).item()
+    prefix = prefix_from_spans(lease.layer_spans())  # a group's shared prefix, as the batch kind builds it
+    assert all(mx.array_equal(k, c.keys[..., : lease.cached, :]).item() and
+               mx.array_equal(v, c.values[..., : lease.cached, :]).item()
+               for (k, v), c in zip(prefix, lease.caches, strict=True))
     for agent in range(1, 5):
         pc.put("", PREFIX + tail(agent), prefilled(model, PREFIX + tail(agent)))
     assert pc.take("", PREFIX + tail(0) + [1])[1] == len(PREFIX) + 12  # leased: never evicted
