@@ -149,9 +149,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes
         room = None if limit is None else limit * SHED_AT - mx.get_active_memory()
-        # A transient reserve of 0 (no room was left to plan one) holds no joiner back.
         return Limits(self.caps.rows, self.config.prompt_concurrency, self.caps.group, self.config.prefill_step_size,
-                      self.config.kv_budget_bytes, self.config.transient_budget_bytes or None, room)
+                      self.config.kv_budget_bytes, self.config.transient_budget_bytes, room)
 
     def _finish(self, row: Row, reason: FinishReason, error: str | None = None) -> None:
         row.output.finish(reason, error=error)

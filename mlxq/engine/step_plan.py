@@ -54,7 +54,7 @@ class Limits:
     group_cap: int  # joiners prefilled in one forward (lowered after a failed batched prefill)
     prefill_budget: int  # prompt tokens prefilled per step: one chunk's worth (--prefill-step-size)
     kv_budget: int | None = None  # bytes: projected KV of every row at prompt + max_tokens (--kv-budget)
-    transient_budget: int | None = None  # bytes: the joiners' worst prefill step together
+    transient_budget: int | None = None  # bytes: the joiners' worst prefill step together; 0/None: no reserve
     memory_room: int | None = None  # bytes MLX may still take before the shed line; None = no limit
 
 
@@ -107,7 +107,7 @@ def can_admit(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> boo
     """May a new request become a joiner now? (FIFO: the engine asks for the head of its queue only.)"""
     if load.preempted or not has_slot(load, limits):
         return False
-    if load.prefilling and limits.transient_budget is not None:
+    if load.prefilling and limits.transient_budget:  # 0: nothing was set aside (engine/memory.py): no cap
         prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
         if sizing.transient_bytes(prompts, limits) > limits.transient_budget:
             return False  # a lone joiner always runs: only joiners together are held to the reserve

@@ -70,6 +70,8 @@ def test_a_lone_joiner_always_prefills_but_joiners_together_keep_to_the_transien
     long_prompt, reserve = Extent(2000, 10), limits(transient_budget=1)
     assert can_admit(Load((), ()), long_prompt, reserve, sizing)
     assert not can_admit(Load((), (long_prompt,)), long_prompt, reserve, sizing)
+    # A reserve of 0: the memory plan set nothing aside for transients, so nobody is held to one.
+    assert can_admit(Load((), (long_prompt,)), long_prompt, limits(transient_budget=0), sizing)
 
 
 # --- the per-step prefill budget, FIFO ------------------------------------------------
