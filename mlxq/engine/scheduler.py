@@ -96,8 +96,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
 
         def finished(row: Row) -> None:
             self._times_preempted.pop(row.request.request_id, None)
+            on_finish(row)  # first: the client already has its last event
             self._let_go(row)
-            on_finish(row)
 
         self._on_finish = finished
         self.joiners = Joiners()  # rows prefilling on their own caches, FIFO
@@ -139,7 +139,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
 
     def transient_bytes(self) -> int:
         """The worst prefill step of the joiners: activations, logits, attention scores."""
-        return self.sizing.transient_bytes([len(j.prompt) for j in self.joiners], self._limits())
+        return self.sizing.transient_bytes([len(j.prompt) for j in self.joiners], self.config.prefill_step_size,
+                                           self.caps.group)
 
     # --- what the planner sees ------------------------------------------------------
     def _load(self) -> Load:

@@ -83,8 +83,9 @@ class Sizing:
         return self.footprint.batch_bytes(lengths) + sum(self.footprint.prefill_bytes(e.prompt)
                                                           for e in load.prefilling)
 
-    def transient_bytes(self, prompts: list[int], limits: Limits) -> int:
-        return joiners_transient(self.shape, prompts, limits.prefill_budget, limits.group_cap)
+    def transient_bytes(self, prompts: list[int], chunk_cap: int, group_cap: int) -> int:
+        """The worst prefill step of joiners with these prompt lengths (engine/transient.py)."""
+        return joiners_transient(self.shape, prompts, chunk_cap, group_cap)
 
 
 def fits_memory(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> bool:
@@ -94,7 +95,8 @@ def fits_memory(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> b
     if limits.memory_room is None or not (load.running or load.prefilling):
         return True
     prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
-    need = sizing.footprint.row_bytes(extent.total, extent.prompt) + sizing.transient_bytes(prompts, limits)
+    transient = sizing.transient_bytes(prompts, limits.prefill_budget, limits.group_cap)
+    need = sizing.footprint.row_bytes(extent.total, extent.prompt) + transient
     return need <= limits.memory_room
 
 
@@ -109,7 +111,7 @@ def can_admit(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> boo
         return False
     if load.prefilling and limits.transient_budget:  # 0: nothing was set aside (engine/memory.py): no cap
         prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
-        if sizing.transient_bytes(prompts, limits) > limits.transient_budget:
+        if sizing.transient_bytes(prompts, limits.prefill_budget, limits.group_cap) > limits.transient_budget:
             return False  # a lone joiner always runs: only joiners together are held to the reserve
     if not fits_memory(load, extent, limits, sizing):
         return False
