@@ -17,6 +17,7 @@ new entry in this table shows what the file format must learn too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -29,7 +30,12 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from mlxq.kv.quantized import BatchQuantizedKVCache, BatchQuantizedRotatingKVCache, QuantizedRotatingKVCache
+from mlxq.kv.quantized import (
+    BatchQuantizedKVCache,
+    BatchQuantizedRotatingKVCache,
+    QuantizedRotatingKVCache,
+    quantize_rotating,
+)
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 
@@ -59,6 +65,7 @@ class KindOps:
     stored: Stored | None  # solo classes: how the prompt cache holds them; None for batched classes
     quantized_class: type | None = None  # what --kv-quant converts a populated one to (kv/scheme.py)
     mlxkv_tag: str | None = None  # the kind tag store/mlxkv.py writes for it
+    quantize: Callable | None = None  # (cache, group_size, bits) -> a ``quantized_class`` holding the same tokens
 
     @property
     def trimmable(self) -> bool:
@@ -73,10 +80,15 @@ class KindOps:
         return offset >= n if self.trimmable else offset == n
 
 
+def _quantize_full(cache, group_size: int, bits: int):
+    # The class's method, not the instance's: an instance may carry a hook armed by kv/scheme.py.
+    return KVCache.to_quantized(cache, group_size=group_size, bits=bits)
+
+
 _TABLE: dict[type, KindOps] = {
-    KVCache: KindOps(CacheKind.FULL, BatchKVCache, Stored.SPANS, QuantizedKVCache, "kv"),
+    KVCache: KindOps(CacheKind.FULL, BatchKVCache, Stored.SPANS, QuantizedKVCache, "kv", _quantize_full),
     RotatingKVCache: KindOps(CacheKind.ROTATING, BatchRotatingKVCache, Stored.SNAPSHOT, QuantizedRotatingKVCache,
-                             "rotating"),
+                             "rotating", quantize_rotating),
     ArraysCache: KindOps(CacheKind.RECURRENT, ArraysCache, Stored.SNAPSHOT, None, "arrays"),
     QuantizedKVCache: KindOps(CacheKind.FULL, BatchQuantizedKVCache, Stored.SPANS, None, "qkv"),
     QuantizedRotatingKVCache: KindOps(CacheKind.ROTATING, BatchQuantizedRotatingKVCache, Stored.SNAPSHOT, None,
@@ -161,3 +173,10 @@ def quantized_class(cache) -> type | None:
     """What --kv-quant turns this populated cache into; None when it stays as it is."""
     ops = _TABLE.get(type(cache))
     return None if ops is None else ops.quantized_class
+
+
+def quantized(cache, group_size: int, bits: int):
+    """The cache quantized as --kv-quant does; the cache itself when it stays as it is
+    (already quantized, recurrent state)."""
+    ops = _TABLE.get(type(cache))
+    return cache if ops is None or ops.quantize is None else ops.quantize(cache, group_size, bits)

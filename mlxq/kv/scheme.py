@@ -30,10 +30,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-from mlxq.kv.capabilities import quantized_class
-from mlxq.kv.quantized import quantize_rotating, use_contiguous_views
+from mlxq.kv.capabilities import quantized, quantized_class
+from mlxq.kv.quantized import use_contiguous_views
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 KV_CONFIG_FILE = "kv_config.json"
@@ -76,11 +74,7 @@ class KvScheme:
         bits = self.bits_for(layer)
         if bits is None:
             return cache
-        if type(cache) is KVCache:  # the class's method: the instance may carry an armed hook
-            return KVCache.to_quantized(cache, group_size=self.group_size, bits=bits)
-        if type(cache) is RotatingKVCache:
-            return quantize_rotating(cache, self.group_size, bits)
-        return cache  # already quantized, or recurrent state
+        return quantized(cache, self.group_size, bits)
 
     def convert(self, caches: list) -> None:
         """Quantize, in place, every populated cache of a layer the scheme quantizes."""
