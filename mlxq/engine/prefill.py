@@ -31,19 +31,19 @@ class Prefilling:
     """Joiners' chunks (mixed into BatchScheduler)."""
 
     def _prefill(self, plan: PrefillPlan) -> None:
-        joiners = [self.joiners[i] for i in plan.restore + plan.advance]
-        for joiner in joiners[: len(plan.restore)]:
+        restoring = [self.joiners[i] for i in plan.restore]
+        group = [(self.joiners[i], n) for i, n in zip(plan.advance, plan.chunks, strict=True)]
+        for joiner in restoring:
             self._restore_step(joiner)
-        group = joiners[len(plan.restore) :]
         if not group:
             return
         start = time.perf_counter()
         alone = self._advance_together_or_fewer(group) if plan.together else group
         if alone:
             group = alone  # after a failed batched forward only these advance, one by one
-        for joiner in alone:
+        for joiner, n in alone:
             try:
-                self._advance(joiner)
+                self._advance(joiner, n)
             except MemoryFault:
                 self.caps.lower_rows(len(self.batch) + len(self.joiners) - 1)  # admit no more until it drains
                 self.joiners.remove(joiner)  # its caches took part of the failed forward: start over
@@ -51,11 +51,11 @@ class Prefilling:
             except Exception as exc:
                 self._fail_joiners([joiner], "prefill", exc)
         self.phases.add_prefill(time.perf_counter() - start)
-        for joiner in group:
+        for joiner, _ in group:
             if joiner in self.joiners and joiner.is_prefilled:
                 self._snapshot(joiner)
 
-    def _advance_together_or_fewer(self, group: list[Joiner]) -> list[Joiner]:
+    def _advance_together_or_fewer(self, group: list[tuple[Joiner, int]]) -> list[tuple[Joiner, int]]:
         """One forward for the group; returns the joiners still to advance one by one (none on success)."""
         try:
             self._advance_together(group)
@@ -102,9 +102,8 @@ class Prefilling:
         return system_snapshot(len(joiner.prompt), joiner.row.request.snapshot_at, joiner.done,
                                is_trimmable(joiner.caches))
 
-    def _advance(self, joiner: Joiner) -> None:
-        """One chunk of prompt[:-1] on the joiner's own caches."""
-        n = self._chunk_len(joiner)
+    def _advance(self, joiner: Joiner, n: int) -> None:
+        """One chunk of prompt[:-1] (``n`` tokens) on the joiner's own caches."""
         with mx.stream(generation_stream):
             chunk = mx.array(joiner.prompt[joiner.done : joiner.done + n])
             self.model(chunk[None], cache=joiner.caches)
@@ -112,14 +111,14 @@ class Prefilling:
             self.faults.run("prefill", lambda: mx.eval([c.state for c in joiner.caches]))
         self._advanced(joiner, n)
 
-    def _advance_together(self, group: list[Joiner]) -> None:
-        """One chunk for each joiner in ``group`` from one forward, then back to solo caches.
+    def _advance_together(self, planned: list[tuple[Joiner, int]]) -> None:
+        """One planned chunk for each joiner from one forward, then back to solo caches.
 
         Rows are merged (history right-aligned), the chunks right-padded and the
         caches told the real lengths (``prepare``/``finalize``, so padding never
         displaces a ring's tokens or a recurrent state), then each row is extracted.
         """
-        lengths = [self._chunk_len(j) for j in group]
+        group, lengths = [j for j, _ in planned], [n for _, n in planned]
         longest = max(lengths)
         chunks = [j.prompt[j.done : j.done + n] for j, n in zip(group, lengths, strict=True)]
         with mx.stream(generation_stream):

@@ -170,6 +170,7 @@ def plan_intake(joiners: Sequence[JoinerView], preempted: Sequence[tuple[Extent,
 class PrefillPlan:
     restore: tuple[int, ...]  # joiners reading one more tensor of their prefix from disk
     advance: tuple[int, ...]  # joiners advancing one chunk, FIFO
+    chunks: tuple[int, ...]  # tokens each of them prefills (the serial lane's chunk boundaries)
     together: bool  # their chunks run as one forward (several, and the KV is not quantized)
 
 
@@ -186,7 +187,8 @@ def plan_prefill(joiners: Sequence[JoinerView], limits: Limits, quantized: bool 
             continue
         advance.append(i)
         budget -= joiner.next_chunk
-    return PrefillPlan(tuple(restore), tuple(advance), len(advance) > 1 and not quantized)
+    chunks = tuple(joiners[i].next_chunk for i in advance)
+    return PrefillPlan(tuple(restore), tuple(advance), chunks, len(advance) > 1 and not quantized)
 
 
 @dataclass(frozen=True)

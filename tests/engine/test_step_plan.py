@@ -78,6 +78,7 @@ def test_a_lone_joiner_always_prefills_but_joiners_together_keep_to_the_transien
 def test_joiners_advance_fifo_within_one_chunks_worth_of_tokens():
     plan = plan_prefill([joiner(100), joiner(300), joiner(200), joiner(50)], limits())
     assert plan.advance == (0, 1, 2) and plan.together  # 99 + 299 < 512: the third may pass it
+    assert plan.chunks == (99, 299, 199)  # each its own prompt[:-1], chunk boundaries as the serial lane's
     assert plan_prefill([joiner(2000), joiner(20)], limits()).advance == (0,)  # a whole chunk spends the step
     assert plan_prefill([joiner(20), joiner(2000)], limits()).advance == (0, 1)
 
