@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,8 @@ from mlxq.store.layout import layout_of
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
-from mlxq.store.ssd_store import IndexEntry, SsdStore
+from mlxq.store.ssd_restore import FileRead, PendingRestore, build_entry, files_to_read
+from mlxq.store.ssd_store import SsdStore
 
 log = logging.getLogger("mlxq.ssd")
 
@@ -60,17 +62,6 @@ def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_n
 
 
 @dataclass
-class PendingRestore:
-    """A restore in progress: one tensor per engine step (so decoding rows never wait for all of it)."""
-
-    index_entry: IndexEntry
-    n: int  # prompt tokens it will serve
-    namespace: str
-    steps: Iterator[None]
-    entry: CacheEntry | None = None  # set when done and good
-
-
-@dataclass
 class _Job:
     key: Key
     entry: CacheEntry
@@ -84,7 +75,7 @@ class ColdTierCounters:
     dropped: int = 0  # spills dropped over the queue cap (their prefixes are lost)
     failed: int = 0  # writes the disk refused
     restores_skipped_slower: int = 0  # hits not restored: recomputing was predicted faster
-    siblings_skipped: int = 0  # entries not written: a file on disk shares nearly all their tokens
+    shared_reads: int = 0  # file reads a restore joined instead of reading the file again
 
 
 # Rates are smoothed over recent observations (exponential moving average).
@@ -99,7 +90,7 @@ class FlushResult:
     pending: int  # entries still not on disk
     dropped: int  # spills dropped since the last flush
     failed: int  # writes that failed during this flush
-    entries: int  # files in the SSD tier
+    entries: int  # node files in the SSD tier
     longest_durable_prefix_tokens: int
     elapsed_s: float = 0.0
     timed_out: bool = False
@@ -130,6 +121,7 @@ class ColdTier:
     _flush_started: float = 0.0
     read_bytes_per_s: float | None = None  # measured on restores
     prefill_tok_s: float | None = None  # measured on cold prefills (note_prefill)
+    _reads: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)  # Path -> FileRead
 
     def __post_init__(self):
         self.ram.cold = self
@@ -183,29 +175,47 @@ class ColdTier:
         return nbytes / self.read_bytes_per_s > tokens / self.prefill_tok_s
 
     def begin_restore(self, namespace: str, prompt: list[int], better_than: int) -> PendingRestore | None:
-        """A restore of the longest usable prefix on disk, if longer than ``better_than`` and not predicted
-        to lose to recomputing it; advance it with ``advance_restore``."""
+        """A restore of the longest usable prefix on disk, if longer than ``better_than`` (what RAM lends) and
+        not predicted to lose to recomputing it; advance it with ``advance_restore``. Only the files beyond
+        what RAM holds are read."""
         found = self.store.find(namespace, prompt, better_than)
         if found is None:
             return None
-        index_entry, n = found
-        if self._slower_than_recompute(index_entry.nbytes, n - better_than):
+        base, base_n = self.ram.held_path(namespace, prompt)
+        if base_n != better_than or base_n >= found.n:
+            base, base_n = [], 0  # RAM changed under the caller: read the whole chain
+        nodes = files_to_read(found.chain, base_n)
+        if self._slower_than_recompute(sum(node.nbytes for node in nodes), found.n - better_than):
             self.counters.restores_skipped_slower += 1
             return None
-        return PendingRestore(index_entry, n, namespace, self.store.load_steps(index_entry))
+        return PendingRestore(found.chain, found.n, namespace, tuple(prompt), base, base_n,
+                              [self._shared_read(node) for node in nodes])
+
+    def _shared_read(self, node) -> FileRead:
+        read = self._reads.get(node.path)
+        if read is not None and read.error is None:
+            self.counters.shared_reads += 1
+            return read
+        read = FileRead(node, self.store.read_steps(node))
+        self._reads[node.path] = read
+        return read
 
     def advance_restore(self, pending: PendingRestore) -> bool:
-        """Read one more tensor; True once done (``pending.entry`` is None if the file was bad)."""
-        try:
-            next(pending.steps)
+        """Read one more tensor; True once done (``pending.entry`` is None if a file was bad)."""
+        if not pending.step():
             return False
-        except StopIteration as stop:
-            caches = stop.value
-        if caches is not None:
-            nbytes = pending.index_entry.nbytes
-            self.read_bytes_per_s = _smooth(self.read_bytes_per_s, nbytes / max(self.store.last_restore_s, 1e-6))
-            pending.entry = CacheEntry(pending.index_entry.tokens, caches, sum(c.nbytes for c in caches),
-                                       pending.index_entry.trimmable, pending.namespace)
+        if pending.failed is not None:
+            if pending.failed.node.in_tree:
+                self.store.discard(pending.failed.node, pending.failed.error)
+            return True
+        pending.entry = build_entry(pending)
+        busy = sum(read.busy_s for read in pending.reads)
+        self.read_bytes_per_s = _smooth(self.read_bytes_per_s, pending.read_bytes / max(busy, 1e-6))
+        stats = self.store.stats
+        stats.restores += 1
+        stats.restored_tokens += pending.n - pending.base_n
+        stats.restore_ms_last = round(busy * 1000, 3)
+        self.store.touch(pending.chain)
         return True
 
     def restore(self, namespace: str, prompt: list[int], better_than: int) -> tuple[CacheEntry, int] | None:
@@ -253,12 +263,8 @@ class ColdTier:
     def _next_job(self) -> _Job | None:
         for source in (self._spills, self._dirty):
             for key, entry in list(source.items()):
-                if entry.trimmable and self.store.has_sibling(key[0], key[1]):
-                    del source[key]  # n choices of one prompt: the shared prompt is on disk once
-                    self.counters.siblings_skipped += 1
-                    continue
                 if key not in self._failed:
-                    steps = self.store.write_steps(key[0], key[1], entry.caches, entry.trimmable)
+                    steps = self.store.write_steps(key[0], key[1], entry.caches_from, entry.trimmable)
                     return _Job(key, entry, steps)
         return None
 
@@ -294,7 +300,7 @@ class ColdTier:
             self._lost = 0
         return FlushResult(
             durable=not timed_out and pending == 0 and lost == 0 and failed == 0 and self._job is None,
-            pending=pending, dropped=lost, failed=failed, entries=len(self.store.index),
+            pending=pending, dropped=lost, failed=failed, entries=len(self.store.files),
             longest_durable_prefix_tokens=self.store.longest_prefix,
             elapsed_s=round(time.monotonic() - self._flush_started, 3), timed_out=timed_out,
         )
@@ -305,7 +311,7 @@ class ColdTier:
             "enabled": True,
             "directory": str(store.directory),
             "fingerprint": store.identity.fingerprint,
-            "entries": len(store.index),
+            "entries": len(store.files),
             "bytes": store.bytes,
             "max_bytes": store.max_bytes,
             "write_behind": self.write_behind,
