@@ -181,9 +181,10 @@ class ColdTier:
         found = self.store.find(namespace, prompt, better_than)
         if found is None:
             return None
-        base, base_n = self.ram.held_path(namespace, prompt)
+        nodes, base_n = self.ram.held_path(namespace, prompt)
+        base = nodes[-1] if nodes else None
         if base_n != better_than or base_n >= found.n:
-            base, base_n = [], 0  # RAM changed under the caller: read the whole chain
+            base, base_n = None, 0  # RAM changed under the caller: read the whole chain
         nodes = files_to_read(found.chain, base_n)
         if self._slower_than_recompute(sum(node.nbytes for node in nodes), found.n - better_than):
             self.counters.restores_skipped_slower += 1

@@ -57,7 +57,8 @@ class PendingRestore:
     n: int  # prompt tokens it will serve
     namespace: str
     prompt: tuple[int, ...]
-    base: list[Node]  # RAM nodes holding the first base_n tokens
+    base: Node | None  # the RAM node whose chain holds the first base_n tokens (a split may insert nodes
+    # above it, but never changes where it ends, so its chain is read when the restore is built)
     base_n: int
     reads: list[FileRead]  # the files of the chain beyond base_n, in chain order
     entry: CacheEntry | None = None  # set when done and good
@@ -100,8 +101,9 @@ def build_entry(pending: PendingRestore) -> CacheEntry:
         if layer["kind"] not in ("kv", "qkv"):
             caches.append(decoded[last][i])
             continue
-        pieces = [_cut((node.spans[i]), 0, min(node.end, pending.base_n) - node.depth)
-                  for node in pending.base if node.depth < pending.base_n]
+        base = pending.base.chain() if pending.base is not None else []
+        pieces = [_cut(node.spans[i], 0, min(node.end, pending.base_n) - node.depth)
+                  for node in base if node.depth < pending.base_n]
         for read in pending.reads:
             node, cache = read.node, decoded[read.node][i]
             lo = max(node.start, pending.base_n) - node.start

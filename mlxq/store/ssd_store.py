@@ -87,7 +87,7 @@ class SsdStore:
     roots: dict[str, FileNode] = field(default_factory=dict)  # namespace -> its tree's root
     stats: SsdStats = field(default_factory=SsdStats)
     layout: list | None = None  # the model's own caches' layout (store.layout); None: not checked
-    _warned_write: bool = False
+    _failing: bool = False  # the last write failed: the next failure is not logged again
 
     @property
     def directory(self) -> Path:
@@ -262,15 +262,22 @@ class SsdStore:
                                            [], ""), parent)
         self.stats.writes += 1
         self.stats.written_bytes += node.nbytes
+        self._count_success()
         self.touch(parent.chain())  # a chain is never older than its newest file (LRU, prune --older-than)
         self._enforce_cap(keep=node)
 
     def _count_failure(self, exc: OSError) -> None:
         self.stats.write_failures += 1
-        if not self._warned_write:
-            self._warned_write = True
-            log.warning("SSD cache write failed (%s); entries are not stored until writes succeed "
-                        "(this warning is shown once; /stats.ssd_cache counts failures)", exc)
+        if not self._failing:
+            self._failing = True
+            log.warning("SSD cache write failed (%s); serving goes on from RAM and entries are not stored "
+                        "until a write succeeds (logged once; /stats.ssd_cache counts failures)", exc)
+
+    def _count_success(self) -> None:
+        if self._failing:
+            self._failing = False
+            log.warning("SSD cache writes succeed again (%d failed in all; `mlxq cache flush` retries them)",
+                        self.stats.write_failures)
 
     # --- removal ----------------------------------------------------------------------
     def _enforce_cap(self, keep: FileNode | None) -> None:

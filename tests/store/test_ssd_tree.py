@@ -124,3 +124,21 @@ def test_rings_restore_only_chains_ending_at_a_snapshot(tmp_path):
     assert n == 72 and held_tokens(caches[0]) == long
     ring = caches[1]
     assert ring.offset == 72 and mx.array_equal(ring.keys, mixed(long)[1].keys).item()
+
+
+def test_a_restore_builds_on_ram_even_when_ram_splits_its_nodes_meanwhile(tmp_path):
+    t = tier(tmp_path)
+    for i in (1, 2):
+        t.ram.put("", agent(i) + [i] * 4, cache_with(agent(i) + [i] * 4))
+    drain(t)
+    again = tier(tmp_path)
+    again.ram.put("", agent(1), cache_with(agent(1)))  # RAM holds the shared prompt (one node of 68 tokens)
+    prompt = agent(2) + [2] * 4 + [0]
+    _, held = again.ram.held_path("", prompt)
+    pending = again.begin_restore("", prompt, held)
+    assert held == 64 and [r.node.start for r in pending.reads] == [64]  # only the agent's own file
+    again.ram.put("", SHARED[:30] + [9] * 5, cache_with(SHARED[:30] + [9] * 5))  # splits RAM's node at 30
+    while not again.advance_restore(pending):
+        pass
+    caches = again.ram.adopt_restored("", pending.entry, pending.n, held)
+    assert pending.n == 72 and held_tokens(caches[0]) == agent(2) + [2] * 4
