@@ -35,7 +35,7 @@ from mlxq.store.layout import layout_of
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
-from mlxq.store.ssd_restore import FileRead, PendingRestore, build_entry, files_to_read
+from mlxq.store.ssd_restore import Base, PendingRestore, restore_steps
 from mlxq.store.ssd_store import SsdStore
 
 log = logging.getLogger("mlxq.ssd")
@@ -75,7 +75,7 @@ class ColdTierCounters:
     dropped: int = 0  # spills dropped over the queue cap (their prefixes are lost)
     failed: int = 0  # writes the disk refused
     restores_skipped_slower: int = 0  # hits not restored: recomputing was predicted faster
-    shared_reads: int = 0  # file reads a restore joined instead of reading the file again
+    restores_joined: int = 0  # restores that waited for another's read of a shared prefix and built on it
 
 
 # Rates are smoothed over recent observations (exponential moving average).
@@ -121,7 +121,7 @@ class ColdTier:
     _flush_started: float = 0.0
     read_bytes_per_s: float | None = None  # measured on restores
     prefill_tok_s: float | None = None  # measured on cold prefills (note_prefill)
-    _reads: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)  # Path -> FileRead
+    _restoring: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # PendingRestores in progress
 
     def __post_init__(self):
         self.ram.cold = self
@@ -177,45 +177,49 @@ class ColdTier:
     def begin_restore(self, namespace: str, prompt: list[int], better_than: int) -> PendingRestore | None:
         """A restore of the longest usable prefix on disk, if longer than ``better_than`` (what RAM lends) and
         not predicted to lose to recomputing it; advance it with ``advance_restore``. Only the files beyond
-        what RAM holds are read."""
+        what RAM holds are read, and a file another restore is reading is not read twice."""
         found = self.store.find(namespace, prompt, better_than)
         if found is None:
             return None
-        nodes, base_n = self.ram.held_path(namespace, prompt)
-        base = nodes[-1] if nodes else None
-        if base_n != better_than or base_n >= found.n:
-            base, base_n = None, 0  # RAM changed under the caller: read the whole chain
-        nodes = files_to_read(found.chain, base_n)
-        if self._slower_than_recompute(sum(node.nbytes for node in nodes), found.n - better_than):
+        nodes, held = self.ram.held_path(namespace, prompt)
+        base = Base(held, node=nodes[-1]) if nodes and held == better_than and held < found.n else Base()
+        pending = PendingRestore(found.chain, found.n, namespace, tuple(prompt), base)
+        pending.plan(self._read_steps)
+        if self._slower_than_recompute(pending.read_bytes, found.n - better_than):
             self.counters.restores_skipped_slower += 1
             return None
-        return PendingRestore(found.chain, found.n, namespace, tuple(prompt), base, base_n,
-                              [self._shared_read(node) for node in nodes])
+        first = pending.files[0]
+        pending.leader = next((other for other in self._restoring
+                               if not other.done and other.namespace == namespace and first in other.files), None)
+        if pending.leader is not None:
+            self.counters.restores_joined += 1
+        self._restoring.add(pending)
+        return pending
 
-    def _shared_read(self, node) -> FileRead:
-        read = self._reads.get(node.path)
-        if read is not None and read.error is None:
-            self.counters.shared_reads += 1
-            return read
-        read = FileRead(node, self.store.read_steps(node))
-        self._reads[node.path] = read
-        return read
+    def _read_steps(self, pending: PendingRestore):
+        return restore_steps(pending, self.store.checked_header)
 
     def advance_restore(self, pending: PendingRestore) -> bool:
         """Read one more tensor; True once done (``pending.entry`` is None if a file was bad)."""
+        if pending.leader is not None:
+            if pending.follow():
+                return False  # the leader is still reading what both need
+            pending.plan(self._read_steps)
         if not pending.step():
             return False
+        self._restoring.discard(pending)
         if pending.failed is not None:
-            if pending.failed.node.in_tree:
-                self.store.discard(pending.failed.node, pending.failed.error)
+            node, error = pending.failed
+            if node.in_tree:
+                self.store.discard(node, error)
             return True
-        pending.entry = build_entry(pending)
-        busy = sum(read.busy_s for read in pending.reads)
-        self.read_bytes_per_s = _smooth(self.read_bytes_per_s, pending.read_bytes / max(busy, 1e-6))
         stats = self.store.stats
+        stats.read_files += len(pending.files)
+        stats.read_bytes += pending.read_bytes
         stats.restores += 1
-        stats.restored_tokens += pending.n - pending.base_n
-        stats.restore_ms_last = round(busy * 1000, 3)
+        stats.restored_tokens += pending.n - pending.base.n
+        stats.restore_ms_last = round(pending.busy_s * 1000, 3)
+        self.read_bytes_per_s = _smooth(self.read_bytes_per_s, pending.read_bytes / max(pending.busy_s, 1e-6))
         self.store.touch(pending.chain)
         return True
 

@@ -59,6 +59,7 @@ _DTYPES = {name: getattr(mx, name) for name in (
     "bool_", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
     "float16", "bfloat16", "float32", "float64")}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+DTYPES = _DTYPES  # name -> MLX dtype, for readers of tensor records
 
 
 class FormatVersionError(MlxkvError):
@@ -94,6 +95,7 @@ class EntryHeader:
     created: float
     layers: list  # [{"kind", "meta", "tensors": [{"name","offset","nbytes","shape","dtype","xxh3"}]}]
     model: str  # the served model name, for humans (`mlxq cache ls`)
+    data_start: int = 0  # where tensor offsets count from (bytes from the file's start)
 
     @property
     def end(self) -> int:
@@ -202,12 +204,12 @@ def read_header(path: Path) -> EntryHeader:
         identity = Identity(h["fingerprint"], h["kv_scheme"], h["namespace"])
         header = EntryHeader(identity, str(h["digest"]), str(h["parent"]), int(h["start"]), tuple(h["tokens"]),
                              bool(h["trimmable"]), bool(h["snapshot"]), float(h["created"]), h["layers"],
-                             h.get("model", ""))
+                             h.get("model", ""), _align(_PREAMBLE.size + length))
     except (ValueError, KeyError, TypeError) as exc:
         raise MlxkvError(f"malformed header: {exc}") from None
     if header.start < 0 or header.digest != node_digest(header.parent, header.start, header.tokens):
         raise MlxkvError("the digest does not name this span (parent, start, tokens)")
-    data_start = _align(_PREAMBLE.size + length)
+    data_start = header.data_start
     size = os.path.getsize(path)
     for layer in header.layers:
         if layer.get("kind") not in KINDS:
@@ -218,13 +220,8 @@ def read_header(path: Path) -> EntryHeader:
     return header
 
 
-def _data_start(path: Path) -> int:
-    with open(path, "rb") as f:
-        _, _, length, _ = _PREAMBLE.unpack(f.read(_PREAMBLE.size))
-    return _align(_PREAMBLE.size + length)
-
-
-def _read_exactly(fd: int, into: memoryview, at: int) -> int:
+def read_exactly(fd: int, into: memoryview, at: int) -> int:
+    """Read ``len(into)`` bytes at offset ``at`` (a short count only at the end of the file)."""
     done = 0
     while done < len(into):
         got = os.preadv(fd, [into[done:]], at + done)
@@ -238,16 +235,16 @@ def read_arrays_steps(path: Path, header: EntryHeader) -> Generator[None, None, 
     """Every tensor, one per step, read straight into the buffer of the MLX array that keeps it and
     checked against its checksum there (one copy: page cache -> array). Returns {name: array} per layer;
     MlxkvError on a short read or a checksum mismatch."""
-    start = _data_start(path)
+    start = header.data_start
     tensors: list[dict[str, mx.array]] = [{} for _ in header.layers]
     fd = os.open(path, os.O_RDONLY)
     try:
         for i, layer in enumerate(header.layers):
             for t in layer["tensors"]:
-                array = mx.zeros(t["shape"], _DTYPES[t["dtype"]])
+                array = mx.zeros(t["shape"], _DTYPES[t["dtype"]], stream=mx.cpu)
                 mx.eval(array)
                 view = memoryview(array).cast("B") if t["nbytes"] else memoryview(b"")
-                if _read_exactly(fd, view, start + t["offset"]) != t["nbytes"]:
+                if read_exactly(fd, view, start + t["offset"]) != t["nbytes"]:
                     raise MlxkvError(f"tensor {t['name']!r} of layer {i} is truncated")
                 if xxhash.xxh3_128_hexdigest(view) != t["xxh3"]:
                     raise MlxkvError(f"tensor {t['name']!r} of layer {i} fails its checksum")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +41,6 @@ from mlxq.store.mlxkv import (
     MlxkvError,
     encode_layer,
     node_digest,
-    read_arrays_steps,
     read_header,
     verify_file,
 )
@@ -200,16 +199,13 @@ class SsdStore:
         root = self.roots.get(namespace)
         return root is not None and search(root, tokens, len(tokens), served_at_snapshots).n == len(tokens)
 
-    def read_steps(self, node: FileNode) -> Generator[None, None, tuple[EntryHeader, list[dict]]]:
-        """A node file's header (checked again: the file may have changed) and tensors, one per step."""
+    def checked_header(self, node: FileNode) -> EntryHeader:
+        """A node file's header, checked again before its tensors are read (the file may have changed)."""
         header = read_header(node.path)
         self._check(header, node.path)
         if (header.parent, header.start, header.tokens) != (node.parent.digest, node.start, node.tokens):
             raise MlxkvError("the file changed since it was indexed")
-        tensors = yield from read_arrays_steps(node.path, header)
-        self.stats.read_files += 1
-        self.stats.read_bytes += node.nbytes
-        return header, tensors
+        return header
 
     def touch(self, chain: list[FileNode]) -> None:
         now = time.time()

@@ -35,7 +35,7 @@ def test_a_prefix_shared_by_eight_agents_is_written_and_restored_once(tmp_path):
             if p.entry is None:
                 again.advance_restore(p)
     assert again.store.stats.read_files == 8  # the shared file once, then each agent's own
-    assert again.counters.shared_reads == 7
+    assert again.counters.restores_joined == 7
     for i, p in enumerate(pending):
         caches = ram.adopt_restored("", p.entry, p.n, 0)
         assert p.n == 68 and held_tokens(caches[1]) == [x + 1 for x in agent(i)]
@@ -136,7 +136,7 @@ def test_a_restore_builds_on_ram_even_when_ram_splits_its_nodes_meanwhile(tmp_pa
     prompt = agent(2) + [2] * 4 + [0]
     _, held = again.ram.held_path("", prompt)
     pending = again.begin_restore("", prompt, held)
-    assert held == 64 and [r.node.start for r in pending.reads] == [64]  # only the agent's own file
+    assert held == 64 and [node.start for node in pending.files] == [64]  # only the agent's own file
     again.ram.put("", SHARED[:30] + [9] * 5, cache_with(SHARED[:30] + [9] * 5))  # splits RAM's node at 30
     while not again.advance_restore(pending):
         pass
