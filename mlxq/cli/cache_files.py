@@ -72,7 +72,7 @@ def _read(path: Path, verify: bool) -> CacheFile:
             verify_file(path)
         if item.header.identity.directory != item.fingerprint:
             item.problem = f"header identity {item.header.identity.directory} is not its directory's"
-        elif item.header.digest != path.stem:
+        elif item.header.digest != path.stem:  # the digest itself is checked along the chain
             item.problem = f"named {path.stem}, but its header's digest is {item.header.digest}"
     except (MlxkvError, OSError) as exc:
         item.problem = str(exc)
@@ -91,22 +91,31 @@ def _link(files: list[CacheFile]) -> list[CacheFile]:
             continue
         f.parent = parent
         parent.children.append(f)
-        if not (parent.header.start <= h.start <= parent.header.end):
-            f.problem = f.problem or f"its fork point {h.start} is outside its parent {h.parent}"
+        if parent.header.end != h.start:
+            f.problem = f.problem or f"it starts at {h.start}, but its parent {h.parent} ends at {parent.header.end}"
     for f in files:
         if f.parent is None:
             _propagate(f, None)
     return files
 
 
-def _propagate(node: CacheFile, inherited: str | None) -> None:
-    """A bad file's descendants are unreachable: each is reported, naming the file above it."""
-    stack = [(node, inherited)]
+def _propagate(top: CacheFile, inherited: str | None) -> None:
+    """Check each digest against the prefix its chain spells; a bad file's descendants are unreachable:
+    each is reported, naming the file above it."""
+    from mlxq.store.mlxkv import extend, prefix_hasher
+
+    start = prefix_hasher() if top.header is not None and not top.header.parent else None
+    stack = [(top, inherited, start)]
     while stack:
-        node, inherited = stack.pop()
+        node, inherited, above = stack.pop()
+        hasher = None
+        if node.header is not None and above is not None:
+            hasher = extend(above.copy(), node.header.tokens)
+            if hasher.hexdigest() != node.header.digest and not node.problem:
+                node.problem = "its digest does not name the prefix its chain spells"
         node.problem = node.problem or inherited
         passed = inherited or (f"a file above it is bad ({node.path.name})" if node.problem else None)
-        stack.extend((child, passed) for child in node.children)
+        stack.extend((child, passed, hasher) for child in node.children)
 
 
 def _in_tree_order(files: list[CacheFile]) -> list[CacheFile]:

@@ -35,7 +35,7 @@ from mlxq.store.layout import layout_of
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
-from mlxq.store.ssd_restore import Base, PendingRestore, restore_steps
+from mlxq.store.ssd_restore import Base, PendingRestore, StaleRead, restore_steps
 from mlxq.store.ssd_store import SsdStore
 
 log = logging.getLogger("mlxq.ssd")
@@ -210,12 +210,15 @@ class ColdTier:
         self._restoring.discard(pending)
         if pending.failed is not None:
             node, error = pending.failed
-            if node.in_tree:
+            if node.in_tree and not isinstance(error, StaleRead):
                 self.store.discard(node, error)
             return True
         stats = self.store.stats
         stats.read_files += len(pending.files)
         stats.read_bytes += pending.read_bytes
+        for node in pending.files:
+            stats.reread_bytes += node.nbytes if node.reads else 0
+            node.reads += 1
         stats.restores += 1
         stats.restored_tokens += pending.n - pending.base.n
         stats.restore_ms_last = round(pending.busy_s * 1000, 3)

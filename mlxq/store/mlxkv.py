@@ -4,7 +4,9 @@ A file holds one *span*: the tokens ``[start, start + len(tokens))`` of a
 prefix whose earlier tokens its *parent* file holds (named by digest; ``""``
 for a root), the span's full-attention KV per layer, and, where ``snapshot``
 is set, the state of every ring / recurrent layer at the span's end. Its
-name is its digest: a hash chain over (parent digest, start, tokens).
+name is its digest: the hash chain of the whole prefix it ends (the parent's
+hash state extended by the span's tokens), so the name says which prefix a
+file completes however the path above it is cut into files.
 
 Layout::
 
@@ -47,7 +49,8 @@ import xxhash
 from mlxq.store.layer_codec import ABSENT, KINDS, MlxkvError, decode_layer, encode_layer
 
 __all__ = ["ABSENT", "KINDS", "EntryHeader", "FormatVersionError", "Identity", "MlxkvError", "decode_layer",
-           "encode_layer", "node_digest", "read_caches", "read_header", "verify_file", "write_steps"]
+           "encode_layer", "extend", "prefix_digest", "prefix_hasher", "read_caches", "read_header", "verify_file",
+           "write_steps"]
 
 MAGIC = b"MLXQKV\r\n"
 FORMAT_VERSION = 2
@@ -86,8 +89,8 @@ class EntryHeader:
     """One node file's header: where its span sits in the tree, and its layers' tensors."""
 
     identity: Identity
-    digest: str  # node_digest(parent, start, tokens): the file's name
-    parent: str  # the parent node's digest; "" for a span that starts at the root
+    digest: str  # prefix_digest of the prefix the span ends: the file's name
+    parent: str  # prefix_digest of the prefix before the span (its parent file's name); "" at the root
     start: int  # tokens before the span (its fork point inside the parent's chain)
     tokens: tuple[int, ...]  # the span's own tokens
     trimmable: bool  # every layer is full attention: any prefix along the chain is servable
@@ -106,11 +109,19 @@ class EntryHeader:
         return sum(t["nbytes"] for layer in self.layers for t in layer["tensors"])
 
 
-def node_digest(parent: str, start: int, tokens) -> str:
-    """The hash chain naming a node: the same span under the same chain always gets the same name."""
-    h = hashlib.blake2b(f"{parent}:{start}:".encode(), digest_size=16)
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return h.hexdigest()
+def prefix_hasher(tokens=()) -> hashlib.blake2b:
+    """The hash state of a token prefix; ``extend`` it with the next span's tokens (a hash chain)."""
+    return extend(hashlib.blake2b(digest_size=16), tokens)
+
+
+def extend(hasher: hashlib.blake2b, tokens) -> hashlib.blake2b:
+    hasher.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return hasher
+
+
+def prefix_digest(tokens) -> str:
+    """The name of the file that ends the prefix ``tokens``."""
+    return prefix_hasher(tokens).hexdigest()
 
 
 def _align(n: int) -> int:
@@ -207,8 +218,8 @@ def read_header(path: Path) -> EntryHeader:
                              h.get("model", ""), _align(_PREAMBLE.size + length))
     except (ValueError, KeyError, TypeError) as exc:
         raise MlxkvError(f"malformed header: {exc}") from None
-    if header.start < 0 or header.digest != node_digest(header.parent, header.start, header.tokens):
-        raise MlxkvError("the digest does not name this span (parent, start, tokens)")
+    if header.start < 0 or (header.start == 0) != (header.parent == ""):
+        raise MlxkvError(f"a span starting at {header.start} with parent {header.parent!r}")
     data_start = header.data_start
     size = os.path.getsize(path)
     for layer in header.layers:

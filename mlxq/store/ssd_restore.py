@@ -66,6 +66,7 @@ class PendingRestore:
     base: Base
     leader: PendingRestore | None = None  # an earlier restore of a shared prefix, waited for
     files: list[FileNode] = field(default_factory=list)  # the chain's files it reads
+    spans: dict = field(default_factory=dict)  # FileNode -> (start, tokens) when planned (a split moves them)
     steps: Generator | None = None
     entry: CacheEntry | None = None  # set when done and good
     failed: tuple[FileNode, Exception] | None = None  # set when done and a file was bad
@@ -77,8 +78,11 @@ class PendingRestore:
         return sum(node.nbytes for node in self.files)
 
     def plan(self, read_steps) -> None:
-        """Fix the files to read (those reaching past the base) and start reading."""
+        """Fix the files to read (those reaching past the base) and start reading. The chain is taken anew
+        from its last file (whose end a split never moves)."""
+        self.chain = self.chain[-1].chain()
         self.files = files_to_read(self.chain, self.base.n)
+        self.spans = {node: (node.start, node.tokens) for node in self.chain}
         self.steps = read_steps(self)
 
     def follow(self) -> bool:
@@ -111,6 +115,10 @@ class PendingRestore:
         return True
 
 
+class StaleRead(MlxkvError):
+    """A file of the chain was split or rewritten after the restore was planned: not a bad file."""
+
+
 class _FileFailed(Exception):
     def __init__(self, node: FileNode, error: Exception):
         super().__init__(str(error))
@@ -129,11 +137,14 @@ def restore_steps(pending: PendingRestore, checked_header) -> Generator[None, No
     headers: dict[FileNode, EntryHeader] = {}
     for node in pending.files:
         try:
+            if pending.spans[node] != (node.start, node.tokens):
+                raise StaleRead("the file was split after the restore was planned")
             headers[node] = checked_header(node)
         except (MlxkvError, OSError) as exc:
             raise _FileFailed(node, exc) from None
     last = pending.chain[-1]
-    end = last.end
+    last_start, last_tokens = pending.spans[last]
+    end = last_start + len(last_tokens)
     fds = {}
     try:
         for node in pending.files:
@@ -155,7 +166,7 @@ def restore_steps(pending: PendingRestore, checked_header) -> Generator[None, No
     finally:
         for fd in fds.values():
             os.close(fd)
-    tokens = tuple(pending.prompt[: last.start]) + last.tokens
+    tokens = tuple(pending.prompt[:last_start]) + last_tokens
     return CacheEntry(tokens, caches, sum(c.nbytes for c in caches), last.trimmable, pending.namespace)
 
 
@@ -187,7 +198,7 @@ def _assemble_tensor(pending: PendingRestore, headers: dict, fds: dict, layer: i
         src = np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8).reshape(outer, n * row)
         rows[:, first * row : (first + n) * row] = src
     for node in pending.files:
-        _read_rows(fds[node], headers[node], layer, k, node, rows, row, end)
+        _read_rows(fds[node], headers[node], layer, k, node, pending.spans[node][0], rows, row, end)
     return out
 
 
@@ -197,18 +208,18 @@ def _part(span, k: int) -> mx.array:
     return flat[k]
 
 
-def _read_rows(fd: int, header: EntryHeader, layer: int, k: int, node: FileNode, rows: np.ndarray, row: int,
-               end: int) -> None:
+def _read_rows(fd: int, header: EntryHeader, layer: int, k: int, node: FileNode, start: int, rows: np.ndarray,
+               row: int, end: int) -> None:
     """A file's k-th tensor of ``layer`` into rows [start, ...) of ``rows`` (what fits before ``end``),
     hashing every byte of it in file order."""
     t = header.layers[layer]["tensors"][k]
     span = t["shape"][-2]
-    fits = min(span, end - node.start)
+    fits = min(span, end - start)
     hasher = xxhash.xxh3_128()
     at = header.data_start + t["offset"]
     spill = np.empty((span - fits) * row, np.uint8)
     for o in range(rows.shape[0]):
-        into = rows[o, node.start * row : (node.start + fits) * row]
+        into = rows[o, start * row : (start + fits) * row]
         for buf in (into, spill):
             if read_exactly(fd, memoryview(buf), at) != buf.nbytes:
                 raise _FileFailed(node, MlxkvError(f"tensor {t['name']!r} of layer {layer} is truncated"))

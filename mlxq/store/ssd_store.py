@@ -8,13 +8,13 @@ header is corrupt or does not match this model is unlinked with a log line,
 and so is every file below it (a child is usable only through its parent).
 Files of another format version are removed with one log line for all.
 
-A write adds one file: the tokens of an entry that no file holds yet, forked
-from the deepest file chain that holds the rest. It starts only from files
-already renamed into place, so a node's file is durable only after its
-parent's. Every tensor carries an xxh3-128 checksum checked on every restore,
-so a file with flipped bytes is never served: the restore fails, the file and
-its subtree are unlinked, and the request falls back to a shorter prefix or a
-cold prefill.
+A write adds the part of an entry no file holds yet below the deepest file
+chain that holds the rest, splitting a file the entry shares only in part
+(store.ssd_writes). It starts only from files already renamed into place,
+so a node's file is durable only after its parent's. Every tensor carries an
+xxh3-128 checksum checked on every restore, so a file with flipped bytes is
+never served: the restore fails, the file and its subtree are unlinked, and
+the request falls back to a shorter prefix or a cold prefill.
 
 LRU is the file mtime (a restore touches its whole chain); the byte cap is
 enforced after each write by removing the least recently used leaf files
@@ -34,17 +34,15 @@ from pathlib import Path
 from mlxq.store.fingerprint import namespace_dir
 from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import (
-    ABSENT,
     EntryHeader,
     FormatVersionError,
     Identity,
     MlxkvError,
-    encode_layer,
-    node_digest,
+    extend,
+    prefix_hasher,
     read_header,
     verify_file,
 )
-from mlxq.store.mlxkv import write_steps as mlxkv_write_steps
 from mlxq.store.ssd_tree import (
     ChainMatch,
     FileNode,
@@ -53,8 +51,8 @@ from mlxq.store.ssd_tree import (
     make_root,
     search,
     served_at_snapshots,
-    served_by_any_prefix,
 )
+from mlxq.store.ssd_writes import entry_steps
 
 log = logging.getLogger("mlxq.ssd")
 
@@ -66,12 +64,14 @@ class SsdStats:
     restore_ms_last: float = 0.0
     read_files: int = 0  # node files read by restores (a prefix shared by many restores counts once)
     read_bytes: int = 0
+    reread_bytes: int = 0  # bytes of files read again (evicted from RAM, or only partly used the first time)
     writes: int = 0  # node files written
     written_bytes: int = 0
     write_failures: int = 0
     corrupt_removed: int = 0  # files unlinked at scan or restore because they failed a check
     orphans_removed: int = 0  # files unlinked because a file above them was missing or bad
     old_format_removed: int = 0  # files of another format version, removed at scan
+    unfinished_splits_removed: int = 0  # heads of splits a crash cut short (the whole file stays)
     evicted_files: int = 0  # removed to stay under the byte cap
     reaped_tmp: int = 0
 
@@ -100,7 +100,7 @@ class SsdStore:
     def longest_prefix(self) -> int:
         return max((node.end for node in list(self.files.values())), default=0)
 
-    def _root(self, namespace: str) -> FileNode:
+    def root_of(self, namespace: str) -> FileNode:
         return self.roots.setdefault(namespace, make_root(namespace))
 
     # --- start-up ---------------------------------------------------------------------
@@ -114,7 +114,7 @@ class SsdStore:
         headers: dict[Path, EntryHeader] = {}
         for path in sorted(self.directory.glob("*/*")):
             if path.name.endswith(".tmp"):
-                self._unlink(path, "a write that never finished")
+                self.unlink(path, "a write that never finished")
                 self.stats.reaped_tmp += 1
             elif path.suffix == ".mlxkv":
                 header = self._scan_one(path, verify)
@@ -151,38 +151,59 @@ class SsdStore:
             check_layout(self.layout, header.layers, len(header.tokens), header.end)
 
     def _link(self, headers: dict[Path, EntryHeader]) -> None:
-        """Parents before children: a file whose parent is missing or bad is an orphan (removed)."""
+        """Parents before children. A file whose parent is missing, or whose digest does not name the prefix
+        its chain spells, is removed with everything below it."""
         by_digest = {(h.identity.namespace, h.digest): (path, h) for path, h in headers.items()}
-        linked: dict[tuple[str, str], FileNode] = {}
+        linked: dict[tuple[str, str], tuple[FileNode, object] | None] = {}
 
-        def node_of(key: tuple[str, str]) -> FileNode | None:
-            if key in linked:
-                return linked[key]
+        def node_of(key: tuple[str, str]) -> tuple[FileNode, object] | None:
             namespace, digest = key
             if digest == "":
-                return self._root(namespace)
+                return self.root_of(namespace), prefix_hasher()
+            if key in linked:
+                return linked[key]
             if key not in by_digest:
                 return None
-            path, h = by_digest.pop(key)  # popped first: a cycle of digests ends as a missing parent
-            parent = node_of((namespace, h.parent))
-            if parent is None or not (parent.start <= h.start <= parent.end) or (not h.parent and h.start):
-                self._unlink(path, "its parent file is missing or does not hold its fork point")
-                self.stats.orphans_removed += 1
+            path, h = by_digest.pop(key)
+            linked[key] = None  # a cycle of digests ends as a missing parent
+            above = node_of((namespace, h.parent))
+            if above is None or not above[0].in_tree or above[0].end != h.start:
+                self._orphan(path, "its parent file is missing or does not end where it starts")
                 return None
-            linked[key] = self._add(path, h, parent)
+            hasher = extend(above[1].copy(), h.tokens)
+            if hasher.hexdigest() != h.digest:
+                self._discard_path(path, MlxkvError("its digest does not name the prefix its chain spells"))
+                return None
+            node = self._add(path, h, above[0])
+            linked[key] = None if node is None else (node, hasher)
             return linked[key]
 
         for key in list(by_digest):
             node_of(key)
 
-    def _add(self, path: Path, h: EntryHeader, parent: FileNode) -> FileNode:
+    def _add(self, path: Path, h: EntryHeader, parent: FileNode) -> FileNode | None:
         st = path.stat()
         node = FileNode(path, h.digest, parent, h.start, tuple(h.tokens), st.st_size, st.st_mtime, h.trimmable,
                         h.snapshot, h.identity.namespace)
-        if attach(parent, node) is not None:
-            raise MlxkvError("a second file for the same branch")  # not reachable: content-addressed names
+        for other in attach(parent, node):
+            # One span a prefix of its sibling's: the head of a split that a crash cut short (written, but
+            # the split file not yet rewritten). The whole file stays; the split is redone when needed.
+            short = min(node, other, key=lambda n: len(n.tokens))
+            if (node.tokens if short is other else other.tokens)[: len(short.tokens)] != short.tokens:
+                continue
+            for each in short.subtree():
+                self.files.pop(each.path, None)
+                self.stats.unfinished_splits_removed += 1
+                self.unlink(each.path, "the head of a split a crash cut short")
+            detach(short)
+            if short is node:
+                return None
         self.files[path] = node
         return node
+
+    def _orphan(self, path: Path, why: str) -> None:
+        self.unlink(path, why)
+        self.stats.orphans_removed += 1
 
     # --- lookup -----------------------------------------------------------------------
     def find(self, namespace: str, prompt: list[int], better_than: int) -> ChainMatch | None:
@@ -219,7 +240,8 @@ class SsdStore:
     # --- writing ----------------------------------------------------------------------
     def write_steps(self, namespace: str, tokens: tuple[int, ...], caches_from: Callable[[int], list],
                     trimmable: bool) -> Iterator[None]:
-        """Write the part of an entry no file holds yet, one tensor per step; then index it and enforce the cap.
+        """Write the part of an entry no file holds yet, one tensor per step (store.ssd_writes); then
+        enforce the cap.
 
         ``caches_from(m)``: the entry's caches holding only tokens [m, len(tokens)) on full-attention
         layers (and the whole state on the others). Raises OSError when the disk refuses (counted; the
@@ -227,40 +249,15 @@ class SsdStore:
         """
         if self.covers(namespace, tokens):
             return  # already durable
-        root = self._root(namespace)
-        found = search(root, tokens, len(tokens), served_by_any_prefix)
-        parent, fork = (found.chain[-1] if found.chain else root), found.n
-        if found.chain and not parent.tokens:
-            parent = parent.parent  # never fork from an empty span: attach beside it
-        caches = caches_from(fork)
-        layers = [ABSENT if c is None else encode_layer(c) for c in caches]
-        nbytes = sum(a.nbytes for _, _, named in layers for _, a in named)
-        if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise OSError(f"a node of {nbytes} bytes exceeds --ssd-cache-max ({self.max_bytes} bytes)")
-        span = tuple(tokens[fork:])
-        digest = node_digest(parent.digest, fork, span)
-        directory = self.directory / namespace_dir(namespace)
-        path = directory / f"{digest}.mlxkv"
-        header = {"fingerprint": self.identity.fingerprint, "kv_scheme": self.identity.kv_scheme,
-                  "namespace": namespace, "digest": digest, "parent": parent.digest, "start": fork,
-                  "tokens": list(span), "trimmable": trimmable, "snapshot": True,
-                  "created": time.time(), "model": self.model_name}
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            yield from mlxkv_write_steps(path, header, layers)
+            node = yield from entry_steps(self, namespace, tuple(tokens), caches_from, trimmable)
         except OSError as exc:
             self._count_failure(exc)
             raise
-        if not parent.in_tree and parent.parent is not None:
-            self._unlink(path, "its parent was removed while it was written")
-            return
-        node = self._add(path, EntryHeader(self.identity, digest, parent.digest, fork, span, trimmable, True, 0.0,
-                                           [], ""), parent)
-        self.stats.writes += 1
-        self.stats.written_bytes += node.nbytes
         self._count_success()
-        self.touch(parent.chain())  # a chain is never older than its newest file (LRU, prune --older-than)
-        self._enforce_cap(keep=node)
+        if node is not None:
+            self.touch(node.chain())  # a chain is never older than its newest file (LRU, prune --older-than)
+            self._enforce_cap(keep=node)
 
     def _count_failure(self, exc: OSError) -> None:
         self.stats.write_failures += 1
@@ -298,20 +295,20 @@ class SsdStore:
     def discard(self, node: FileNode, why: Exception) -> None:
         """A file failed a check: unlink it and every file below it (they are reachable only through it)."""
         self.stats.corrupt_removed += 1
-        self._unlink(node.path, f"not usable: {why}")
+        self.unlink(node.path, f"not usable: {why}")
         for below in node.subtree()[1:]:
             self.stats.orphans_removed += 1
-            self._unlink(below.path, "a file above it was not usable")
+            self.unlink(below.path, "a file above it was not usable")
         for each in node.subtree():
             self.files.pop(each.path, None)
         detach(node)
 
     def _discard_path(self, path: Path, why: Exception) -> None:
         self.stats.corrupt_removed += 1
-        self._unlink(path, f"not usable: {why}")
+        self.unlink(path, f"not usable: {why}")
 
     @staticmethod
-    def _unlink(path: Path, why: str) -> None:
+    def unlink(path: Path, why: str) -> None:
         log.warning("SSD cache: removing %s (%s)", path, why)
         try:
             path.unlink(missing_ok=True)

@@ -35,8 +35,11 @@ class FileNode:
     trimmable: bool  # every layer is full attention
     snapshot: bool  # ring / recurrent state at the span's end is in the file
     namespace: str = ""
-    children: dict[int, dict[int, FileNode]] = field(default_factory=dict)  # fork -> first token -> child
+    # fork -> first token -> children: usually one; more where an entry shared too little of a file to
+    # split it and holds those few tokens again (store.ssd_writes)
+    children: dict[int, dict[int, list[FileNode]]] = field(default_factory=dict)
     in_tree: bool = True
+    reads: int = 0  # restores that read this file since start-up
 
     @property
     def end(self) -> int:
@@ -55,7 +58,7 @@ class FileNode:
         return out[::-1]
 
     def all_children(self) -> list[FileNode]:
-        return [child for by_token in self.children.values() for child in by_token.values()]
+        return [child for by_token in self.children.values() for kids in by_token.values() for child in kids]
 
     def subtree(self) -> list[FileNode]:
         """This node and every descendant, children after their parents."""
@@ -71,22 +74,24 @@ def make_root(namespace: str) -> FileNode:
     return FileNode(None, "", None, 0, (), 0, 0.0, True, True, namespace)
 
 
-def attach(parent: FileNode, child: FileNode) -> FileNode | None:
-    """Link ``child`` under ``parent``; the child already there under the same key, if any (not linked)."""
+def attach(parent: FileNode, child: FileNode) -> list[FileNode]:
+    """Link ``child`` under ``parent``; the siblings already there with the same first token."""
     fork, first = child.key
-    by_token = parent.children.setdefault(fork, {})
-    if first in by_token:
-        return by_token[first]
-    by_token[first] = child
+    kids = parent.children.setdefault(fork, {}).setdefault(first, [])
+    others = list(kids)
+    kids.append(child)
     child.parent = parent
-    return None
+    return others
 
 
 def detach(node: FileNode) -> None:
     fork, first = node.key
     by_token = node.parent.children.get(fork, {})
-    if by_token.get(first) is node:
-        del by_token[first]
+    kids = by_token.get(first, [])
+    if node in kids:
+        kids.remove(node)
+        if not kids:
+            del by_token[first]
         if not by_token:
             del node.parent.children[fork]
     node.in_tree = False
@@ -134,8 +139,8 @@ def search(root: FileNode, prompt: tuple[int, ...] | list[int], limit: int, usab
     return best
 
 
-def _candidates(by_token: dict[int, FileNode], prompt, fork: int, limit: int) -> list[FileNode]:
-    out = [by_token[EMPTY]] if EMPTY in by_token else []
-    if fork < limit and (child := by_token.get(prompt[fork])) is not None:
-        out.append(child)
+def _candidates(by_token: dict[int, list[FileNode]], prompt, fork: int, limit: int) -> list[FileNode]:
+    out = list(by_token.get(EMPTY, ()))
+    if fork < limit:
+        out.extend(by_token.get(prompt[fork], ()))
     return out

@@ -87,12 +87,13 @@ def test_prune_by_age_size_and_fingerprint(tmp_path):
 
 
 def tree(root) -> dict:
-    """A server-written tree: a shared prompt, two agents below it, and one agent's next turn."""
+    """A server-written tree: a shared prompt (split off the first agent's file when the second came), two
+    agents below it, and one agent's next turn."""
     from tests.store.test_cold_tier import drain, tier
 
     t = tier(root)
     shared = list(range(100, 140))
-    for tokens in (shared + [1] * 4, shared + [2] * 4, shared + [1] * 4 + [3] * 4):
+    for tokens in (shared + [1] * 4, shared + [2] * 5, shared + [1] * 4 + [3] * 6):
         t.ram.put("", tokens, cache_with(tokens))
         drain(t)
     return {(n.start, len(n.tokens)): n.path for n in t.store.files.values()}
@@ -104,26 +105,27 @@ def test_ls_shows_each_file_under_its_parent(tmp_path):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
     by_span = {(r["start"], r["tokens"]): r for r in rows}
-    assert set(by_span) == set(paths) == {(0, 44), (40, 4), (44, 4)}
-    root, sibling, turn = by_span[(0, 44)], by_span[(40, 4)], by_span[(44, 4)]
-    assert root["parent"] is None and sibling["parent"] == turn["parent"] == root["digest"]
-    assert turn["end"] == 48 and turn["depth"] == 1 and all(r["durable"] for r in rows)
-    assert rows[0] is root or rows[0]["digest"] == root["digest"]  # parents before children
+    assert set(by_span) == set(paths) == {(0, 40), (40, 4), (40, 5), (44, 6)}
+    root, one, two, turn = (by_span[k] for k in ((0, 40), (40, 4), (40, 5), (44, 6)))
+    assert root["parent"] is None and one["parent"] == two["parent"] == root["digest"]
+    assert turn["parent"] == one["digest"] and turn["end"] == 50 and turn["depth"] == 2
+    assert all(r["durable"] for r in rows) and rows[0]["digest"] == root["digest"]  # parents first
     table = runner.invoke(app, ["cache", "ls", str(tmp_path)])
-    assert table.exit_code == 0 and "└" in table.output and "3 files" in table.output
+    assert table.exit_code == 0 and "└" in table.output and "4 files" in table.output
 
 
 def test_verify_reports_a_child_whose_parent_is_missing_or_corrupt(tmp_path):
     paths = tree(tmp_path)
-    data = bytearray(paths[(0, 44)].read_bytes())
+    data = bytearray(paths[(0, 40)].read_bytes())
     data[-2] ^= 0x01
-    paths[(0, 44)].write_bytes(bytes(data))
+    paths[(0, 40)].write_bytes(bytes(data))
     result = runner.invoke(app, ["cache", "verify", str(tmp_path)])
-    assert result.exit_code == 1 and "0 ok, 3 bad" in result.output
-    assert "checksum" in result.output and result.output.count("a file above it is bad") == 2
-    paths[(0, 44)].unlink()
+    assert result.exit_code == 1 and "0 ok, 4 bad" in result.output
+    assert "checksum" in result.output and result.output.count("a file above it is bad") == 3
+    paths[(0, 40)].unlink()
     result = runner.invoke(app, ["cache", "verify", str(tmp_path)])
     assert result.exit_code == 1 and result.output.count("is missing (unreachable)") == 2
+    assert result.output.count("a file above it is bad") == 1  # the next turn, below a missing parent's child
     assert runner.invoke(app, ["cache", "verify", str(tmp_path), "--delete-bad"]).exit_code == 1
     assert not list(tmp_path.rglob("*.mlxkv"))
 
@@ -134,21 +136,21 @@ def test_prune_removes_whole_subtrees_never_a_needed_parent(tmp_path):
     for path in paths.values():
         os.utime(path, (week_ago, week_ago))
     now = time.time()
-    os.utime(paths[(44, 4)], (now, now))  # one child was used: its parent must stay
+    os.utime(paths[(44, 6)], (now, now))  # one agent's next turn was used: the files above it must stay
     result = runner.invoke(app, ["cache", "prune", str(tmp_path), "--older-than", "7d"])
     assert result.exit_code == 0 and "1 files" in result.output
-    assert not paths[(40, 4)].exists() and paths[(0, 44)].exists() and paths[(44, 4)].exists()
+    assert not paths[(40, 5)].exists() and all(paths[k].exists() for k in ((0, 40), (40, 4), (44, 6)))
     result = runner.invoke(app, ["cache", "prune", str(tmp_path), "--max-bytes", "1"])
     assert result.exit_code == 0 and not list(tmp_path.rglob("*.mlxkv"))
     lines = [line for line in result.output.splitlines() if line.startswith("removed")]
-    assert str(paths[(44, 4)]) in lines[0] and str(paths[(0, 44)]) in lines[1]  # the child first
+    assert [str(paths[k]) in line for k, line in zip(((44, 6), (40, 4), (0, 40)), lines, strict=True)] == [True] * 3
 
 
 def test_old_format_files_are_named_by_verify_and_removable(tmp_path):
     import struct
 
     paths = tree(tmp_path)
-    path = paths[(40, 4)]
+    path = paths[(40, 5)]
     data = bytearray(path.read_bytes())
     data[8:12] = struct.pack("<I", 1)
     path.write_bytes(bytes(data))

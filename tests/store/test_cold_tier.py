@@ -276,8 +276,9 @@ def test_n_choices_store_their_shared_prompt_once(tmp_path):
         tail = [choice] * 6
         t.ram.put("", prompt + tail, cache_with(prompt + tail))
     drain(t)
-    # One file holds the prompt (and the first choice's tail); each other choice adds only its tail.
-    assert spans(t) == [(0, 46), (40, 6), (40, 6), (40, 6)] and t.flush_result().durable
+    # The prompt is split off the first choice's file as the second choice arrives (as the RAM tree
+    # splits its node): one file holds the prompt, each choice's file only its own tail.
+    assert spans(t) == [(0, 40)] + [(40, 6)] * 4 and t.flush_result().durable
     again = tier(tmp_path)
     for choice in (2, 0):
         _, n = again.ram.take("", prompt + [choice] * 6 + [7])

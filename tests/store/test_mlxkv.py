@@ -12,7 +12,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlxq.store import mlxkv
 
 HEADER = {"fingerprint": "f" * 16, "kv_scheme": "native", "namespace": "ns", "tokens": [1, 2, 3],
-          "digest": mlxkv.node_digest("", 0, [1, 2, 3]), "parent": "", "start": 0, "snapshot": True,
+          "digest": mlxkv.prefix_digest([1, 2, 3]), "parent": "", "start": 0, "snapshot": True,
           "trimmable": False, "created": 0.0, "model": "m"}
 
 
@@ -159,14 +159,14 @@ def test_damaged_headers_are_refused_with_a_reason(tmp_path, damage, message):
         mlxkv.read_header(path)
 
 
-def test_the_digest_names_the_span_and_its_chain(tmp_path):
-    child = mlxkv.node_digest(HEADER["digest"], 3, [4, 5])
-    assert child != mlxkv.node_digest(HEADER["digest"], 2, [4, 5]) != mlxkv.node_digest("", 3, [4, 5])
-    assert child == mlxkv.node_digest(HEADER["digest"], 3, (4, 5))  # a pure function of (parent, start, tokens)
+def test_the_digest_names_the_prefix_however_it_is_cut_into_files(tmp_path):
+    whole = mlxkv.prefix_digest([1, 2, 3, 4, 5])
+    chained = mlxkv.extend(mlxkv.prefix_hasher([1, 2, 3]), [4, 5]).hexdigest()  # a parent's state, extended
+    assert whole == chained != mlxkv.prefix_digest([1, 2, 3, 5, 4])
     path = tmp_path / "e.mlxkv"
-    for _ in mlxkv.write_steps(path, dict(HEADER, start=1), [mlxkv.encode_layer(kv(3))]):
+    for _ in mlxkv.write_steps(path, dict(HEADER, start=2), [mlxkv.encode_layer(kv(3))]):
         pass
-    with pytest.raises(mlxkv.MlxkvError, match="digest does not name this span"):
+    with pytest.raises(mlxkv.MlxkvError, match="a span starting at 2 with parent ''"):
         mlxkv.read_header(path)
 
 

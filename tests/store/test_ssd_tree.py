@@ -23,9 +23,9 @@ def test_a_prefix_shared_by_eight_agents_is_written_and_restored_once(tmp_path):
     for i in range(8):
         t.ram.put("", agent(i), cache_with(agent(i)))
     drain(t)
-    assert spans(t) == [(0, 68)] + [(64, 4)] * 7
+    assert spans(t) == [(0, 64)] + [(64, 4)] * 8  # the first agent's file split once the second arrived
     kv_bytes = [read_header(f).tensor_bytes for f in files(tmp_path)]
-    assert sum(kv_bytes) < 1.5 * max(kv_bytes)  # 8 agents, not 8 copies of the shared prompt
+    assert sum(kv_bytes) == max(kv_bytes) * (64 + 8 * 4) // 64  # the shared prompt once, not 8 times
 
     again = tier(tmp_path)  # a restart: eight restores begun together, then advanced in turns
     ram = again.ram
@@ -34,11 +34,12 @@ def test_a_prefix_shared_by_eight_agents_is_written_and_restored_once(tmp_path):
         for p in pending:
             if p.entry is None:
                 again.advance_restore(p)
-    assert again.store.stats.read_files == 8  # the shared file once, then each agent's own
+    assert again.store.stats.read_files == 9  # the shared file once, then each agent's own
     assert again.counters.restores_joined == 7
     for i, p in enumerate(pending):
         caches = ram.adopt_restored("", p.entry, p.n, 0)
         assert p.n == 68 and held_tokens(caches[1]) == [x + 1 for x in agent(i)]
+    assert again.store.stats.reread_bytes == 0
     assert ram.bytes < 2 * again.store.bytes  # RAM holds the shared span once too
 
 
@@ -87,9 +88,9 @@ def test_files_of_the_old_format_are_removed_with_one_log_line(tmp_path, caplog)
         path.write_bytes(bytes(data))
     with caplog.at_level(logging.INFO, logger="mlxq"):
         again = tier(tmp_path)
-    assert again.store.stats.old_format_removed == 3 and not files(tmp_path)
+    assert again.store.stats.old_format_removed == 4 and not files(tmp_path)  # the prompt's, and 3 agents'
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(lines) == 1 and "3 files of another .mlxkv format version" in lines[0]
+    assert len(lines) == 1 and "4 files of another .mlxkv format version" in lines[0]
 
 
 def test_the_byte_cap_removes_leaves_never_a_parent_children_need(tmp_path):
@@ -142,3 +143,47 @@ def test_a_restore_builds_on_ram_even_when_ram_splits_its_nodes_meanwhile(tmp_pa
         pass
     caches = again.ram.adopt_restored("", pending.entry, pending.n, held)
     assert pending.n == 72 and held_tokens(caches[0]) == agent(2) + [2] * 4
+
+
+def test_a_split_rewrites_one_file_and_leaves_the_files_below_it_alone(tmp_path):
+    t = tier(tmp_path)
+    first, turn = agent(1), agent(1) + [5] * 4
+    for tokens in (first, turn):
+        t.ram.put("", tokens, cache_with(tokens))
+        drain(t)
+    below = {p: p.stat().st_ino for p in files(tmp_path)}
+    t.ram.put("", agent(2), cache_with(agent(2)))  # shares 64 of the first file's 68 tokens: a split
+    drain(t)
+    assert spans(t) == [(0, 64), (64, 4), (64, 4), (68, 4)]
+    (turn_file,) = [n.path for n in t.store.files.values() if n.start == 68]
+    assert below[turn_file] == turn_file.stat().st_ino  # the next turn's file was not touched
+    again = tier(tmp_path)
+    caches, n = again.ram.take("", turn + [0])
+    assert n == 72 and held_tokens(caches[0]) == turn and again.store.stats.read_files == 3
+
+
+def test_a_split_cut_short_by_a_crash_leaves_the_whole_file(tmp_path):
+    t = tier(tmp_path)
+    t.ram.put("", agent(1), cache_with(agent(1)))
+    drain(t)
+    t.ram.put("", agent(2), cache_with(agent(2)))
+    while len(files(tmp_path)) < 2:  # the split's head is on disk; the split file is not rewritten yet
+        t.step()
+    t._job.steps.close()  # the process dies here (a clean close only removes the .tmp a kill would leave)
+    again = tier(tmp_path)
+    assert again.store.stats.unfinished_splits_removed == 1 and spans(again) == [(0, 68)]
+    caches, n = again.ram.take("", agent(1) + [0])
+    assert n == 68 and held_tokens(caches[0]) == agent(1)
+
+
+def test_a_file_sharing_only_a_few_tokens_is_not_split(tmp_path):
+    t = tier(tmp_path)
+    one, other = [1] + list(range(100, 140)), [1] + list(range(200, 240))  # a shared BOS, nothing more
+    for tokens in (one, other):
+        t.ram.put("", tokens, cache_with(tokens))
+        drain(t)
+    assert spans(t) == [(0, 41), (0, 41)] and t.store.stats.writes == 2  # no rewrite for one token
+    again = tier(tmp_path)
+    for tokens in (one, other):
+        caches, n = again.ram.take("", tokens + [0])
+        assert n == 41 and held_tokens(caches[0]) == tokens
