@@ -301,6 +301,8 @@ class ColdTier:
 
     def flush_result(self, *, timed_out: bool = False, report: bool = True) -> FlushResult:
         """The state of durability now; ``report`` also resets the lost-since-last-flush count."""
+        if report:  # the engine thread: forget files removed under the server (cache prune), claim only what is there
+            self.store.forget_vanished()
         pending = len(self._dirty) + len(self._spills)
         failed = self.counters.failed - self._flush_failures_at
         lost = self._lost

@@ -53,6 +53,7 @@ from mlxq.store.ssd_tree import (
     served_at_snapshots,
 )
 from mlxq.store.ssd_writes import entry_steps
+from mlxq.store.vanished import forget_vanished
 
 log = logging.getLogger("mlxq.ssd")
 
@@ -291,6 +292,22 @@ class SsdStore:
         detach(node)
         self.files.pop(node.path, None)
         node.path.unlink(missing_ok=True)
+
+    def forget_vanished(self) -> int:
+        """Files another process removed (`mlxq cache prune` beside the server) leave the tree, with every
+        file below them (unreachable now; a prune removes whole subtrees, so normally gone too)."""
+        index = dict(self.files)
+        gone = forget_vanished(index)
+        for path in set(self.files) - set(index):
+            node = self.files.get(path)
+            if node is None:
+                continue  # below another vanished file, already gone
+            for each in node.subtree():
+                self.files.pop(each.path, None)
+                if each.path.exists():
+                    self.unlink(each.path, "a file above it was removed")
+            detach(node)
+        return gone
 
     def discard(self, node: FileNode, why: Exception) -> None:
         """A file failed a check: unlink it and every file below it (they are reachable only through it)."""
