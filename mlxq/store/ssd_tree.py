@@ -123,6 +123,7 @@ def search(root: FileNode, prompt: tuple[int, ...] | list[int], limit: int, usab
     """The chain serving the most of ``prompt[:limit]``. Explores every child that extends the match
     (usually one per file), so an unusable branch never hides a usable one."""
     best = ChainMatch([], 0)
+    prompt = tuple(prompt)  # once: each candidate compares a slice of it (in C)
     stack: list[tuple[FileNode, int]] = [(root, 0)]  # (node, prompt tokens matched along its chain)
     while stack:
         node, pos = stack.pop()
@@ -130,13 +131,21 @@ def search(root: FileNode, prompt: tuple[int, ...] | list[int], limit: int, usab
             if fork > pos:
                 continue
             for child in _candidates(by_token, prompt, fork, limit):
-                reach = fork + common_length(child.tokens, tuple(prompt[fork:limit]))
+                reach = fork + _matched(child.tokens, prompt, fork, limit)
                 if child.tokens and reach <= pos:
                     continue  # no progress past what the parent already matched
                 if (n := usable(child, reach)) > best.n:
                     best = ChainMatch(child.chain(), n)
                 stack.append((child, reach))
     return best
+
+
+def _matched(span: tuple[int, ...], prompt: tuple[int, ...], fork: int, limit: int) -> int:
+    """How many of ``span``'s tokens the prompt repeats from ``fork`` (at most to ``limit``)."""
+    end = min(limit, fork + len(span))
+    if prompt[fork:end] == span[: end - fork]:
+        return end - fork  # the usual case: the whole span, one comparison
+    return common_length(span, prompt[fork:end])
 
 
 def _candidates(by_token: dict[int, list[FileNode]], prompt, fork: int, limit: int) -> list[FileNode]:
