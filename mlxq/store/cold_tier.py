@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mlxq.store.cold_tier_state import MIN_PREFILL_SAMPLE_TOKENS, ColdTierCounters, FlushResult, smooth
 from mlxq.store.fingerprint import FINGERPRINT_MEMO, model_fingerprint
 from mlxq.store.layout import layout_of
 from mlxq.store.mlxkv import Identity
@@ -66,41 +67,6 @@ class _Job:
     key: Key
     entry: CacheEntry
     steps: Iterator[None]
-
-
-@dataclass
-class ColdTierCounters:
-    spills: int = 0  # dirty entries evicted from RAM and queued for disk
-    demotions: int = 0  # idle RAM entries released because they are on disk
-    dropped: int = 0  # spills dropped over the queue cap (their prefixes are lost)
-    failed: int = 0  # writes the disk refused
-    restores_skipped_slower: int = 0  # hits not restored: recomputing was predicted faster
-    restores_joined: int = 0  # restores that waited for another's read of a shared prefix and built on it
-
-
-# Rates are smoothed over recent observations (exponential moving average).
-RATE_SMOOTHING = 0.5
-# A prefill this short says little about the machine's prefill rate.
-MIN_PREFILL_SAMPLE_TOKENS = 512
-
-
-@dataclass(frozen=True)
-class FlushResult:
-    durable: bool
-    pending: int  # entries still not on disk
-    dropped: int  # spills dropped since the last flush
-    failed: int  # writes that failed during this flush
-    entries: int  # node files in the SSD tier
-    longest_durable_prefix_tokens: int
-    elapsed_s: float = 0.0
-    timed_out: bool = False
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def _smooth(old: float | None, new: float) -> float:
-    return new if old is None else RATE_SMOOTHING * new + (1 - RATE_SMOOTHING) * old
 
 
 @dataclass
@@ -162,7 +128,7 @@ class ColdTier:
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` uncached tokens took ``seconds``: the recompute side of the trade."""
         if tokens >= MIN_PREFILL_SAMPLE_TOKENS and seconds > 0:
-            self.prefill_tok_s = _smooth(self.prefill_tok_s, tokens / seconds)
+            self.prefill_tok_s = smooth(self.prefill_tok_s, tokens / seconds)
 
     def _slower_than_recompute(self, nbytes: int, tokens: int) -> bool:
         """Would reading ``nbytes`` take longer than prefilling ``tokens``? (False until both rates are known.)
@@ -222,7 +188,7 @@ class ColdTier:
         stats.restores += 1
         stats.restored_tokens += pending.n - pending.base.n
         stats.restore_ms_last = round(pending.busy_s * 1000, 3)
-        self.read_bytes_per_s = _smooth(self.read_bytes_per_s, pending.read_bytes / max(pending.busy_s, 1e-6))
+        self.read_bytes_per_s = smooth(self.read_bytes_per_s, pending.read_bytes / max(pending.busy_s, 1e-6))
         self.store.touch(pending.chain)
         return True
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxq.store.cold_tier_state import SsdStats
 from mlxq.store.fingerprint import namespace_dir
 from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import (
@@ -56,25 +57,6 @@ from mlxq.store.ssd_writes import entry_steps
 from mlxq.store.vanished import forget_vanished
 
 log = logging.getLogger("mlxq.ssd")
-
-
-@dataclass
-class SsdStats:
-    restores: int = 0
-    restored_tokens: int = 0
-    restore_ms_last: float = 0.0
-    read_files: int = 0  # node files read by restores (a prefix shared by many restores counts once)
-    read_bytes: int = 0
-    reread_bytes: int = 0  # bytes of files read again (evicted from RAM, or only partly used the first time)
-    writes: int = 0  # node files written
-    written_bytes: int = 0
-    write_failures: int = 0
-    corrupt_removed: int = 0  # files unlinked at scan or restore because they failed a check
-    orphans_removed: int = 0  # files unlinked because a file above them was missing or bad
-    old_format_removed: int = 0  # files of another format version, removed at scan
-    unfinished_splits_removed: int = 0  # heads of splits a crash cut short (the whole file stays)
-    evicted_files: int = 0  # removed to stay under the byte cap
-    reaped_tmp: int = 0
 
 
 @dataclass

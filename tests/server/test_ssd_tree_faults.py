@@ -57,7 +57,7 @@ def test_kill_9_during_tree_writes_restores_every_durable_chain(tiny_model_dirs,
 
 def _kill_during_a_write(server: ServerProcess, prompts: list[str], outputs: dict, root: Path) -> bool:
     """Send next turns one after another (each written behind it) and SIGKILL the server while a
-    ``.tmp`` exists."""
+    ``.tmp`` exists (stopped first, so the write cannot finish between the look and the kill)."""
     done = threading.Event()
 
     def load():
@@ -71,11 +71,11 @@ def _kill_during_a_write(server: ServerProcess, prompts: list[str], outputs: dic
     thread = threading.Thread(target=load, daemon=True)
     thread.start()
     landed = False
-    while not done.is_set():
+    while not done.is_set() and not landed:
         if any(p.name.endswith(".tmp") for p in root.rglob("*")):
-            server.proc.send_signal(signal.SIGKILL)
-            landed = True
-            break
+            server.proc.send_signal(signal.SIGSTOP)  # freeze it, then make sure the write is still open
+            landed = any(p.name.endswith(".tmp") for p in root.rglob("*"))
+            server.proc.send_signal(signal.SIGKILL if landed else signal.SIGCONT)
     server.proc.wait(30)
     thread.join(120)
     return landed
