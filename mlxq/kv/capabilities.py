@@ -10,9 +10,10 @@ The engine asks once at start-up, so a model with an unknown cache class is
 served serially *with the reason named in /stats*, and the batch lane itself
 never meets one.
 
-The ``.mlxkv`` encoding of each class is store/mlxkv.py's (its own versioned
-name-to-class registry); ``mlxkv_tag`` here names the tag it writes, so a
-new entry in this table shows what the file format must learn too.
+The ``.mlxkv`` encoding of each class is store/layer_codec.py's (the file
+format's own versioned registry); ``mlxkv_tag`` here names the tag it
+writes (a test holds the two together), so a new entry in this table shows
+what the file format must learn too.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class KindOps:
     batch_class: type | None  # solo classes: what they merge into (merge / extend / filter / extract)
     stored: Stored | None  # solo classes: how the prompt cache holds them; None for batched classes
     quantized_class: type | None = None  # what --kv-quant converts a populated one to (kv/scheme.py)
-    mlxkv_tag: str | None = None  # the kind tag store/mlxkv.py writes for it
+    mlxkv_tag: str | None = None  # the kind tag store/layer_codec.py writes for it
     quantize: Callable | None = None  # (cache, group_size, bits) -> a ``quantized_class`` holding the same tokens
 
     @property

@@ -160,3 +160,18 @@ def test_one_table_answers_every_rule_and_unknown_classes_fail_closed():
         batch_class(ChunkedKVCache(chunk_size=8))
     with pytest.raises(UnknownCacheKind):
         batch_class(BatchKVCache([0]))  # already batched
+
+
+def test_the_tables_mlxkv_tags_are_what_the_file_format_writes():
+    from mlxq.kv.capabilities import ops_of
+    from mlxq.kv.quantized import quantize_rotating
+    from mlxq.store.layer_codec import encode_layer
+
+    kv = mx.random.normal((1, 2, 8, 32))
+    full, ring, state = KVCache(), RotatingKVCache(max_size=16), ArraysCache(2)
+    full.update_and_fetch(kv, kv)
+    ring.update_and_fetch(kv, kv)
+    state[0] = kv
+    caches = [full, ring, state, full.to_quantized(group_size=32, bits=8), quantize_rotating(ring, 32, 8)]
+    for cache in caches:
+        assert encode_layer(cache)[0] == ops_of(cache).mlxkv_tag, type(cache).__name__
