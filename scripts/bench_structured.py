@@ -5,15 +5,20 @@ Starts ``mlxq serve`` (the embedded default model unless --model) with
 last one returns, for --seconds) in three mixes, rounds interleaved so
 machine noise hits each alike:
 
-- free:    C unconstrained requests (ignore_eos, max_tokens fixed)
+- free:    C unconstrained requests (ignore_eos, max_tokens fixed: by default
+           the mean length of the grammar requests in a warm-up round, so
+           both kinds join the batch equally often and the ratio measures
+           the cost per token, not the cost of shorter requests)
 - grammar: C requests with a json_schema response_format
 - mixed:   C/2 of each, batched together (are free rows slowed by grammar rows?)
 
 Throughput is completion tokens / wall time of the loop (decode-dominated:
-short prompts); the per-kind columns split it by the clients' kind. Mask
-time comes from /stats.grammar.
+short prompts); the per-kind columns split it by the clients' kind. Per
+mix, from /stats read around each round: the decode step's mean time and
+host time computing masks per step (/stats.batch.decode_timing,
+/stats.grammar).
 
-    python scripts/bench_structured.py [--concurrency 8] [--rounds 3] [--model PATH]
+    python scripts/bench_structured.py [--concurrency 8] [--rounds 3] [--model PATH] [--free-tokens N]
 """
 
 from __future__ import annotations
@@ -39,16 +44,16 @@ SCHEMA = {
     "required": ["title", "items", "score", "kind"],
     "additionalProperties": False,
 }
-FREE_TOKENS = 128
+GRAMMAR_MAX_TOKENS = 400
 
 
-def body(i: int, grammar: bool) -> dict:
+def body(i: int, grammar: bool, free_tokens: int) -> dict:
     out = {"messages": [{"role": "user", "content": f"Write record number {i}."}], "temperature": 0.8, "seed": i}
     if grammar:
-        out |= {"max_tokens": 400, "response_format": {
+        out |= {"max_tokens": GRAMMAR_MAX_TOKENS, "response_format": {
             "type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}}
     else:
-        out |= {"max_tokens": FREE_TOKENS, "ignore_eos": True}
+        out |= {"max_tokens": free_tokens, "ignore_eos": True}
     return out
 
 
@@ -59,22 +64,26 @@ def one(url: str, payload: dict) -> tuple[int, float]:
     return r.json()["usage"]["completion_tokens"], time.perf_counter() - start
 
 
-def run_round(url: str, kinds: list[bool], seconds: float) -> dict:
+def run_round(url: str, kinds: list[bool], seconds: float, free_tokens: int) -> dict:
     """Closed loop: client i sends requests of kind kinds[i] (True: grammar) back to back for ``seconds``,
-    so the batch stays full whatever each request's length. Returns tok/s overall and per kind."""
+    so the batch stays full whatever each request's length. Returns tok/s overall and per kind, and the
+    grammar requests' mean completion tokens."""
     start = time.perf_counter()
 
-    def client(i: int) -> int:
+    def client(i: int) -> tuple[int, int]:
         tokens, n = 0, 0
         while time.perf_counter() - start < seconds:
-            tokens += one(url, body(1000 * n + i, kinds[i]))[0]
+            tokens += one(url, body(1000 * n + i, kinds[i], free_tokens))[0]
             n += 1
-        return tokens
+        return tokens, n
 
     with ThreadPoolExecutor(len(kinds)) as pool:
-        tokens = list(pool.map(client, range(len(kinds))))
+        done = list(pool.map(client, range(len(kinds))))
     wall = time.perf_counter() - start
-    out = {"all": sum(tokens) / wall}
+    tokens = [t for t, _ in done]
+    grammar_requests = sum(n for (_, n), k in zip(done, kinds, strict=True) if k)
+    out = {"all": sum(tokens) / wall,
+           "grammar_request_tokens": sum(t for t, k in zip(tokens, kinds, strict=True) if k) / max(grammar_requests, 1)}
     for label, flag in (("grammar", True), ("free", False)):
         mine = [n for n, k in zip(tokens, kinds, strict=True) if k == flag]
         if mine:
@@ -82,8 +91,24 @@ def run_round(url: str, kinds: list[bool], seconds: float) -> dict:
     return out
 
 
-def grammar_stats(url: str) -> dict:
-    return httpx.get(url + "/stats").json()["grammar"]
+def step_counters(url: str) -> dict:
+    """Cumulative decode steps and their seconds, and mask-computing steps and their host seconds."""
+    stats = httpx.get(url + "/stats").json()
+    decode = stats["batch"]["decode_timing"]
+    return {"decode_steps": decode["steps"], "decode_s": decode["totals"]["step_s"],
+            "mask_steps": stats["grammar"]["steps"], "mask_s": stats["grammar"]["seconds"],
+            "masks": stats["grammar"]["masks"]}
+
+
+def measured_round(url: str, kinds: list[bool], seconds: float, free_tokens: int) -> dict:
+    """``run_round`` plus what /stats saw during it: decode ms per step, mask host ms per step."""
+    before = step_counters(url)
+    out = run_round(url, kinds, seconds, free_tokens)
+    delta = {k: v - before[k] for k, v in step_counters(url).items()}
+    out["step_ms"] = 1e3 * delta["decode_s"] / max(delta["decode_steps"], 1)
+    out["mask_ms_step"] = 1e3 * delta["mask_s"] / max(delta["mask_steps"], 1)
+    out["masks"] = delta["masks"]
+    return out
 
 
 def main() -> None:
@@ -92,31 +117,40 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of one mix's closed loop")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--free-tokens", type=int, default=0,
+                        help="free requests' max_tokens (0: the grammar requests' mean length in the warm-up)")
     args = parser.parse_args()
     c = args.concurrency
     mixes = {"free": [False] * c, "grammar": [True] * c, "mixed": [i % 2 == 0 for i in range(c)]}
     serve = ["--batch", str(c), "--log-level", "warning"] + (["--model", args.model] if args.model else [])
     with ServeProcess(*serve) as server:
-        run_round(server.url, mixes["mixed"], 1.0)  # warm-up: compile paths, build llguidance's tokenizer
+        # Warm-up (compile paths, build llguidance's tokenizer), which also measures the grammar requests' length.
+        warm = run_round(server.url, mixes["grammar"], 1.0, 1)
+        free_tokens = args.free_tokens or max(1, round(warm["grammar_request_tokens"]))
+        run_round(server.url, mixes["mixed"], 1.0, free_tokens)
         samples: dict[str, list[dict]] = {name: [] for name in mixes}
-        before = grammar_stats(server.url)
         for _ in range(args.rounds):
             for name, kinds in mixes.items():
-                samples[name].append(run_round(server.url, kinds, args.seconds))
-        after = grammar_stats(server.url)
+                samples[name].append(measured_round(server.url, kinds, args.seconds, free_tokens))
+    print_table(samples, c, args.rounds)
+    lengths = [s["grammar_request_tokens"] for name in ("grammar", "mixed") for s in samples[name]]
+    print(f"\nfree requests: {free_tokens} tokens; grammar requests: {statistics.mean(lengths):.1f} tokens on average")
+
+
+def print_table(samples: dict[str, list[dict]], c: int, rounds: int) -> None:
     base = statistics.median(s["all"] for s in samples["free"])
-    print(f"| mix (c={c}) | tok/s (median of {args.rounds}) | vs free | free clients' tok/s | grammar clients' tok/s |")
-    print("|---|---|---|---|---|")
-    for name, rounds in samples.items():
-        med = statistics.median(s["all"] for s in rounds)
-        free = statistics.median(s["free"] for s in rounds) if "free" in rounds[0] else None
-        gram = statistics.median(s["grammar"] for s in rounds) if "grammar" in rounds[0] else None
-        cells = [name, f"{med:.1f}", f"{med / base:.2f}x",
-                 f"{free:.1f}" if free else "-", f"{gram:.1f}" if gram else "-"]
+    print(f"| mix (c={c}) | tok/s (median of {rounds}) | vs free | free clients' tok/s | grammar clients' tok/s "
+          "| decode step ms | mask host ms per step | masks |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, runs in samples.items():
+        def median(key: str, runs=runs) -> float | None:
+            return statistics.median(s[key] for s in runs) if key in runs[0] else None
+
+        med, free, gram = median("all"), median("free"), median("grammar")
+        cells = [name, f"{med:.1f}", f"{med / base:.2f}x", f"{free:.1f}" if free else "-",
+                 f"{gram:.1f}" if gram else "-", f"{median('step_ms'):.2f}",
+                 f"{median('mask_ms_step'):.3f}" if name != "free" else "-", str(sum(s["masks"] for s in runs))]
         print("| " + " | ".join(cells) + " |")
-    masks = after["masks"] - before["masks"]
-    ms = (after["mask_ms_mean"] * after["masks"] - before["mask_ms_mean"] * before["masks"]) / max(masks, 1)
-    print(f"\nmasks computed: {masks}, mean host time per row-mask: {ms:.3f} ms")
 
 
 if __name__ == "__main__":
