@@ -94,10 +94,11 @@ def run_round(url: str, kinds: list[bool], seconds: float, free_tokens: int) -> 
 def step_counters(url: str) -> dict:
     """Cumulative decode steps and their seconds, and mask-computing steps and their host seconds."""
     stats = httpx.get(url + "/stats").json()
-    decode = stats["batch"]["decode_timing"]
+    decode, grammar = stats["batch"]["decode_timing"], stats["grammar"]
     return {"decode_steps": decode["steps"], "decode_s": decode["totals"]["step_s"],
-            "mask_steps": stats["grammar"]["steps"], "mask_s": stats["grammar"]["seconds"],
-            "masks": stats["grammar"]["masks"]}
+            # servers before /stats.grammar.steps: every decode step of a grammar-only round computes masks
+            "mask_steps": grammar.get("steps", decode["steps"]), "masks": grammar["masks"],
+            "mask_s": grammar["mask_ms_mean"] * grammar["masks"] / 1e3}
 
 
 def measured_round(url: str, kinds: list[bool], seconds: float, free_tokens: int) -> dict:
@@ -128,30 +129,30 @@ def main() -> None:
         warm = run_round(server.url, mixes["grammar"], 1.0, 1)
         free_tokens = args.free_tokens or max(1, round(warm["grammar_request_tokens"]))
         run_round(server.url, mixes["mixed"], 1.0, free_tokens)
+        print(f"free requests: {free_tokens} tokens (the grammar requests' mean in the warm-up)", flush=True)
+        print(f"| mix (c={c}) | tok/s (median of {args.rounds}) | vs free | free clients' tok/s "
+              "| grammar clients' tok/s | decode step ms | mask host ms per step | masks |", flush=True)
+        print("|---|---|---|---|---|---|---|---|", flush=True)
         samples: dict[str, list[dict]] = {name: [] for name in mixes}
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for name, kinds in mixes.items():
                 samples[name].append(measured_round(server.url, kinds, args.seconds, free_tokens))
-    print_table(samples, c, args.rounds)
+                if r == args.rounds - 1:  # each row as soon as it is final: a run cut short keeps what it has
+                    print(table_row(name, samples[name], samples["free"]), flush=True)
     lengths = [s["grammar_request_tokens"] for name in ("grammar", "mixed") for s in samples[name]]
-    print(f"\nfree requests: {free_tokens} tokens; grammar requests: {statistics.mean(lengths):.1f} tokens on average")
+    print(f"\ngrammar requests: {statistics.mean(lengths):.1f} tokens on average")
 
 
-def print_table(samples: dict[str, list[dict]], c: int, rounds: int) -> None:
-    base = statistics.median(s["all"] for s in samples["free"])
-    print(f"| mix (c={c}) | tok/s (median of {rounds}) | vs free | free clients' tok/s | grammar clients' tok/s "
-          "| decode step ms | mask host ms per step | masks |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, runs in samples.items():
-        def median(key: str, runs=runs) -> float | None:
-            return statistics.median(s[key] for s in runs) if key in runs[0] else None
+def table_row(name: str, runs: list[dict], free_runs: list[dict]) -> str:
+    def median(key: str) -> float | None:
+        return statistics.median(s[key] for s in runs) if key in runs[0] else None
 
-        med, free, gram = median("all"), median("free"), median("grammar")
-        cells = [name, f"{med:.1f}", f"{med / base:.2f}x", f"{free:.1f}" if free else "-",
-                 f"{gram:.1f}" if gram else "-", f"{median('step_ms'):.2f}",
-                 f"{median('mask_ms_step'):.3f}" if name != "free" else "-", str(sum(s["masks"] for s in runs))]
-        print("| " + " | ".join(cells) + " |")
-
+    base = statistics.median(s["all"] for s in free_runs)
+    med, free, gram = median("all"), median("free"), median("grammar")
+    cells = [name, f"{med:.1f}", f"{med / base:.2f}x", f"{free:.1f}" if free else "-",
+             f"{gram:.1f}" if gram else "-", f"{median('step_ms'):.2f}",
+             f"{median('mask_ms_step'):.3f}" if name != "free" else "-", str(sum(s["masks"] for s in runs))]
+    return "| " + " | ".join(cells) + " |"
 
 if __name__ == "__main__":
     main()
