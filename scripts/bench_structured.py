@@ -13,7 +13,10 @@ machine noise hits each alike:
 - mixed:   C/2 of each, batched together (are free rows slowed by grammar rows?)
 
 Throughput is completion tokens / wall time of the loop (decode-dominated:
-short prompts); the per-kind columns split it by the clients' kind. Per
+short prompts); the per-kind columns split it by the clients' kind. On a
+shared host wall time swings with the neighbours' load, so each mix also
+reports tokens per second of the server process's CPU time (Linux), a
+ratio that load moves far less. Per
 mix, from /stats read around each round: the decode step's mean time and
 host time computing masks per step (/stats.batch.decode_timing,
 /stats.grammar).
@@ -24,6 +27,7 @@ host time computing masks per step (/stats.batch.decode_timing,
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -101,10 +105,24 @@ def step_counters(url: str) -> dict:
             "mask_s": grammar["mask_ms_mean"] * grammar["masks"] / 1e3}
 
 
-def measured_round(url: str, kinds: list[bool], seconds: float, free_tokens: int) -> dict:
-    """``run_round`` plus what /stats saw during it: decode ms per step, mask host ms per step."""
-    before = step_counters(url)
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid`` (all its threads), from /proc; None elsewhere."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured_round(url: str, pid: int, kinds: list[bool], seconds: float, free_tokens: int) -> dict:
+    """``run_round`` plus what /stats saw during it (decode ms per step, mask host ms per step) and
+    completion tokens per second of the server's CPU time."""
+    before, cpu = step_counters(url), cpu_seconds(pid)
+    start = time.perf_counter()
     out = run_round(url, kinds, seconds, free_tokens)
+    wall = time.perf_counter() - start
+    if cpu is not None:
+        out["tok_per_cpu_s"] = out["all"] * wall / (cpu_seconds(pid) - cpu)
     delta = {k: v - before[k] for k, v in step_counters(url).items()}
     out["step_ms"] = 1e3 * delta["decode_s"] / max(delta["decode_steps"], 1)
     out["mask_ms_step"] = 1e3 * delta["mask_s"] / max(delta["mask_steps"], 1)
@@ -131,12 +149,13 @@ def main() -> None:
         run_round(server.url, mixes["mixed"], 1.0, free_tokens)
         print(f"free requests: {free_tokens} tokens (the grammar requests' mean in the warm-up)", flush=True)
         print(f"| mix (c={c}) | tok/s (median of {args.rounds}) | vs free | free clients' tok/s "
-              "| grammar clients' tok/s | decode step ms | mask host ms per step | masks |", flush=True)
-        print("|---|---|---|---|---|---|---|---|", flush=True)
+              "| grammar clients' tok/s | decode step ms | mask host ms per step | masks "
+              "| tok per server CPU s | vs free |", flush=True)
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
         samples: dict[str, list[dict]] = {name: [] for name in mixes}
         for r in range(args.rounds):
             for name, kinds in mixes.items():
-                samples[name].append(measured_round(server.url, kinds, args.seconds, free_tokens))
+                samples[name].append(measured_round(server.url, server.proc.pid, kinds, args.seconds, free_tokens))
                 if r == args.rounds - 1:  # each row as soon as it is final: a run cut short keeps what it has
                     print(table_row(name, samples[name], samples["free"]), flush=True)
     lengths = [s["grammar_request_tokens"] for name in ("grammar", "mixed") for s in samples[name]]
@@ -152,6 +171,8 @@ def table_row(name: str, runs: list[dict], free_runs: list[dict]) -> str:
     cells = [name, f"{med:.1f}", f"{med / base:.2f}x", f"{free:.1f}" if free else "-",
              f"{gram:.1f}" if gram else "-", f"{median('step_ms'):.2f}",
              f"{median('mask_ms_step'):.3f}" if name != "free" else "-", str(sum(s["masks"] for s in runs))]
+    per_cpu, base_cpu = median("tok_per_cpu_s"), statistics.median(s.get("tok_per_cpu_s", 0) for s in free_runs)
+    cells += [f"{per_cpu:.1f}", f"{per_cpu / base_cpu:.2f}x"] if per_cpu and base_cpu else ["-", "-"]
     return "| " + " | ".join(cells) + " |"
 
 if __name__ == "__main__":
