@@ -7,7 +7,7 @@ that completes its JSON is replaced so the batch stays full. Prints one JSON
 line per mix: wall and process CPU ms per step (CPU time is steadier on a
 shared host), rows per step, host ms computing masks per step.
 
-    python scripts/profile_grammar_step.py --model PATH --rows 64 --steps 40
+    python scripts/profile_grammar_step.py [--model PATH] --rows 64 --steps 40
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 from mlxq.engine.types import GrammarSpec, Request, SamplingParams
 from mlxq.kv.projection import measure_footprint
 from mlxq.kv.scheme import NATIVE
+from mlxq.models.default import ensure_default_model
 
 
 def make_request(tokenizer, grammar: GrammarSpec | None, n: int) -> Request:
@@ -69,13 +70,13 @@ def time_mix(model, tokenizer, grammar: GrammarSpec, kinds: list[bool], steps: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded default model)")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--token0-in-decode", type=int, default=1)
     args = parser.parse_args()
-    model, tokenizer = mlx_lm.load(args.model)
+    model, tokenizer = mlx_lm.load(args.model or str(ensure_default_model()))
     text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults={"whitespace_flexible": False})
     grammar = GrammarSpec("json_schema", text)
     r = args.rows
