@@ -8,6 +8,8 @@ against the memory limit the server planned (its configured share).
 
     python scripts/gpu_memory_gate.py --out $OUT                    # default budgets, 3 runs
     python scripts/gpu_memory_gate.py --runs over --out $OUT        # KV budget above what fits
+    python scripts/gpu_memory_gate.py --runs default,over,default,default --per-level 1 \
+        --max-tokens 64 --over-max-tokens 400 --out $OUT             # all four in ~5 minutes
 
 Writes memory-gate.json (summaries) and trace-RUN.json (the 0.5 s samples) under --out; the
 per-level benchmark JSON and server logs go to --scratch.
@@ -134,9 +136,10 @@ def _serve_and_sweep(name: str, spec: Run, model: Path, args, out: Path, index: 
         for level in spec.levels or args.levels:
             for dataset, words in spec.datasets:
                 t = time.perf_counter()
+                per_level = args.per_level or spec.per_level
+                max_tokens = (args.over_max_tokens if spec.ballast_gb else None) or spec.max_tokens or args.max_tokens
                 levels[f"{dataset}-c{level}"] = result = bench(server.url, dataset, words, level,
-                                                               spec.per_level * level,
-                                                               spec.max_tokens or args.max_tokens,
+                                                               per_level * level, max_tokens,
                                                                args.scratch / f"bench-{index}-{dataset}-c{level}.json")
                 log(f"  {dataset} c={level}: {result.get('completed')} done, {result.get('failed')} failed "
                     f"in {time.perf_counter() - t:.0f}s")
@@ -164,6 +167,8 @@ def main() -> None:
     ap.add_argument("--runs", default="default,default,default")
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 64, 128])
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--per-level", type=int, help="requests per level, times the level (default: the run's)")
+    ap.add_argument("--over-max-tokens", type=int, help="tokens per request in the over-budget run (default 1600)")
     ap.add_argument("--deadline-s", type=float, default=540, help="start no run after this many seconds")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +182,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", build], check=True)
         log(f"built {model} in {time.monotonic() - began:.0f}s")
     results = {"date": time.strftime("%Y-%m-%d"), "preset": args.preset, "levels": args.levels,
-               "max_tokens": args.max_tokens, "runs": []}
+               "max_tokens": args.max_tokens, "per_level": args.per_level, "over_max_tokens": args.over_max_tokens,
+               "runs": []}
     for index, name in enumerate(args.runs.split(",")):
         if time.monotonic() - began > args.deadline_s:
             results["runs"].append({"run": name, "skipped": "deadline"})

@@ -97,3 +97,23 @@ def test_server_gap_probe(small_model, tmp_path):
         assert runs[0]["tok_s"] > 0, name
         if name != "stream_generate":  # mlx-lm's loop has no split
             assert runs[0]["split"]["steps"] >= 2 * 7, name  # two requests' decode steps, each read from its source
+
+
+def test_shared_prefix_micro(tmp_path):
+    out = tmp_path / "micro.json"
+    run("shared_prefix_micro.py", "--shape", "smoke", "--json", str(out))
+    doc = json.loads(out.read_text())
+    assert doc["float32_check"] < 1e-5
+    shared, own = doc["rows"]
+    assert shared["diff"] < 1e-5 and shared["shared_ops_ms"] > 0
+    assert own["prefix"] == 0 and own["shared_ops_ms"] is None  # nothing to share
+    run("shared_prefix_micro.py", "--quantized-check")
+
+
+def test_shared_prefix_step(small_model, tmp_path):
+    out = tmp_path / "step.json"
+    run("shared_prefix_step.py", "--model", str(small_model), "--cases", "3x40+5", "--steps", "2",
+        "--json", str(out))
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["copies_ms"] > 0 and case["shared_ops_ms"] > 0
+    assert case["shared_ops_logit_diff"] < 1e-4  # float32 on the CPU

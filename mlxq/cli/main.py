@@ -7,7 +7,14 @@ import typer
 from mlxq import __version__
 from mlxq.cli import bench, cache, golden, model, serve
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Serve MLX language models.")
+EXAMPLES = """Examples:
+
+  mlxq model pull mlx-community/Qwen3-4B-4bit        # a real model
+  mlxq serve --model mlx-community/Qwen3-4B-4bit
+  mlxq --install-completion                          # tab completion
+"""
+
+app = typer.Typer(no_args_is_help=True, help="Serve MLX language models.", epilog=EXAMPLES)
 
 
 def _print_version(value: bool) -> None:
@@ -20,7 +27,7 @@ def _print_version(value: bool) -> None:
 def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     """Serve MLX language models."""
-app.command("serve")(serve.serve)
+app.command("serve", epilog=serve.EXAMPLES)(serve.serve)
 app.add_typer(model.app, name="model")
 app.add_typer(golden.app, name="golden")
 app.add_typer(bench.app, name="bench")
@@ -37,7 +44,7 @@ def version() -> None:
 
 
 def main() -> None:
-    app()
+    app(prog_name="mlxq")  # `python -m mlxq.cli.main` too: completion scripts and usage lines name `mlxq`
 
 
 if __name__ == "__main__":

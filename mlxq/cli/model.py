@@ -12,7 +12,8 @@ from mlxq.models.presets import ARCHS, SIZES
 app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 
 
-@app.command("tiny")
+@app.command("tiny", epilog="Examples:\n\n  mlxq model tiny --arch llama --out ./tiny-llama\n"
+                            "  mlxq model tiny --arch llama --preset llama3-1b --out ./llama3-1b")
 def tiny(
     arch: Annotated[str, typer.Option(help=f"One of: {', '.join(ARCHS)}.")],
     out: Annotated[Path, typer.Option(help="Directory to write: new, empty, or an earlier mlxq model.")],
@@ -25,10 +26,14 @@ def tiny(
                                              "(the model's files are added; nothing there is deleted).")] = False,
 ) -> None:
     """Write a complete random-weight model directory, the same bytes every run."""
+    from mlxq.cli.build_progress import build_progress
     from mlxq.models.tiny import build_tiny_model, read_manifest
 
+    typer.echo(f"building mlxq-{preset}-{arch} in {out} ...", err=True)
     try:
-        path = build_tiny_model(arch, out, seed=seed, preset=preset, fast_init=fast_init, force=force)
+        with build_progress(f"mlxq-{preset}-{arch}") as progress:
+            path = build_tiny_model(arch, out, seed=seed, preset=preset, fast_init=fast_init, force=force,
+                                    progress=progress)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -36,7 +41,8 @@ def tiny(
     typer.echo(f"{manifest['name']}: {manifest['num_params'] / 1e6:.2f}M parameters -> {path}")
 
 
-@app.command("pull")
+@app.command("pull", epilog="Examples:\n\n  mlxq model pull mlx-community/Qwen3-4B-4bit\n"
+                            "  mlxq serve --model mlx-community/Qwen3-4B-4bit")
 def pull(
     repo: Annotated[str, typer.Argument(help="A Hugging Face repo id, e.g. mlx-community/Qwen3-4B-4bit.")],
     revision: Annotated[str | None, typer.Option(help="Branch, tag or commit (default: main).")] = None,

@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from mlxq.cli.config_file import CONFIG_ENV, apply_config_file
+
+EXAMPLES = """Examples:
+
+  mlxq serve                                     # the embedded tiny model
+  mlxq serve --model mlx-community/Qwen3-4B-4bit --ssd-cache ~/.mlxq-kv
+  mlxq serve --config mlxq.toml --port 9000      # flags override the file
+"""
+
+
+def _read_config(ctx: typer.Context, path: Path | None) -> Path | None:
+    return apply_config_file(ctx, path, serve)
 
 
 class LogLevel(str, Enum):
@@ -16,6 +30,10 @@ class LogLevel(str, Enum):
 
 
 def serve(
+    config_file: Annotated[Path | None, typer.Option(
+        "--config", envvar=CONFIG_ENV, is_eager=True, callback=_read_config, dir_okay=False,
+        help="TOML file of settings: keys are the flag names without -- (kv-budget = \"8GB\"); flags given "
+             "here override it.")] = None,
     model: Annotated[str | None, typer.Option(help="Model directory or a repo id in the local HF cache. "
                                                    "Default: the embedded tiny model (no download).")] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
@@ -79,8 +97,22 @@ def serve(
     max_prompt_tokens: Annotated[int | None, typer.Option(help="Per-request cap on prompt tokens.")] = None,
     max_tokens_policy: Annotated[str, typer.Option(help="max_tokens above the room left in the context (or "
                                                         "--max-tokens-limit): clamp or reject (400).")] = "clamp",
+    temp: Annotated[float | None, typer.Option(help="Sampling temperature for requests that set none "
+                                                    "(default: 0 for chat/completions, 1 for Responses and "
+                                                    "Messages, as those APIs define).")] = None,
+    top_p: Annotated[float | None, typer.Option(help="top_p for requests that set none (default 1).")] = None,
+    top_k: Annotated[int | None, typer.Option(help="top_k for requests that set none (default 0: off).")] = None,
+    min_p: Annotated[float | None, typer.Option(help="min_p for requests that set none (default 0: off).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="max_tokens for requests that set none (default: 512 for "
+                                                        "chat/completions, the context's room for Responses).")]
+    = None,
+    chat_template: Annotated[str | None, typer.Option(help="A Jinja chat template, or a file holding one, "
+                                                           "used instead of the model's.")] = None,
+    chat_template_args: Annotated[str, typer.Option(help="JSON object of template variables for every chat "
+                                                         "request, e.g. '{\"enable_thinking\": false}'; a "
+                                                         "request's chat_template_kwargs win.")] = "{}",
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API."""
+    """Serve a model over OpenAI- and Anthropic-compatible HTTP APIs."""
     from mlxq.cli.units import flag_bytes
     from mlxq.models.loader import ModelNotFoundError
     from mlxq.server.config import ServerConfig
@@ -105,7 +137,9 @@ def serve(
             else flag_bytes("--memory-limit", memory_limit),
             memory_limit_auto=memory_limit.strip().lower() == "auto",
             ssd=ssd, kv_quant=kv_quant.strip().lower(), kv_group_size=kv_group_size,
-            warmup=warmup.strip().lower(),
+            warmup=warmup.strip().lower(), temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+            max_tokens=max_tokens, chat_template=_chat_template(chat_template),
+            chat_template_args=_json_object("--chat-template-args", chat_template_args),
         )
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:
@@ -142,3 +176,29 @@ def _prompt_cache_bytes(text: str) -> int | None:
     if text == "auto":
         return None
     return 0 if text in ("0", "0gb", "0b") else flag_bytes("--prompt-cache", text)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """Jinja text as given, or read from the file it names; a path that is not there is an error,
+    not a template that renders its own file name."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template (no {{{{ or {{%)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template: cannot read {path}: {exc}") from None
+
+
+def _json_object(flag: str, text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value

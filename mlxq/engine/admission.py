@@ -17,8 +17,8 @@ def check_fits_alone(footprint: KvFootprint, budget: int, num_prompt: int, max_t
     fits = max_tokens_within(footprint, budget, num_prompt)
     hint = f"lower max_tokens to {fits}" if fits > 0 else "shorten the prompt"
     raise AdmissionError(
-        f"this request needs {need / 2**20:.1f} MiB of KV cache (prompt {num_prompt} + max_tokens "
-        f"{max_tokens} tokens), more than the server's whole --kv-budget of {budget / 2**20:.1f} MiB: {hint}"
+        f"this request needs {need / 1e6:.1f} MB of KV cache (prompt {num_prompt} + max_tokens "
+        f"{max_tokens} tokens), more than the server's whole --kv-budget of {budget / 1e6:.1f} MB: {hint}"
     )
 
 

@@ -28,6 +28,7 @@ from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
 from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.output import EmitFn
+from mlxq.engine.serial_resume import SerialPreempted, SerialRun, backing_off
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
 from mlxq.store.cold_tier import FlushResult
@@ -98,6 +99,7 @@ class _Work:
     request: Request
     emit: EmitFn
     placement: Placement
+    resume: SerialRun | None = None  # a serial request requeued after a memory fault: where it stopped
 
 
 @dataclass
@@ -468,7 +470,8 @@ class Engine:
             self.scheduler.add(head.request, head.emit)
         if self._waiting and self._waiting[0].placement.lane is Lane.SERIAL:
             if self.scheduler is None or self.scheduler.is_idle:
-                self._run_serial(self._waiting.popleft())
+                if not backing_off(self._waiting[0].resume):  # a requeued request waits a moment first
+                    self._run_serial(self._waiting.popleft())
                 return
             # A serial request waits at the head: admission is paused, running rows drain.
         if self.scheduler is not None and not self.scheduler.is_idle:
@@ -504,8 +507,12 @@ class Engine:
                 self.loaded.model, self.loaded.tokenizer, request, work.emit,
                 prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
                 prompt_cache=self.prompt_cache, scheme=self.scheme, grammar_timing=self.grammar_timing,
+                evaluator=self.evaluator, resume=work.resume,
             )
             self._done(request, Lane.SERIAL, output.finished, output.usage())
+        except SerialPreempted as preempted:  # out of memory twice: first in line again, resumed later
+            work.resume = preempted.run
+            self._waiting.appendleft(work)
         except Exception as exc:
             log.error("request %s failed: %s\n%s", request.request_id, exc, traceback.format_exc())
             message = f"generation failed: {type(exc).__name__}: {exc}"

@@ -128,8 +128,13 @@ class GrammarState:
 
     def resume(self, generated: list[int]) -> None:
         """The row restarts from a prompt that ends with its ``generated`` tokens (KV recomputed after
-        a preemption): consume the ones not consumed yet; the next ``inputs`` is then a prompt token."""
+        a preemption): consume the ones not consumed yet, or roll back one consumed but never handed
+        out (the serial lane's loop feeds token n to the mask of draw n+1 before it yields token n);
+        the next ``inputs`` is then a prompt token."""
         if self._matcher is not None:
+            if self._consumed > len(generated):
+                self._matcher.rollback(self._consumed - len(generated))
+                self._consumed = len(generated)
             self._consume(generated[self._consumed :])
         self._input_is_drawn, self._prepared = False, None
 

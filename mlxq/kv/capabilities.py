@@ -22,6 +22,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlxq.kv.quantized import BatchQuantizedKVCache, BatchQuantizedRotatingKVCache, QuantizedRotatingKVCache
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 
 class CacheKind(str, Enum):
@@ -38,6 +39,7 @@ class UnknownCacheKind(TypeError):
 _KIND_BY_CLASS: dict[type, CacheKind] = {
     KVCache: CacheKind.FULL,
     BatchKVCache: CacheKind.FULL,
+    SharedPrefixBatchCache: CacheKind.FULL,  # rows' tails over one referenced prefix
     RotatingKVCache: CacheKind.ROTATING,
     BatchRotatingKVCache: CacheKind.ROTATING,
     ArraysCache: CacheKind.RECURRENT,

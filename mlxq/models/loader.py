@@ -77,14 +77,16 @@ def resolve_model_path(spec: str) -> Path:
     )
 
 
-def load_model(spec: str, *, name: str | None = None) -> LoadedModel:
-    """Load weights + tokenizer through mlx-lm's loader."""
+def load_model(spec: str, *, name: str | None = None, chat_template: str | None = None) -> LoadedModel:
+    """Load weights + tokenizer through mlx-lm's loader; ``chat_template`` (Jinja text) replaces the
+    model's own, as mlx_lm.server's --chat-template does."""
     import mlx_lm
 
     path = resolve_model_path(spec)
     # Belt and braces: nothing below may reach the network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+    tokenizer_config = {"chat_template": chat_template} if chat_template is not None else None
+    model, tokenizer, config = mlx_lm.load(str(path), tokenizer_config=tokenizer_config, return_config=True)
     manifest = read_manifest(path)
     if manifest:
         model_name = name or manifest["name"]

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from mlxq.models.tokenizer import EOS_TOKEN, write_tokenizer_files
 # Bump when the bytes a given (arch, preset, seed) produce change.
 FACTORY_VERSION = 1
 MANIFEST = "mlxq-model.json"
+Progress = Callable[[int, int], None]  # (parameters drawn, parameters in all)
 
 
 def _param_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -65,10 +67,12 @@ def _fast_param(name: str, shape: tuple[int, ...], key: list[int], unit_norm: fl
     return (mx.random.normal(shape, key=mx.random.key(seed)) * (1.0 / np.sqrt(fan_in))).astype(dtype)
 
 
-def _write_weights(out: Path, config: dict, seed: int, fast_init: bool = False) -> int:
+def _write_weights(out: Path, config: dict, seed: int, fast_init: bool = False,
+                   progress: Progress | None = None) -> int:
     import mlx.core as mx
 
     shapes = _param_shapes(config)
+    total, done = sum(int(np.prod(s)) for s in shapes.values()), 0
     unit_norm = 0.0 if config["model_type"].startswith("gemma") else 1.0
     dtype = getattr(mx, config["torch_dtype"])
     weights = {}
@@ -78,11 +82,14 @@ def _write_weights(out: Path, config: dict, seed: int, fast_init: bool = False) 
         if fast_init:
             weights[name] = _fast_param(name, shapes[name], key, unit_norm, dtype)
             mx.eval(weights[name])  # bound the transient to one tensor
-            continue
-        rng = np.random.Generator(np.random.PCG64(key))
-        weights[name] = mx.array(_init_param(name, shapes[name], rng, unit_norm)).astype(dtype)
+        else:
+            rng = np.random.Generator(np.random.PCG64(key))
+            weights[name] = mx.array(_init_param(name, shapes[name], rng, unit_norm)).astype(dtype)
+        done += int(np.prod(shapes[name]))
+        if progress is not None:
+            progress(done, total)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    return sum(int(np.prod(s)) for s in shapes.values())
+    return total
 
 
 def _check_target(out: Path, force: bool) -> None:
@@ -107,13 +114,14 @@ def _install(tmp: Path, out: Path) -> None:
 
 
 def build_tiny_model(arch: str, out: str | Path, *, seed: int = 0, preset: str = "tiny",
-                     fast_init: bool = False, force: bool = False) -> Path:
+                     fast_init: bool = False, force: bool = False, progress: Progress | None = None) -> Path:
     """Write a complete model directory to ``out`` and return it.
 
     ``out`` must be new, empty or an earlier mlxq model (its model files are replaced);
     ``force`` writes the model's files into any other directory, deleting nothing there.
     ``fast_init`` draws weights with MLX's generator on the default device (for
     real shapes on a GPU); the default numpy path gives the same bytes everywhere.
+    ``progress(parameters drawn, parameters in all)`` is called after each weight tensor.
     """
     out = Path(out)
     config = make_config(arch, preset)
@@ -125,7 +133,7 @@ def build_tiny_model(arch: str, out: str | Path, *, seed: int = 0, preset: str =
         config["eos_token_id"] = [ids[EOS_TOKEN], ids["<|endoftext|>"]]
         config["bos_token_id"] = None
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        num_params = _write_weights(tmp, config, seed, fast_init)
+        num_params = _write_weights(tmp, config, seed, fast_init, progress)
         manifest = {
             "name": f"mlxq-{preset}-{arch}",
             "arch": arch,

@@ -15,11 +15,12 @@ import json
 
 from mlxq.server.errors import invalid
 from mlxq.server.protocol import GenerationSpec, TokenLimits, parse_generation
+from mlxq.server.request_defaults import PROTOCOL_DEFAULTS, RequestDefaults
 
 ANTHROPIC_DEFAULT_TEMPERATURE = 1.0  # the Messages API's default
 
 
-def parse_messages(body, lm, limits: TokenLimits) -> GenerationSpec:
+def parse_messages(body, lm, limits: TokenLimits, defaults: RequestDefaults = PROTOCOL_DEFAULTS) -> GenerationSpec:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     if "max_tokens" not in body:
@@ -29,21 +30,21 @@ def parse_messages(body, lm, limits: TokenLimits) -> GenerationSpec:
         "messages": _system(body.get("system")) + _messages(body.get("messages")),
         "max_tokens": body.get("max_tokens"),
         "stop": _stop_sequences(body.get("stop_sequences")),
-        "temperature": body.get("temperature", ANTHROPIC_DEFAULT_TEMPERATURE),
+        "temperature": body.get("temperature", defaults.get("temperature", ANTHROPIC_DEFAULT_TEMPERATURE)),
         "top_p": body.get("top_p"),
         "top_k": body.get("top_k"),
         "stream": body.get("stream"),
         "response_format": _response_format(body.get("output_config")),
         **_tools(body.get("tools"), body.get("tool_choice")),
     }
-    return parse_generation(chat, "chat", lm, limits)
+    return parse_generation(chat, "chat", lm, limits, defaults)
 
 
-def parse_count_tokens(body, lm) -> int:
+def parse_count_tokens(body, lm, defaults: RequestDefaults = PROTOCOL_DEFAULTS) -> int:
     """Prompt tokens of a Messages body (max_tokens is not part of it)."""
     if isinstance(body, dict) and "max_tokens" not in body:
         body = {**body, "max_tokens": 1}
-    return len(parse_messages(body, lm, TokenLimits()).prompt_ids)
+    return len(parse_messages(body, lm, TokenLimits(), defaults).prompt_ids)
 
 
 def _system(system) -> list[dict]:

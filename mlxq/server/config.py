@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlxq.server.protocol import TokenLimits
+from mlxq.server.request_defaults import RequestDefaults
+from mlxq.server.template_kwargs import check_server_template_args
 from mlxq.store.ssd_config import SsdConfig
 
 
@@ -40,6 +42,13 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # server-wide cap on max_tokens (None: the model's context)
     max_tokens_policy: str = "clamp"  # max_tokens above the room left (or the cap): clamp to it, or reject (400)
     max_prompt_tokens: int | None = None  # per-request prompt length cap (None: the model's context)
+    temp: float | None = None  # request defaults (server/request_defaults.py); None: the protocol's own
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    chat_template: str | None = None  # Jinja text replacing the model's chat template (--chat-template)
+    chat_template_args: dict = field(default_factory=dict)  # template variables every chat request gets
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -73,10 +82,27 @@ class ServerConfig:
             raise ValueError("--max-connections must be >= 1 and --request-read-timeout > 0")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be >= 1024")
+        self._check_request_defaults()
         for name in ("max_tokens_limit", "max_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+
+    def _check_request_defaults(self) -> None:
+        for flag, value, lo, hi in (("--temp", self.temp, 0, 100), ("--top-p", self.top_p, 0, 1),
+                                    ("--min-p", self.min_p, 0, 1), ("--top-k", self.top_k, 0, None),
+                                    ("--max-tokens", self.max_tokens, 1, None)):
+            if value is not None and not (lo <= value and (hi is None or value <= hi)):
+                raise ValueError(f"{flag} must be {lo}-{hi}; got {value}" if hi is not None
+                                 else f"{flag} must be >= {lo}; got {value}")
+        check_server_template_args(self.chat_template_args)
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("--chat-template must not be empty")
+
+    @property
+    def request_defaults(self) -> RequestDefaults:
+        return RequestDefaults(self.temp, self.top_p, self.top_k, self.min_p, self.max_tokens,
+                               dict(self.chat_template_args))
 
     @property
     def token_limits(self) -> TokenLimits:

@@ -21,7 +21,8 @@ async def create_message(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     body = await read_json(http, state.config.max_request_bytes)
-    spec = await off_loop(parse_messages, body, state.loaded, state.config.token_limits)
+    spec = await off_loop(parse_messages, body, state.loaded, state.config.token_limits,
+                          state.config.request_defaults)
     [request] = admit(state, spec, "msg")
     acc = Accumulator(state.loaded.tokenizer, spec.tools)
     message_id = new_message_id()
@@ -48,4 +49,5 @@ async def count_tokens(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     body = await read_json(http, state.config.max_request_bytes)
-    return JSONResponse({"input_tokens": await off_loop(parse_count_tokens, body, state.loaded)})
+    count = await off_loop(parse_count_tokens, body, state.loaded, state.config.request_defaults)
+    return JSONResponse({"input_tokens": count})

@@ -14,6 +14,7 @@ from typing import Literal
 from mlxq.engine.types import GrammarSpec, SamplingParams
 from mlxq.server.errors import APIError, invalid
 from mlxq.server.prompts import system_prefix_length, tokenize_chat, tokenize_completion
+from mlxq.server.request_defaults import PROTOCOL_DEFAULTS, RequestDefaults
 from mlxq.server.structured import chat_grammar, response_format_grammar
 from mlxq.server.template_kwargs import read_template_kwargs
 from mlxq.server.validate import (
@@ -60,9 +61,10 @@ class GenerationSpec:
     grammar: GrammarSpec | None = None  # response_format / forced tool call: the output must match it
 
 
-def parse_generation(body, kind: Literal["chat", "completion"], lm,
-                     limits: TokenLimits = TokenLimits()) -> GenerationSpec:
-    """Validate ``body`` against the loaded model ``lm`` (a models.LoadedModel)."""
+def parse_generation(body, kind: Literal["chat", "completion"], lm, limits: TokenLimits = TokenLimits(),
+                     defaults: RequestDefaults = PROTOCOL_DEFAULTS) -> GenerationSpec:
+    """Validate ``body`` against the loaded model ``lm`` (a models.LoadedModel); fields it leaves out
+    take the server's ``defaults``."""
     tokenizer = lm.tokenizer
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
@@ -71,7 +73,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
     if body.get("tool_choice") == "none":
         tools = None
     if kind == "chat":
-        template_kwargs = read_template_kwargs(body)
+        template_kwargs = {**defaults.template_args, **read_template_kwargs(body)}
         prompt_ids = tokenize_chat(tokenizer, body.get("messages"), tools or None, template_kwargs, lm.context_length)
         snapshot_at = system_prefix_length(tokenizer, body["messages"], tools or None, template_kwargs, prompt_ids)
     else:
@@ -79,7 +81,8 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
         prompt_ids = tokenize_completion(tokenizer, body.get("prompt"), lm.context_length)
         if any(not 0 <= t < lm.vocab_size for t in prompt_ids):
             raise invalid(f"'prompt' token ids must be in 0-{lm.vocab_size - 1}", "prompt")
-    max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length, limits)
+    max_tokens = _read_max_tokens(body, len(prompt_ids), lm.context_length, limits,
+                                 defaults.get("max_tokens", DEFAULT_MAX_TOKENS))
     logprobs, top_logprobs = _read_logprobs(body, kind)
     stream = read_bool(body, "stream", False)
     stream_options = read_dict(body, "stream_options") or {}
@@ -92,7 +95,7 @@ def parse_generation(body, kind: Literal["chat", "completion"], lm,
         kind=kind,
         model=read_str(body, "model", "default_model"),
         prompt_ids=prompt_ids,
-        params=_read_sampling(body, lm.vocab_size),
+        params=_read_sampling(body, lm.vocab_size, defaults),
         max_tokens=max_tokens,
         stop=read_stop(body),
         stream=stream,
@@ -142,7 +145,8 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     read_int(body, "num_draft_tokens", 0, lo=0)
 
 
-def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, limits: TokenLimits) -> int:
+def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, limits: TokenLimits,
+                     default: int) -> int:
     requested = read_int(body, "max_completion_tokens", None, lo=1)
     if requested is None:
         requested = read_int(body, "max_tokens", None, lo=1)
@@ -156,7 +160,7 @@ def _read_max_tokens(body: dict, num_prompt: int, context_length: int | None, li
             code="context_length_exceeded",
         )
     if requested is None:
-        default = DEFAULT_MAX_TOKENS if limits.cap is None else min(DEFAULT_MAX_TOKENS, limits.cap)
+        default = default if limits.cap is None else min(default, limits.cap)
         return default if room is None else min(default, room)
     if limits.policy == "clamp":
         # Agents ask for their own model's maximum (Claude Code: 64000) whatever the server runs:
@@ -201,17 +205,17 @@ def _read_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return bias
 
 
-def _read_top_k(body: dict, vocab_size: int) -> int:
-    top_k = read_int(body, "top_k", 0, lo=0)
+def _read_top_k(body: dict, vocab_size: int, default: int) -> int:
+    top_k = read_int(body, "top_k", default, lo=0)
     return 0 if top_k >= vocab_size else top_k  # keeping every token is no filter (mlx-lm refuses k >= vocab)
 
 
-def _read_sampling(body: dict, vocab_size: int) -> SamplingParams:
+def _read_sampling(body: dict, vocab_size: int, defaults: RequestDefaults) -> SamplingParams:
     return SamplingParams(
-        temperature=read_number(body, "temperature", 0.0, lo=0, hi=100),
-        top_p=read_number(body, "top_p", 1.0, lo=0, hi=1),
-        top_k=_read_top_k(body, vocab_size),
-        min_p=read_number(body, "min_p", 0.0, lo=0, hi=1),
+        temperature=read_number(body, "temperature", defaults.get("temperature", 0.0), lo=0, hi=100),
+        top_p=read_number(body, "top_p", defaults.get("top_p", 1.0), lo=0, hi=1),
+        top_k=_read_top_k(body, vocab_size, defaults.get("top_k", 0)),
+        min_p=read_number(body, "min_p", defaults.get("min_p", 0.0), lo=0, hi=1),
         repetition_penalty=read_number(body, "repetition_penalty", 0.0, lo=0, hi=100),
         repetition_context_size=read_int(body, "repetition_context_size", 20, lo=0, hi=1 << 20),
         presence_penalty=read_number(body, "presence_penalty", 0.0, lo=-100, hi=100),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from mlxq.server.errors import invalid
 from mlxq.server.protocol import GenerationSpec, TokenLimits, parse_generation
+from mlxq.server.request_defaults import PROTOCOL_DEFAULTS, RequestDefaults
 from mlxq.server.validate import read_int
 
 RESPONSES_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
@@ -42,7 +43,7 @@ class ResponsesRequest:
     echo: dict  # request fields the Response object repeats (tools, tool_choice, ...)
 
 
-def parse_responses(body, lm, limits: TokenLimits) -> ResponsesRequest:
+def parse_responses(body, lm, limits: TokenLimits, defaults: RequestDefaults = PROTOCOL_DEFAULTS) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     _refuse_stateful(body)
@@ -52,7 +53,7 @@ def parse_responses(body, lm, limits: TokenLimits) -> ResponsesRequest:
         "model": body.get("model"),
         "messages": _messages(body.get("instructions"), body.get("input"), names),
         "max_tokens": read_int(body, "max_output_tokens", None, lo=1),
-        "temperature": body.get("temperature", RESPONSES_DEFAULT_TEMPERATURE),
+        "temperature": body.get("temperature", defaults.get("temperature", RESPONSES_DEFAULT_TEMPERATURE)),
         "top_p": body.get("top_p"),
         "stream": body.get("stream"),
     }
@@ -60,14 +61,14 @@ def parse_responses(body, lm, limits: TokenLimits) -> ResponsesRequest:
         chat["tools"] = functions
         chat["tool_choice"] = _chat_tool_choice(choice, names)
     chat["response_format"] = _response_format(body.get("text"))
-    spec = parse_generation(chat, "chat", lm, limits)
+    spec = parse_generation(chat, "chat", lm, limits, defaults)
     if chat["max_tokens"] is None and lm.context_length is not None:
         # Responses has no default cap: as much as the context holds (and the server allows).
         room = lm.context_length - len(spec.prompt_ids)
-        spec = replace(spec, max_tokens=room if limits.cap is None else min(room, limits.cap))
+        spec = replace(spec, max_tokens=min(x for x in (room, limits.cap, defaults.max_tokens) if x is not None))
     echo = {"tools": body.get("tools") or [], "tool_choice": choice,
             "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
-            "temperature": chat["temperature"], "top_p": body.get("top_p", 1.0),
+            "temperature": chat["temperature"], "top_p": body.get("top_p", defaults.get("top_p", 1.0)),
             "max_output_tokens": chat["max_tokens"], "instructions": body.get("instructions"),
             "metadata": body.get("metadata") or {},
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}}}

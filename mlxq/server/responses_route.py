@@ -21,7 +21,8 @@ async def create_response(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     body = await read_json(http, state.config.max_request_bytes)
-    parsed = await off_loop(parse_responses, body, state.loaded, state.config.token_limits)
+    parsed = await off_loop(parse_responses, body, state.loaded, state.config.token_limits,
+                            state.config.request_defaults)
     spec = parsed.spec
     [request] = admit(state, spec, "resp")
     acc = Accumulator(state.loaded.tokenizer, spec.tools)

@@ -30,7 +30,7 @@ async def _generate(http: HTTPRequest, kind):
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     spec = await parse_request(http, state.config.max_request_bytes, parse_generation, kind, state.loaded,
-                               limits=state.config.token_limits)
+                               limits=state.config.token_limits, defaults=state.config.request_defaults)
     requests = admit(state, spec, "chatcmpl" if kind == "chat" else "cmpl")
     response_id = requests[0].request_id
     builders = [ChoiceBuilder(spec, state.loaded.tokenizer, response_id, state.model_name, index=i)

@@ -63,7 +63,7 @@ def make_state(config: ServerConfig) -> ServerState:
         log.info("no --model given: serving the embedded default model at %s", spec)
     else:
         spec = str(resolve_model_path(config.model))
-    engine = Engine(lambda: load_model(spec, name=config.served_model_name),
+    engine = Engine(lambda: load_model(spec, name=config.served_model_name, chat_template=config.chat_template),
                     EngineConfig(prefill_step_size=config.prefill_step_size, max_rows=config.batch,
                                  prompt_concurrency=config.prompt_concurrency,
                                  kv_budget_bytes=config.kv_budget_bytes, kv_budget_auto=config.kv_budget_auto,

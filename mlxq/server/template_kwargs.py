@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 
-from mlxq.server.errors import invalid
+from mlxq.server.errors import APIError, invalid
 
 PARAM = "chat_template_kwargs"
 MAX_KWARGS = 32
@@ -37,6 +37,14 @@ def read_template_kwargs(body: dict) -> dict:
         _check_name(name)
         _check_value(name, value)
     return dict(raw)
+
+
+def check_server_template_args(args: dict) -> None:
+    """``--chat-template-args`` obey the same rules as a request's kwargs; else a ValueError naming the flag."""
+    try:
+        read_template_kwargs({PARAM: args})
+    except APIError as exc:
+        raise ValueError(f"--chat-template-args: {exc.message}") from None
 
 
 def _check_name(name: str) -> None:

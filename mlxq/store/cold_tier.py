@@ -35,6 +35,7 @@ from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
 from mlxq.store.ssd_store import IndexEntry, SsdStore
+from mlxq.store.vanished import forget_vanished
 
 log = logging.getLogger("mlxq.ssd")
 
@@ -287,6 +288,8 @@ class ColdTier:
 
     def flush_result(self, *, timed_out: bool = False, report: bool = True) -> FlushResult:
         """The state of durability now; ``report`` also resets the lost-since-last-flush count."""
+        if report:  # the engine thread: forget files removed under the server (cache prune), claim only what is there
+            forget_vanished(self.store.index)
         pending = len(self._dirty) + len(self._spills)
         failed = self.counters.failed - self._flush_failures_at
         lost = self._lost

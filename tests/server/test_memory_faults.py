@@ -24,8 +24,8 @@ ARGS = ("--batch", "6", "--prompt-concurrency", "4", "--prefill-step-size", "8",
 FAULTS = "decode:4-5,decode:12,decode:18-19,prefill:3-4,prefill:9-10,token0:2-3"
 
 
-def _stream(url: str, prompt: str) -> dict:
-    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}
+def _stream(url: str, prompt: str, **sampling) -> dict:
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True, **sampling}
     text, finish = [], None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
@@ -66,6 +66,35 @@ def test_injected_allocation_faults_cost_no_request_and_no_token(tiny_model_dirs
     assert stats["batch"]["preempted_rows"] == 0 and stats["batch"]["active_rows"] == 0
     preemptions = [line for line in metrics.splitlines() if line.startswith("mlxq:num_preemptions_total")]
     assert preemptions and float(preemptions[0].split()[-1]) == faults["preemptions"]
+
+
+# Seeded sampled rows: each keeps its own PRNG key through a preemption; two also carry penalties
+# (processors that see the row's history, rebuilt when its KV is recomputed).
+SEEDED = [{"temperature": 0.9, "top_p": 0.95, "seed": 11 + i, "max_tokens": 24,
+           **({"repetition_penalty": 1.3, "presence_penalty": 0.5} if i % 3 == 0 else {})}
+          for i in range(len(PROMPTS))]
+
+
+def _seeded_burst(url: str) -> list[dict]:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda job: _stream(url, job[0], **job[1]), zip(PROMPTS, SEEDED, strict=True)))
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(tiny_model_dirs) -> list[dict]:
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), *ARGS) as server:
+        return _seeded_burst(server.url)
+
+
+@pytest.mark.parametrize("faults", ["decode:4-5,decode:12,decode:18-19,token0:2-3", "decode:9-10,prefill:3-4"])
+def test_seeded_sampled_rows_resume_with_the_draws_of_an_undisturbed_run(tiny_model_dirs, seeded_reference, faults):
+    reference = seeded_reference
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), *ARGS, env={"MLXQ_FAULT_INJECT": faults}) as server:
+        answers = _seeded_burst(server.url)
+        stats = httpx.get(server.url + "/stats").json()
+    assert stats["batch"]["faults"]["preemptions"] >= 1 and stats["engine"]["requests_failed"] == 0
+    assert len({a["text"] for a in reference}) == len(PROMPTS)  # sampled, not all one greedy answer
+    assert answers == reference
 
 
 def test_a_bad_fault_spec_stops_the_server_at_start(tiny_model_dirs):

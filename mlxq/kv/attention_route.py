@@ -1,0 +1,66 @@
+"""The attention seam on every backend: mlx-lm's models call one function, this decides where it runs.
+
+Every mlx-lm model module imports ``scaled_dot_product_attention`` from
+``mlx_lm.models.base`` and calls it as ``(queries, keys, values, cache=,
+scale=, mask=)``. ``install()`` rebinds that name in each loaded model
+module to ``route``, with no change to mlx-lm's files:
+
+- a SharedPrefixBatchCache layer runs its ``attend`` (the shared prefix read
+  once for the group; any backend);
+- everything else goes where it went before: kv/cuda_attention.py's router
+  when that is installed (CUDA), else mlx-lm's own function.
+
+mlx-lm's quantized attention scales its ``queries`` argument in place
+(``queries *= scale``): ``route`` hands it a fresh array object, so no
+caller ever sees its queries scaled.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+from mlx_lm.models import base
+
+from mlxq.kv import cuda_attention, shared_prefix_decode
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
+
+_mlx_lm_attention = base.scaled_dot_product_attention
+
+
+def route(queries, keys, values, cache, scale, mask, sinks=None):
+    if isinstance(cache, SharedPrefixBatchCache):
+        return cache.attend(queries, keys, values, scale, sinks)
+    if hasattr(cache, "bits"):
+        queries = mx.array(queries)  # the quantized path's in-place scaling stays on this copy
+    if cuda_attention._installed:
+        return cuda_attention.route(queries, keys, values, cache, scale, mask, sinks)
+    return _mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks)
+
+
+def _model_modules():
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "") or ""
+        if name.startswith("mlx_lm.models.") and name != base.__name__ \
+                and hasattr(module, "scaled_dot_product_attention"):
+            yield module
+
+
+def install() -> None:
+    """Route every loaded mlx-lm model module's attention through ``route`` (idempotent).
+
+    Call after the model is loaded: its module must already be imported. On CUDA this also
+    turns on the shared-prefix decode kernels once their self-checks pass."""
+    shared_prefix_decode.enable()
+    for module in _model_modules():
+        if module.scaled_dot_product_attention in (_mlx_lm_attention, cuda_attention.route):
+            module.scaled_dot_product_attention = route
+
+
+def uninstall() -> None:
+    """Give each module back the function it had (the CUDA router where that is installed)."""
+    previous = cuda_attention.route if cuda_attention._installed else _mlx_lm_attention
+    for module in _model_modules():
+        if module.scaled_dot_product_attention is route:
+            module.scaled_dot_product_attention = previous
+

@@ -1,0 +1,170 @@
+"""Attention for rows that share one prefix: the prefix read once per group, merged by log-sum-exp.
+
+A group of B rows attends over [shared prefix (P keys)] + [its own tail]. The
+prefix part does not depend on the row, so all rows' queries are stacked as
+one matrix per KV head ([B * group * L, D] against the prefix's [P, D]: one
+GEMM that reads the prefix once instead of B times). Each row's tail (its
+own tokens, left-padded like mlx-lm's BatchKVCache) is attended separately
+with its mask. Each part is a *partial*: its unnormalized softmax-weighted
+values plus its running max and sum of exponentials, in float32; partials
+combine exactly (the online-softmax identity, as in FlashInfer's merge_state
+and vLLM's cascade attention). Attention sinks (gpt_oss) are one more
+partial with a logit per head and no values.
+
+The merge is float32 throughout and every partial keeps its own max: a level
+with no visible keys (a fully masked padding query) has max -inf and weighs
+exactly zero, never 0 * inf. vLLM's cascade path made itself opt-in after
+accuracy reports that came from reading LSE tensors with the wrong strides
+and from mixed-precision merges; here every partial is a fresh contiguous
+float32 array.
+
+Quantized K/V (``--kv-quant``: each of keys and values a triple of packed
+data, scales and biases, as mlx-lm's QuantizedKVCache holds them) take the
+same path with ``mx.quantized_matmul`` in place of both products (``quant``
+names the group size and bits), as mlx-lm's quantized attention does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+_NEG_INF = -float("inf")
+
+KV = mx.array | tuple[mx.array, mx.array, mx.array]  # plain, or a quantized triple
+
+
+@dataclass(frozen=True)
+class Quant:
+    group_size: int
+    bits: int
+
+
+def _map(x: KV, fn) -> KV:
+    return tuple(fn(a) for a in x) if isinstance(x, (tuple, list)) else fn(x)
+
+
+def _shape(x: KV) -> tuple[int, ...]:
+    return x[0].shape if isinstance(x, (tuple, list)) else x.shape
+
+
+def _times_keys(q: mx.array, keys: KV, quant: Quant | None) -> mx.array:
+    if quant is None:
+        return q @ keys.swapaxes(-1, -2)
+    return mx.quantized_matmul(q, *keys, transpose=True, group_size=quant.group_size, bits=quant.bits)
+
+
+def _times_values(weights: mx.array, values: KV, quant: Quant | None, dtype) -> mx.array:
+    if quant is None:
+        return (weights.astype(values.dtype) @ values).astype(mx.float32)
+    return mx.quantized_matmul(weights.astype(dtype), *values, transpose=False, group_size=quant.group_size,
+                               bits=quant.bits).astype(mx.float32)
+
+
+@dataclass(frozen=True)
+class Partial:
+    """One level's attention before normalization (all float32)."""
+
+    weighted: mx.array  # [B, Hq, L, Dv]: sum_j exp(s_j - peak) v_j
+    peak: mx.array  # [B, Hq, L, 1]: max_j s_j (-inf when no key is visible)
+    total: mx.array  # [B, Hq, L, 1]: sum_j exp(s_j - peak)
+
+
+def _stats(scores: mx.array, guard: bool = True) -> tuple[mx.array, mx.array, mx.array]:
+    """exp(scores - peak), peak and total over the last axis, in float32; -inf scores weigh 0.
+
+    ``guard=False`` when every row has a visible key (a prefix): its peak is finite."""
+    scores = scores.astype(mx.float32)
+    peak = scores.max(axis=-1, keepdims=True)
+    safe = mx.where(peak == _NEG_INF, mx.array(0.0, mx.float32), peak) if guard else peak
+    weights = mx.exp(scores - safe)
+    return weights, peak, weights.sum(axis=-1, keepdims=True)
+
+
+def stacked_prefix_stats(queries: mx.array, keys: KV, values: KV, scale: float,
+                         quant: Quant | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """Every row's queries against one shared prefix, as one matrix per KV head.
+
+    queries [B, Hq, L, D]; keys [1, Hkv, P, D]; values [1, Hkv, P, Dv] (Hq a multiple of Hkv).
+    Returns (weighted, peak, total) in the stacked layout [Hkv, B * group * L, Dv or 1], row
+    b's head h = kv * group + i at position L at index (kv, (b * group + i) * L + position).
+    """
+    batch, heads, length, dim = queries.shape
+    kv_heads = _shape(keys)[1]
+    q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, heads // kv_heads * length, dim)
+    stacked = q.swapaxes(0, 1).reshape(kv_heads, -1, dim)  # [Hkv, B*G*L, D]
+    scores = _times_keys(stacked, _map(keys, lambda a: a[0]), quant)  # [Hkv, B*G*L, P]
+    weights, peak, total = _stats(scores, guard=False)
+    return _times_values(weights, _map(values, lambda a: a[0]), quant, queries.dtype), peak, total
+
+
+def prefix_partial(queries: mx.array, keys: KV, values: KV, scale: float, quant: Quant | None = None) -> Partial:
+    """``stacked_prefix_stats`` in the rows' own layout [B, Hq, L, n]."""
+    batch, heads, length, _ = queries.shape
+    kv_heads = _shape(keys)[1]
+
+    def unstack(x):  # [Hkv, B*G*L, n] -> [B, Hq, L, n]
+        return x.reshape(kv_heads, batch, -1, x.shape[-1]).swapaxes(0, 1).reshape(batch, heads, length, -1)
+
+    return Partial(*(unstack(x) for x in stacked_prefix_stats(queries, keys, values, scale, quant)))
+
+
+def tail_partial(queries: mx.array, keys: KV, values: KV, scale: float, mask: mx.array | None,
+                 quant: Quant | None = None) -> Partial:
+    """Each row's queries against its own keys. keys [B, Hkv, T, D]; mask [B or 1, 1, L, T] bool or None."""
+    batch, heads, length, dim = queries.shape
+    kv_heads = _shape(keys)[1]
+    group = heads // kv_heads
+    q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, group, length, dim)
+    scores = _times_keys(q, _map(keys, lambda a: a[:, :, None]), quant)  # [B, Hkv, G, L, T]
+    if mask is not None:
+        scores = mx.where(mask[:, :, None], scores, mx.array(_NEG_INF, scores.dtype))
+    weights, peak, total = _stats(scores)
+    weighted = _times_values(weights, _map(values, lambda a: a[:, :, None]), quant, queries.dtype)
+    shape = (batch, heads, length, -1)
+    return Partial(weighted.reshape(shape), peak.reshape(shape), total.reshape(shape))
+
+
+def merge(partials: list[Partial], sinks: mx.array | None = None, dtype=mx.float32) -> mx.array:
+    """softmax over the union of the partials' keys (and one sink logit per head), times values."""
+    peak = partials[0].peak
+    for p in partials[1:]:
+        peak = mx.maximum(peak, p.peak)
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, -1, 1, 1)
+        peak = mx.maximum(peak, sink)
+    weighted = total = None
+    for p in partials:
+        factor = mx.exp(p.peak - peak)  # 0 for a level whose peak is -inf
+        weighted = p.weighted * factor if weighted is None else weighted + p.weighted * factor
+        total = p.total * factor if total is None else total + p.total * factor
+    if sinks is not None:
+        total = total + mx.exp(sink - peak)
+    return (weighted / total).astype(dtype)
+
+
+def tail_mask(starts: mx.array, length: int, span: int) -> mx.array:
+    """[B, 1, L, T] bool: the last ``length`` of ``span`` tail positions see the keys from their row's start on."""
+    columns = mx.arange(span)
+    rows = mx.arange(span - length, span)[:, None]
+    visible = (rows >= columns[None, :])[None, None]
+    return visible & (columns[None, None, None, :] >= starts[:, None, None, None])
+
+
+def shared_prefix_attention(queries: mx.array, prefix_keys: KV, prefix_values: KV, tail_keys: KV, tail_values: KV,
+                            tail_starts: mx.array, scale: float, sinks: mx.array | None = None,
+                            quant: Quant | None = None, shares: mx.array | None = None) -> mx.array:
+    """softmax(q [prefix ; tail_b]^T * scale) [prefix ; tail_b] for every row b of a group.
+
+    queries [B, Hq, L, D] are the last L positions of each row's tail; prefix_* [1, Hkv, P, D*];
+    tail_* [B, Hkv, T, D*], row b's own keys being tail[b, :, tail_starts[b]:] (left padding before).
+    With ``quant`` every K/V is a quantized triple. ``shares`` [B] bool: rows set False do not see
+    the prefix (rows of the batch outside the group: their tail is their whole history).
+    """
+    length, span = queries.shape[2], _shape(tail_keys)[2]
+    prefix = prefix_partial(queries, prefix_keys, prefix_values, scale, quant)
+    if shares is not None:  # a level with peak -inf weighs exactly 0 in the merge
+        prefix = Partial(prefix.weighted, mx.where(shares[:, None, None, None], prefix.peak, _NEG_INF), prefix.total)
+    parts = [prefix, tail_partial(queries, tail_keys, tail_values, scale, tail_mask(tail_starts, length, span), quant)]
+    return merge(parts, sinks, queries.dtype)

@@ -1,0 +1,121 @@
+"""Which implementation runs a shared-prefix group's attention, decided per call from plain data.
+
+- ``ops``: kv/shared_prefix_attention.py, plain MLX operations (every
+  backend; prefill chunks of a group, quantized K/V and anything the
+  kernels do not take);
+- ``full``: kv/shared_prefix_kernel.py, one CUDA kernel per layer (small
+  groups, where the split path's dozen launches dominate);
+- ``split``: kv/tail_merge_kernel.py, the prefix as stacked GEMMs plus one
+  CUDA kernel for the tails and the merge (large groups).
+
+The kernels run only on CUDA, only after ``enable()``'s self-check agrees
+with the plain path, and only for one query per row with a head width they
+have. The thresholds come from the H200 measurements in docs/benchmarks.md
+("H200: shared-prefix attention per layer"), in group tokens (rows x prefix
+length): from 32k on the split path beats one kernel (64 x 512: 0.26 vs
+0.36 ms; 16 x 2k: 0.17 vs 0.18; 8 x 2k: 0.33 vs 0.11), and per-row copies
+through kv/decode_kernel.py beat both below it (8 x 2k: 0.10 ms; 16 x 512:
+0.07) while the split path beats the copies from it on (16 x 2k: 0.17 vs
+0.24 ms; 64 x 16k: 0.83 vs 4.34). ``worth_sharing`` is that gate, for the
+scheduler to call; on the CPU sharing measured at parity with copies
+(the exponentials, not the reads, bound it there), so it says no.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import mlx.core as mx
+
+from mlxq.kv import shared_prefix_kernel, tail_merge_kernel
+from mlxq.kv.shared_prefix_attention import Quant, shared_prefix_attention
+
+log = logging.getLogger("mlxq.kv")
+
+SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path wins (H200, 8B layer)
+PATHS = ("ops", "full", "split")
+
+_enabled = False
+_forced: str | None = None  # set by ``forced`` (benchmarks, tests)
+
+
+def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant | None = None) -> str:
+    if _forced is not None:
+        return _forced
+    if quant is not None or not _enabled or not shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys,
+                                                                              tail_values):
+        return "ops"
+    return "split" if queries.shape[0] * prefix_keys.shape[2] >= SPLIT_MIN_GROUP_TOKENS else "full"
+
+
+def worth_sharing(rows: int, prefix_length: int) -> bool:
+    """Whether a decode step of ``rows`` rows on a ``prefix_length``-token prefix is faster shared
+    than over per-row copies (measured on the H200; the CPU measured no gain)."""
+    return _enabled and rows * prefix_length >= SPLIT_MIN_GROUP_TOKENS
+
+
+def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
+              sinks: mx.array | None = None, quant: Quant | None = None, shares: mx.array | None = None) -> mx.array:
+    """Plain MLX arrays, or quantized triples with ``quant`` (which always take plain operations);
+    ``shares`` [B] bool marks the rows that see the prefix (None: all)."""
+    args = (queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale, sinks)
+    path = choose(queries, prefix_keys, tail_keys, tail_values, quant)
+    if path == "full":
+        return shared_prefix_kernel.shared_prefix_decode(*args, shares)
+    if path == "split":
+        return tail_merge_kernel.split_shared_prefix_decode(*args, shares)
+    return shared_prefix_attention(*args, quant, shares)
+
+
+@contextlib.contextmanager
+def forced(path: str):
+    """Within: every call takes ``path`` (which must be able to run it)."""
+    global _forced
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
+    _forced = path
+    try:
+        yield
+    finally:
+        _forced = None
+
+
+def self_check(dtype=mx.bfloat16) -> dict[str, float]:
+    """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
+    the group, tails as strided views."""
+    rows, heads, kv_heads, prefix, own, dim = 6, 8, 2, 333, 40, 128
+    q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
+    pk, pv = (mx.random.normal((1, kv_heads, prefix, dim)).astype(dtype) for _ in range(2))
+    buffer = mx.random.normal((2, rows, kv_heads, own + 24, dim)).astype(dtype)
+    tk, tv = buffer[0, :, :, :own], buffer[1, :, :, :own]
+    starts = mx.array([0, 1, 17, 39, 5, 20])
+    worst = {"full": 0.0, "split": 0.0}
+    for sinks, shares in ((None, None), (mx.random.normal((heads,)), mx.array([True, False, True, True, False, True]))):
+        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks, None, shares).astype(mx.float32)
+        for path in worst:
+            with forced(path):
+                got = attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks, None, shares).astype(mx.float32)
+            worst[path] = max(worst[path], mx.abs(got - want).max().item())
+    return worst
+
+
+def enable() -> bool:
+    """Let the kernels run from now on, if CUDA is here and both self-checks agree with the plain
+    path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path."""
+    global _enabled
+    if not _enabled and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
+        try:
+            errors = self_check()
+        except Exception as exc:  # no compiler, an unsupported GPU: the plain path stays
+            log.warning("shared-prefix kernels unavailable (%s: %s)", type(exc).__name__, exc)
+            return False
+        _enabled = max(errors.values()) < 2e-2
+        if not _enabled:
+            log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
+    return _enabled
+
+
+def is_enabled() -> bool:
+    return _enabled

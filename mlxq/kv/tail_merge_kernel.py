@@ -1,0 +1,117 @@
+"""Shared-prefix decode split in two: the prefix as GEMMs, the tails and the merge in one CUDA kernel.
+
+kv/shared_prefix_kernel.py walks the prefix once per (row, head) block: the
+prefix comes from L2 rather than device memory for most rows, but every
+block still does the prefix's multiply-adds one key at a time, so at 64 rows
+it costs what per-row copies cost (docs/benchmarks.md, "H200: shared-prefix
+attention per layer"). Here the prefix part stays the plain path's stacked
+GEMM per KV head (cuBLAS: each prefix key is read once and used for every
+row's queries) and its partial (weighted values, peak, total; float32, in
+the stacked layout, so no reshuffle) goes into this kernel, which walks
+each row's own tail like kv/decode_kernel.py and merges the prefix level,
+its warps' levels and the sink in its epilogue. About a dozen launches per
+layer instead of ~55 for the plain path.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
+from mlxq.kv.shared_prefix_kernel import HEADER, KEY_STEP, row_shares
+
+_WARPS = 32
+
+_SOURCE = """
+    constexpr int E = D / 32;
+    const int b = blockIdx.x;
+    const int h = blockIdx.y;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int heads = queries_shape[1];
+    const int group = heads / tail_keys_shape[1];
+    const int g = h / group;
+    const int tail_len = tail_keys_shape[2];
+    const int64_t level = (int64_t)g * prefix_peak_shape[1] + (int64_t)b * group + h % group;
+    const T* q = queries + ((int64_t)b * heads + h) * D + lane * E;
+    const T* tk = tail_keys + b * tail_keys_strides[0] + g * tail_keys_strides[1] + lane * E;
+    const T* tv = tail_values + b * tail_values_strides[0] + g * tail_values_strides[1] + lane * E;
+    const float s = scale[0];
+    float qr[E];
+    float o[E];
+    for (int i = 0; i < E; i++) {
+        qr[i] = static_cast<float>(q[i]) * s;
+        o[i] = 0.0f;
+    }
+    float m = NEG_INF;
+    float total = 0.0f;
+    for (int j = starts[b] + warp; j < tail_len; j += W) {
+        const T* kj = tk + j * tail_keys_strides[2];
+        const T* vj = tv + j * tail_values_strides[2];
+        STEP
+    }
+    __shared__ float warp_max[W];
+    __shared__ float warp_total[W];
+    __shared__ float warp_out[W][D];
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_total[warp] = total;
+    }
+    for (int i = 0; i < E; i++) {
+        warp_out[warp][lane * E + i] = o[i];
+    }
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t < D) {
+        const float sink = HAS_SINKS ? static_cast<float>(sinks[h]) : NEG_INF;
+        const float p_peak = shares[b] ? prefix_peak[level] : NEG_INF;  // outside the group: no prefix
+        float mx_all = fmaxf(sink, p_peak);
+        for (int w = 0; w < W; w++) {
+            mx_all = fmaxf(mx_all, warp_max[w]);
+        }
+        const float pf = expf(p_peak - mx_all);
+        float denom = (HAS_SINKS ? expf(sink - mx_all) : 0.0f) + (shares[b] ? prefix_total[level] * pf : 0.0f);
+        float acc = shares[b] ? prefix_weighted[level * D + t] * pf : 0.0f;
+        for (int w = 0; w < W; w++) {
+            const float f = warp_max[w] == NEG_INF ? 0.0f : expf(warp_max[w] - mx_all);
+            denom += warp_total[w] * f;
+            acc += warp_out[w][t] * f;
+        }
+        out[((int64_t)b * heads + h) * D + t] = static_cast<T>(acc / denom);
+    }
+""".replace("STEP", KEY_STEP)
+
+# Compiled once per (rows, prefix length, scale): a group's shapes stay put while its tails grow.
+_prefix_stats = mx.compile(stacked_prefix_stats)
+_kernel = None
+_scales: dict[float, mx.array] = {}
+_NO_SINKS = None
+
+
+def split_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts,
+                               scale: float, sinks: mx.array | None = None,
+                               shares: mx.array | None = None) -> mx.array:
+    """kv/shared_prefix_attention.shared_prefix_attention for one query per row: prefix GEMMs + one kernel."""
+    global _kernel, _NO_SINKS
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="mlxq_tail_merge_decode",
+            input_names=["queries", "tail_keys", "tail_values", "starts", "scale", "sinks",
+                         "prefix_weighted", "prefix_peak", "prefix_total", "shares"],
+            output_names=["out"], source=_SOURCE, header=HEADER, ensure_row_contiguous=False)
+        _NO_SINKS = mx.zeros((1,), mx.float32)
+    if scale not in _scales:
+        _scales[scale] = mx.array([scale], mx.float32)
+    weighted, peak, total = _prefix_stats(queries, prefix_keys, prefix_values, scale)
+    batch, heads, _, dim = queries.shape
+    return _kernel(
+        inputs=[mx.contiguous(queries), tail_keys, tail_values, mx.contiguous(tail_starts.astype(mx.int32)),
+                _scales[scale], _NO_SINKS if sinks is None else sinks.astype(mx.float32),
+                mx.contiguous(weighted), mx.contiguous(peak), mx.contiguous(total),
+                row_shares(shares, batch)],
+        template=[("T", queries.dtype), ("D", dim), ("W", _WARPS), ("HAS_SINKS", sinks is not None)],
+        grid=(batch * _WARPS * 32, heads, 1),
+        threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+    )[0]

@@ -1,0 +1,207 @@
+"""Per-layer decode attention for rows sharing a prefix: per-row copies vs the prefix read once.
+
+    python scripts/shared_prefix_micro.py --shape 8b [--json OUT]    # the H200 (bf16, Llama-3-8B layer)
+    python scripts/shared_prefix_micro.py --shape cpu [--json OUT]   # 2 CPU cores, scaled down (float32)
+
+One decode step (one query per row) of one attention layer, for each case
+(rows x shared prefix + own tokens per row; "own" cases share nothing):
+
+- ``copies_masked``: MLX's fused attention over per-row copies [prefix ; tail]
+  with the rows' left-padding mask (what mlx-lm runs on every backend);
+- ``copies_kernel``: mlxq's CUDA decode kernel on the same copies (what the
+  batch lane runs on CUDA today; CUDA only);
+- ``shared_ops``: kv/shared_prefix_attention.py as plain MLX operations;
+- ``shared_compiled``: the same under ``mx.compile`` (fewer launches);
+- ``shared_full``: kv/shared_prefix_kernel.py, one CUDA kernel (CUDA only);
+- ``shared_split``: kv/tail_merge_kernel.py, prefix GEMMs + one kernel for
+  the tails and the merge (CUDA only).
+
+Each timing is the mean of ``reps`` calls evaluated together after one
+warm-up; ``diff`` / ``full_diff`` / ``split_diff`` are each path's max
+|difference| to ``copies_masked``. On CUDA the kernels' self-checks against
+the plain path (float32, bf16) are printed first.
+Tails are left-padded with per-row starts spread over 0..own/2 (rows of a
+batch differ in length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+
+from mlxq.kv import shared_prefix_decode
+from mlxq.kv.shared_prefix_attention import shared_prefix_attention
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int  # query heads
+    kv_heads: int
+    dim: int  # head_dim
+    dtype: str
+    cases: tuple[tuple[int, int, int], ...]  # (rows, shared prefix tokens, own tokens per row)
+    reps: int
+
+
+SHAPES = {
+    "8b": Shape(32, 8, 128, "bfloat16",
+                ((64, 2048, 300), (64, 16384, 300), (16, 12288, 300), (8, 2048, 300), (64, 0, 2048),
+                 (4, 2048, 300), (16, 2048, 300), (32, 2048, 300), (64, 512, 300), (16, 512, 300)), 20),
+    "cpu": Shape(8, 4, 64, "float32",
+                 ((16, 512, 64), (16, 2048, 64), (4, 1536, 64), (2, 512, 64), (16, 0, 512)), 5),
+    "smoke": Shape(4, 2, 64, "float32", ((4, 64, 8), (2, 0, 16)), 1),  # tests/test_scripts.py
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    rows: int
+    prefix: int
+    own: int
+    kv_mb: float  # per-row copies' K+V bytes for this layer, MB
+    copies_masked_ms: float
+    copies_kernel_ms: float | None
+    shared_ops_ms: float | None
+    shared_compiled_ms: float | None
+    shared_full_ms: float | None
+    shared_split_ms: float | None
+    diff: float | None  # plain shared path vs copies_masked, max abs
+    full_diff: float | None
+    split_diff: float | None
+
+
+def timed(fn, reps: int) -> float:
+    mx.eval(fn())
+    start = time.perf_counter()
+    mx.eval([fn() for _ in range(reps)])
+    return 1000 * (time.perf_counter() - start) / reps
+
+
+def copies(prefix: mx.array, tail: mx.array, starts: mx.array) -> mx.array:
+    """Per-row copies as the batch lane holds them: [left padding ; prefix ; own tokens], right-aligned."""
+    rows = []
+    for b, start in enumerate(starts.tolist()):
+        rows.append(mx.concatenate([tail[b:b + 1, :, :start], prefix, tail[b:b + 1, :, start:]], axis=2))
+    return mx.concatenate(rows, axis=0)
+
+
+def measure(shape: Shape, rows: int, prefix: int, own: int) -> Row:
+    dtype = getattr(mx, shape.dtype)
+    scale = shape.dim**-0.5
+    q = mx.random.normal((rows, shape.heads, 1, shape.dim)).astype(dtype)
+    tail_k, tail_v = (mx.random.normal((rows, shape.kv_heads, own, shape.dim)).astype(dtype) for _ in range(2))
+    starts = mx.array([(i * 37) % (own // 2 + 1) for i in range(rows)])
+    if prefix:
+        pk, pv = (mx.random.normal((1, shape.kv_heads, prefix, shape.dim)).astype(dtype) for _ in range(2))
+        keys, values = (copies(p, t, starts) for p, t in ((pk, tail_k), (pv, tail_v)))
+    else:
+        keys, values = tail_k, tail_v
+    mask = (mx.arange(prefix + own)[None, :] >= starts[:, None])[:, None, None, :]
+    mx.eval(q, keys, values, mask, tail_k, tail_v)
+    masked = timed(lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask), shape.reps)
+    kernel = ops = compiled = diff = None
+    paths: dict[str, tuple[float, float]] = {}
+    if mx.cuda.is_available():
+        from mlxq.kv.decode_kernel import masked_decode_attention
+
+        kernel = timed(lambda: masked_decode_attention(q, keys, values, starts, scale), shape.reps)
+    if prefix:
+        mx.eval(pk, pv)
+
+        def shared():
+            return shared_prefix_attention(q, pk, pv, tail_k, tail_v, starts, scale)
+
+        fused = mx.compile(shared_prefix_attention)
+        ops = timed(shared, shape.reps)
+        compiled = timed(lambda: fused(q, pk, pv, tail_k, tail_v, starts, scale), shape.reps)
+        want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        diff = mx.abs(shared().astype(mx.float32) - want.astype(mx.float32)).max().item()
+        for path in ("full", "split") if mx.cuda.is_available() else ():
+            with shared_prefix_decode.forced(path):
+                got = shared_prefix_decode.attention(q, pk, pv, tail_k, tail_v, starts, scale)
+                paths[path] = (timed(lambda: shared_prefix_decode.attention(  # noqa: B023
+                    q, pk, pv, tail_k, tail_v, starts, scale), shape.reps),
+                    mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
+    kv_mb = (keys.nbytes + values.nbytes) / 1e6
+    full, split = paths.get("full", (None, None)), paths.get("split", (None, None))
+    return Row(rows, prefix, own, round(kv_mb, 1), masked, kernel, ops, compiled, full[0], split[0], diff,
+               full[1], split[1])
+
+
+def float32_check() -> float:
+    """Max |shared - per-row copies| in float32 on this device over a few group shapes (sinks included)."""
+    worst = 0.0
+    for rows, heads, kv_heads, prefix, own in ((3, 8, 2, 100, 9), (16, 32, 8, 700, 40), (1, 4, 4, 5, 1)):
+        q = mx.random.normal((rows, heads, 1, 64))
+        pk, pv = (mx.random.normal((1, kv_heads, prefix, 64)) for _ in range(2))
+        tk, tv = (mx.random.normal((rows, kv_heads, own, 64)) for _ in range(2))
+        starts = mx.array([i % own for i in range(rows)])
+        sinks = mx.random.normal((heads,))
+        keys, values = copies(pk, tk, starts), copies(pv, tv, starts)
+        mask = (mx.arange(prefix + own)[None, :] >= starts[:, None])[:, None, None, :]
+        want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask, sinks=sinks)
+        got = shared_prefix_attention(q, pk, pv, tk, tv, starts, 0.125, sinks)
+        worst = max(worst, mx.abs(got - want).max().item())
+    return worst
+
+
+def quantized_check(rows: int = 8, prefix: int = 2048, tail: int = 40) -> dict[int, float]:
+    """Max |quantized shared - mlx-lm's quantized attention over per-row copies| in bf16, per bits."""
+    from mlx_lm.models import base
+
+    from mlxq.kv.shared_prefix_attention import Quant
+
+    q = mx.random.normal((rows, 32, 1, 128)).astype(mx.bfloat16)
+    pk, pv = (mx.random.normal((1, 8, prefix, 128)).astype(mx.bfloat16) for _ in range(2))
+    tk, tv = (mx.random.normal((rows, 8, tail, 128)).astype(mx.bfloat16) for _ in range(2))
+    starts = mx.array([i % 7 for i in range(rows)])
+    columns = mx.arange(prefix + tail)[None, :]
+    mask = ((columns < prefix) | (columns >= (prefix + starts)[:, None]))[:, None, None, :]
+    out = {}
+    for bits in (4, 8):
+        qpk, qpv, qtk, qtv = (tuple(mx.quantize(x, group_size=64, bits=bits)) for x in (pk, pv, tk, tv))
+        got = shared_prefix_attention(q, qpk, qpv, qtk, qtv, starts, 0.088, quant=Quant(64, bits))
+        keys, values = (tuple(mx.concatenate([mx.repeat(a, rows, 0), b], axis=2) for a, b in zip(p, t, strict=True))
+                        for p, t in ((qpk, qtk), (qpv, qtv)))
+        want = base.quantized_scaled_dot_product_attention(mx.array(q), keys, values, 0.088, mask, 64, bits)
+        out[bits] = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
+    parser.add_argument("--json", help="write the rows here as JSON")
+    parser.add_argument("--quantized-check", action="store_true",
+                        help="only compare quantized shared attention with mlx-lm's over copies (bf16)")
+    args = parser.parse_args()
+    if args.quantized_check:
+        print(f"quantized shared vs mlx-lm quantized copies, max diff by bits: {quantized_check()}")
+        return
+    shape = SHAPES[args.shape]
+    mx.random.seed(0)
+    check = float32_check()
+    print(f"float32 max |shared - copies|: {check:.3g}", flush=True)
+    kernel_check = None
+    if mx.cuda.is_available():
+        kernel_check = {"float32": shared_prefix_decode.self_check(mx.float32),
+                        "bfloat16": shared_prefix_decode.self_check(mx.bfloat16)}
+        print(f"shared-prefix kernels' self-checks (max |kernel - plain|): {kernel_check}", flush=True)
+    out = []
+    for rows, prefix, own in shape.cases:
+        row = measure(shape, rows, prefix, own)
+        out.append(row)
+        print(json.dumps(asdict(row)), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(mx.default_device()), "mlx": mx.__version__, "shape": asdict(shape),
+                       "float32_check": check, "kernel_check": kernel_check,
+                       "rows": [asdict(r) for r in out]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

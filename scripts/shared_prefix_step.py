@@ -1,0 +1,139 @@
+"""Whole-model decode steps for a group of rows on one shared prefix: per-row copies vs shared.
+
+    python scripts/shared_prefix_step.py --preset llama3-8b --cases 64x2048+300,16x12288+300,64x16384+300
+    python scripts/shared_prefix_step.py --preset small --cases 16x512+64,4x1536+64   # CPU
+
+For each case (rows x shared prefix + own tokens per row) the prefix is
+prefilled once; each row's own tokens are random K/V of the model's shape
+(attention cost does not depend on their values). Then ``--steps`` greedy
+decode steps of the whole model are timed for:
+
+- ``copies``: every row holds its own copy of the prefix in a BatchKVCache
+  (today's batch lane; on CUDA its decode attention is mlxq's decode
+  kernel), skipped when the copies would not fit in ``--max-copies-gb``;
+- ``shared_ops``: SharedPrefixBatchCache with the plain-operations path;
+- ``shared_full`` / ``shared_split``: the same with each CUDA path of
+  kv/shared_prefix_decode.py (CUDA only).
+
+Also: the first step's max logit difference of each shared path to the
+copies (bf16 rounding carried through the layers on the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from mlxq.kv import attention_route, cuda_attention, shared_prefix_decode
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
+
+
+def parse_case(text: str) -> tuple[int, int, int]:
+    rows, rest = text.split("x")
+    prefix, own = rest.split("+")
+    return int(rows), int(prefix), int(own)
+
+
+def prefill_prefix(model, length: int, vocab: int) -> list:
+    cache = make_prompt_cache(model)
+    tokens = mx.random.randint(0, vocab, (1, length))
+    for start in range(0, length, 2048):
+        model(tokens[:, start:start + 2048], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def batch_tail(keys: mx.array, values: mx.array, prefix: mx.array | None = None) -> BatchKVCache:
+    """A right-aligned BatchKVCache over ``keys`` (rows x own), behind per-row copies of ``prefix``."""
+    if prefix is not None:
+        keys = mx.concatenate([mx.repeat(prefix[0], keys.shape[0], 0), keys], axis=2)
+        values = mx.concatenate([mx.repeat(prefix[1], keys.shape[0], 0), values], axis=2)
+    cache = BatchKVCache([0] * keys.shape[0])
+    cache.keys, cache.values = keys, values
+    cache.offset = cache.offset + keys.shape[2]
+    cache._idx = keys.shape[2]
+    return cache
+
+
+def caches_for(prefix_cache: list, rows: int, own: int, shared: bool) -> list:
+    mx.random.seed(1)  # the same tails for every path
+    out = []
+    for layer in prefix_cache:
+        pk, pv = layer.keys[:, :, :layer.offset], layer.values[:, :, :layer.offset]
+        shape = (rows, pk.shape[1], own, pk.shape[3])
+        tk, tv = (mx.random.normal(shape).astype(pk.dtype) for _ in range(2))
+        out.append(SharedPrefixBatchCache(pk, pv, batch_tail(tk, tv)) if shared else batch_tail(tk, tv, (pk, pv)))
+    mx.eval([c.keys if not shared else c.tail.keys for c in out])
+    return out
+
+
+def time_steps(model, caches: list, rows: int, steps: int) -> tuple[float, mx.array]:
+    tokens = mx.zeros((rows, 1), mx.int32)
+    first = model(tokens, cache=caches)[:, -1, :].astype(mx.float32)
+    mx.eval(first)
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens = model(tokens, cache=caches)[:, -1, :].argmax(axis=-1)[:, None]
+        mx.eval(tokens)
+    return 1000 * (time.perf_counter() - start) / steps, first
+
+
+def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb) -> dict:
+    mx.random.seed(0)
+    prefix_cache = prefill_prefix(model, prefix, vocab)
+    layers = len(prefix_cache)
+    per_token = sum(c.keys.shape[1] * c.keys.shape[3] * c.keys.itemsize * 2 for c in prefix_cache)
+    result = {"rows": rows, "prefix": prefix, "own": own, "copies_gb": rows * (prefix + own) * per_token / 1e9,
+              "shared_gb": (prefix + rows * own) * per_token / 1e9, "layers": layers}
+    reference = None
+    if result["copies_gb"] <= max_copies_gb:
+        result["copies_ms"], reference = time_steps(model, caches_for(prefix_cache, rows, own, False), rows, steps)
+        mx.clear_cache()
+    paths = ("ops", "full", "split") if shared_prefix_decode.is_enabled() else ("ops",)
+    for path in paths:
+        name = f"shared_{path}"
+        with shared_prefix_decode.forced(path):
+            ms, logits = time_steps(model, caches_for(prefix_cache, rows, own, True), rows, steps)
+        result[f"{name}_ms"] = ms
+        if reference is not None:
+            result[f"{name}_logit_diff"] = mx.abs(logits - reference).max().item()
+        mx.clear_cache()
+    for key in [k for k in result if k.endswith("_ms")]:
+        result[key.replace("_ms", "_tok_s")] = rows * 1000 / result[key]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a model directory (default: build --preset with mlxq's factory)")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--cases", default="16x512+64")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--max-copies-gb", type=float, default=60.0)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    import mlx_lm
+
+    from mlxq.models.tiny import build_tiny_model
+
+    path = args.model or str(build_tiny_model("llama", f"/tmp/mlxq-models/{args.preset}", preset=args.preset,
+                                              fast_init=args.preset.startswith("llama3")))
+    model, tokenizer = mlx_lm.load(path)
+    cuda_attention.install()
+    attention_route.install()
+    results = []
+    for case in args.cases.split(","):
+        results.append(run_case(model, len(tokenizer.vocab), *parse_case(case), args.steps, args.max_copies_gb))
+        print(json.dumps(results[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(mx.default_device()), "model": path, "steps": args.steps,
+                       "cases": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
