@@ -5,10 +5,12 @@ Starts ``mlxq serve`` (the embedded default model unless --model) with
 last one returns, for --seconds) in three mixes, rounds interleaved so
 machine noise hits each alike:
 
-- free:    C unconstrained requests (ignore_eos, max_tokens fixed: by default
-           the mean length of the grammar requests in a warm-up round, so
-           both kinds join the batch equally often and the ratio measures
-           the cost per token, not the cost of shorter requests)
+- free:    C unconstrained requests (ignore_eos; max_tokens spread evenly
+           over 0.5-1.5x a mean that is by default the grammar requests'
+           mean length in a warm-up round: both kinds join the batch as
+           often and at staggered steps, as JSON of varying length does, so
+           the ratio measures the cost per token, not the cost of shorter
+           requests or of rows that join out of step)
 - grammar: C requests with a json_schema response_format
 - mixed:   C/2 of each, batched together (are free rows slowed by grammar rows?)
 
@@ -49,6 +51,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 GRAMMAR_MAX_TOKENS = 400
+GOLDEN = 0.6180339887  # i * GOLDEN mod 1 spreads request i's length evenly, the same in every run
 
 
 def body(i: int, grammar: bool, free_tokens: int) -> dict:
@@ -57,7 +60,7 @@ def body(i: int, grammar: bool, free_tokens: int) -> dict:
         out |= {"max_tokens": GRAMMAR_MAX_TOKENS, "response_format": {
             "type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}}
     else:
-        out |= {"max_tokens": free_tokens, "ignore_eos": True}
+        out |= {"max_tokens": max(1, round(free_tokens * (0.5 + (i * GOLDEN) % 1.0))), "ignore_eos": True}
     return out
 
 
@@ -100,6 +103,7 @@ def step_counters(url: str) -> dict:
     stats = httpx.get(url + "/stats").json()
     decode, grammar = stats["batch"]["decode_timing"], stats["grammar"]
     return {"decode_steps": decode["steps"], "decode_s": decode["totals"]["step_s"],
+            "tokens": stats["engine"]["generated_tokens"],
             # servers before /stats.grammar.steps: every decode step of a grammar-only round computes masks
             "mask_steps": grammar.get("steps", decode["steps"]), "masks": grammar["masks"],
             "mask_s": grammar["mask_ms_mean"] * grammar["masks"] / 1e3}
@@ -125,6 +129,7 @@ def measured_round(url: str, pid: int, kinds: list[bool], seconds: float, free_t
         out["tok_per_cpu_s"] = out["all"] * wall / (cpu_seconds(pid) - cpu)
     delta = {k: v - before[k] for k, v in step_counters(url).items()}
     out["step_ms"] = 1e3 * delta["decode_s"] / max(delta["decode_steps"], 1)
+    out["rows_per_step"] = delta["tokens"] / max(delta["decode_steps"], 1)  # token 0s included: an estimate
     out["mask_ms_step"] = 1e3 * delta["mask_s"] / max(delta["mask_steps"], 1)
     out["masks"] = delta["masks"]
     return out
@@ -147,11 +152,12 @@ def main() -> None:
         warm = run_round(server.url, mixes["grammar"], 1.0, 1)
         free_tokens = args.free_tokens or max(1, round(warm["grammar_request_tokens"]))
         run_round(server.url, mixes["mixed"], 1.0, free_tokens)
-        print(f"free requests: {free_tokens} tokens (the grammar requests' mean in the warm-up)", flush=True)
+        print(f"free requests: {free_tokens} tokens on average (the grammar requests' mean in the warm-up)",
+              flush=True)
         print(f"| mix (c={c}) | tok/s (median of {args.rounds}) | vs free | free clients' tok/s "
               "| grammar clients' tok/s | decode step ms | mask host ms per step | masks "
-              "| tok per server CPU s | vs free |", flush=True)
-        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+              "| tok per server CPU s | vs free | rows per step |", flush=True)
+        print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
         samples: dict[str, list[dict]] = {name: [] for name in mixes}
         for r in range(args.rounds):
             for name, kinds in mixes.items():
@@ -173,6 +179,7 @@ def table_row(name: str, runs: list[dict], free_runs: list[dict]) -> str:
              f"{median('mask_ms_step'):.3f}" if name != "free" else "-", str(sum(s["masks"] for s in runs))]
     per_cpu, base_cpu = median("tok_per_cpu_s"), statistics.median(s.get("tok_per_cpu_s", 0) for s in free_runs)
     cells += [f"{per_cpu:.1f}", f"{per_cpu / base_cpu:.2f}x"] if per_cpu and base_cpu else ["-", "-"]
+    cells.append(f"{median('rows_per_step'):.2f}")
     return "| " + " | ".join(cells) + " |"
 
 if __name__ == "__main__":
