@@ -11,6 +11,14 @@
    the servers' order alternating): decode tok/s, TPOT and ITL ratios.
 3. Agents: shared system prompt, 8 concurrent conversations, 5 turns each;
    TTFT p50 of turns 2-5 vs turn 1.
+4. Restore speed (``--parts restore-speed``), in process: a prefix of
+   ``--restore-tokens`` tokens of a model shape (``--restore-shape``: the
+   Llama-3-8B KV shape, bf16, by default) put into the RAM tier and written
+   as node files (a shared prefix and a tail), then read back by a fresh RAM
+   tier over the same directory, files in the OS page cache: GB/s of the
+   store's read path (each tensor read straight into its MLX array) against
+   the previous path (read into host memory, then copied into MLX) on the same
+   files, fresh memory each time (``mx.clear_cache``, as in a new process).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
+import xxhash
 
 from mlxq.bench.client import LoadConfig, run_load
 from mlxq.bench.datasets import corpus_words, make_workload
@@ -140,6 +149,86 @@ def agents(model: Path, tmp: Path, logs: Path) -> dict:
     return {"runs": doc, "prompt_cache": stats["prompt_cache"], "ssd_cache": stats["ssd_cache"]}
 
 
+SHAPES = {"llama3-8b": (32, 8, 128, "bfloat16"), "small": (8, 4, 64, "float32")}  # layers, KV heads, dim
+
+
+def restore_speed(tmp: Path, tokens: int, shape: str, rounds: int) -> dict:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    from mlxq.store.cold_tier import ColdTier
+    from mlxq.store.mlxkv import Identity, read_header
+    from mlxq.store.prompt_cache import PromptCache
+    from mlxq.store.ssd_store import SsdStore
+
+    layers, heads, dim, dtype = SHAPES[shape]
+    ids = list(range(tokens))
+    caches = []
+    for _ in range(layers):
+        c = KVCache()
+        k = mx.random.normal((1, heads, tokens, dim)).astype(getattr(mx, dtype))
+        c.update_and_fetch(k, -k)
+        caches.append(c)
+    root, identity = tmp / "restore", Identity("f" * 16, "native", "")
+
+    def tier() -> ColdTier:
+        store = SsdStore(root, identity)
+        store.scan()
+        return ColdTier(store, PromptCache(1 << 40))
+
+    writer = tier()
+    shared = tokens * 7 // 8  # a system prompt, then an agent's own tail: two node files
+    for end in (shared, tokens):
+        writer.ram.put("", ids[:end], caches)
+        while writer.has_work():
+            writer.step()
+    del caches, writer
+    files = sorted(root.rglob("*.mlxkv"))
+    nbytes = sum(f.stat().st_size for f in files)
+    for f in files:
+        f.read_bytes()  # into the OS page cache
+    store_runs, previous_runs = [], []
+    for _ in range(rounds):
+        mx.clear_cache()
+        fresh = tier()
+        start = time.perf_counter()
+        pending = fresh.begin_restore("", ids + [0], 0)
+        while not fresh.advance_restore(pending):
+            pass
+        mx.eval([c.state for c in pending.entry.caches])
+        store_runs.append(time.perf_counter() - start)
+        del pending, fresh
+        mx.clear_cache()
+        start = time.perf_counter()
+        held = []
+        for f in files:  # the previous path: host bytes, then a copy into MLX
+            header = read_header(f)
+            data_start = -(-(48 + _header_length(f)) // 16384) * 16384
+            with open(f, "rb") as fh:
+                for layer in header.layers:
+                    for t in layer["tensors"]:
+                        fh.seek(data_start + t["offset"])
+                        host = np.empty(t["nbytes"], dtype=np.uint8)
+                        fh.readinto(memoryview(host))
+                        xxhash.xxh3_128_hexdigest(host)
+                        array = mx.array(host).view(getattr(mx, t["dtype"])).reshape(t["shape"])
+                        mx.eval(array)
+                        held.append(array)
+        previous_runs.append(time.perf_counter() - start)
+        del held
+    store_s, previous_s = statistics.median(store_runs), statistics.median(previous_runs)
+    return {"tokens": tokens, "shape": shape, "files": len(files), "bytes": nbytes, "rounds": rounds,
+            "store_read_s": round(store_s, 4), "store_gb_s": round(nbytes / store_s / 1e9, 2),
+            "previous_read_s": round(previous_s, 4), "previous_gb_s": round(nbytes / previous_s / 1e9, 2),
+            "store_over_previous_speed": round(previous_s / store_s, 2)}
+
+
+def _header_length(path: Path) -> int:
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(16)[12:16], "little")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
@@ -147,6 +236,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=8000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", default="restart,write-behind,agents")
+    parser.add_argument("--restore-tokens", type=int, default=12_000)
+    parser.add_argument("--restore-shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -162,6 +253,9 @@ def main() -> None:
         if "write-behind" in parts:
             result["write_behind"] = write_behind(model, tmp, args.out, args.rounds)
             print(json.dumps(result["write_behind"]["on_over_off"], indent=2), flush=True)
+        if "restore-speed" in parts:
+            result["restore_speed"] = restore_speed(tmp, args.restore_tokens, args.restore_shape, args.rounds)
+            print(json.dumps(result["restore_speed"], indent=2), flush=True)
         if "agents" in parts:
             result["agents"] = agents(model, tmp, args.out)
             print(json.dumps(result["agents"]["runs"]["a"][0]["ttft_by_turn_ms"], indent=2), flush=True)

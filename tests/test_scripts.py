@@ -119,6 +119,20 @@ def test_shared_prefix_step(small_model, tmp_path):
     assert case["shared_ops_logit_diff"] < 1e-4  # float32 on the CPU
 
 
+def test_ssd_restore_measurements(tmp_path):
+    run("gpu_bench.py", "--preset", "small", "--phases", "build,restore", "--restore-lengths", "300",
+        "--out", str(tmp_path), env={"MLXQ_BENCH_MODELS": str(tmp_path / "models")})
+    restore = json.loads((tmp_path / "gpu-bench-small.json").read_text())["restore"]["300"]
+    assert restore["page_cache_cached"]["ssd_cached_tokens"] == 300 and restore["files"] >= 1
+    run("bench_ssd.py", "--preset", "small", "--parts", "restore-speed", "--restore-shape", "small",
+        "--restore-tokens", "400", "--rounds", "1", "--out", str(tmp_path / "ssd"))
+    speed = json.loads((tmp_path / "ssd" / "ssd.json").read_text())["restore_speed"]
+    assert speed["files"] == 2 and speed["store_gb_s"] > 0
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_restore_stages.py"), "--buffers", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and len(json.loads(done.stdout)["rounds"]) == 3, done.stderr
+
+
 def output_of(script: str, *args: str) -> str:
     done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -5,57 +5,16 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
-if TYPE_CHECKING:
-    from mlxq.store.mlxkv import EntryHeader
+from mlxq.cli.cache_files import CacheFile, scan_files
 
 app = typer.Typer(no_args_is_help=True, help="Inspect, verify and prune .mlxkv files; flush a live server.")
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-@dataclass
-class _File:
-    path: Path
-    fingerprint: str  # the directory name: <model fingerprint>-<kv scheme>
-    bytes: int
-    mtime: float
-    header: EntryHeader | None = None  # when readable
-    problem: str | None = None
-
-
-def _scan(directory: Path, *, verify: bool = False) -> list[_File]:
-    from mlxq.store.mlxkv import MlxkvError, read_header, verify_file
-
-    if not directory.is_dir():
-        typer.echo(f"error: {directory} is not a directory", err=True)
-        raise typer.Exit(2)
-    files = []
-    # Any level of the tree DIR/<fingerprint>-<scheme>/<namespace>/*.mlxkv works: the cache root,
-    # the fingerprint directory the server's log names, or one namespace.
-    paths = sorted(p for p in directory.rglob("*.mlxkv*") if p.name.endswith((".mlxkv", ".mlxkv.tmp")))
-    if not paths:
-        typer.echo(f"note: no .mlxkv files under {directory} (the tree is "
-                   "DIR/<fingerprint>-<kv scheme>/<namespace>/*.mlxkv)", err=True)
-    for path in paths:
-        st = path.stat()
-        item = _File(path, path.parent.parent.name, st.st_size, st.st_mtime)
-        if path.name.endswith(".tmp"):
-            item.problem = "unfinished write (.tmp)"
-        else:
-            try:
-                item.header = verify_file(path) if verify else read_header(path)
-                if item.header.identity.directory != item.fingerprint:
-                    item.problem = f"header identity {item.header.identity.directory} is not its directory's"
-            except (MlxkvError, OSError) as exc:
-                item.problem = str(exc)
-        files.append(item)
-    return files
 
 
 def _age(seconds: float) -> str:
@@ -65,14 +24,16 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def _row(item: _File, root: Path, now: float) -> dict:
+def _row(item: CacheFile, root: Path, now: float) -> dict:
     h = item.header
     return {
         "file": str(item.path.relative_to(root)), "fingerprint": item.fingerprint,
         "namespace": h.identity.namespace if h else None, "model": h.model if h else None,
-        "kv_scheme": h.identity.kv_scheme if h else None, "tokens": len(h.tokens) if h else None,
-        "trimmable": h.trimmable if h else None, "bytes": item.bytes,
-        "age_s": round(now - item.mtime, 1), "problem": item.problem,
+        "kv_scheme": h.identity.kv_scheme if h else None, "digest": h.digest if h else None,
+        "parent": (h.parent or None) if h else None, "depth": item.depth,
+        "start": h.start if h else None, "tokens": len(h.tokens) if h else None, "end": h.end if h else None,
+        "trimmable": h.trimmable if h else None, "snapshot": h.snapshot if h else None, "bytes": item.bytes,
+        "durable": item.problem is None, "age_s": round(now - item.mtime, 1), "problem": item.problem,
     }
 
 
@@ -81,9 +42,9 @@ def ls(
     directory: Annotated[Path, typer.Argument(help="The --ssd-cache directory.")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per file, as a list.")] = False,
 ) -> None:
-    """List every entry: file, fingerprint, namespace, tokens, bytes, age (headers only)."""
+    """Show the tree of node files: each under its parent, with its span (start, tokens, end), bytes, age."""
     now = time.time()
-    rows = [_row(f, directory, now) for f in _scan(directory)]
+    rows = [_row(f, directory, now) for f in scan_files(directory)]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -91,22 +52,27 @@ def ls(
     from rich.table import Table
 
     table = Table(title=f"{directory}: {len(rows)} files, {sum(r['bytes'] for r in rows) / 1e6:.1f} MB")
-    for column in ("file", "fingerprint", "namespace", "model", "tokens", "MB", "age"):
-        table.add_column(column, justify="right" if column in ("tokens", "MB", "age") else "left",
+    for column in ("node", "fingerprint", "namespace", "model", "start", "tokens", "end", "MB", "age"):
+        table.add_column(column, justify="right" if column in ("start", "tokens", "end", "MB", "age") else "left",
                          overflow="fold")
     for r in rows:
-        table.add_row(r["file"], r["fingerprint"], r["namespace"] or "", r["model"] or f"[red]{r['problem']}[/]",
-                      str(r["tokens"] or ""), f"{r['bytes'] / 1e6:.2f}", _age(r["age_s"]))
-    Console().print(table)
+        name = "  " * r["depth"] + ("└ " if r["depth"] else "") + Path(r["file"]).name.split(".")[0][:12]
+        table.add_row(name, r["fingerprint"], r["namespace"] or "", r["model"] or "",
+                      *(str(r[k]) if r[k] is not None else "" for k in ("start", "tokens", "end")),
+                      f"{r['bytes'] / 1e6:.2f}", _age(r["age_s"]))
+        if r["problem"]:
+            table.add_row("", f"[red]{r['problem']}[/]", *[""] * 7)
+    Console(width=200).print(table)
 
 
 @app.command("verify")
 def verify(
     directory: Annotated[Path, typer.Argument(help="The --ssd-cache directory.")],
-    delete_bad: Annotated[bool, typer.Option(help="Remove each bad file.")] = False,
+    delete_bad: Annotated[bool, typer.Option(help="Remove each bad file (and the files below it).")] = False,
 ) -> None:
-    """Check every header and every tensor checksum. Exit 1 and name each bad file if any."""
-    files = _scan(directory, verify=True)
+    """Check every header, every tensor checksum and every chain (a file whose parent is missing or bad is
+    bad too). Exit 1 and name each bad file if any."""
+    files = scan_files(directory, verify=True)
     bad = [f for f in files if f.problem]
     for item in bad:
         typer.echo(f"BAD {item.path}: {item.problem}")
@@ -147,23 +113,10 @@ def prune(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     now = time.time()
-    files = sorted(_scan(directory), key=lambda f: f.mtime)  # least recently used first
-    candidates = [f for f in files if fingerprint is None or f.fingerprint.split("-")[0] == fingerprint
-                  or f.fingerprint == fingerprint]
-    doomed: list[_File] = []
-    if older_than is not None:
-        limit = parse_duration(older_than)
-        doomed += [f for f in candidates if now - f.mtime > limit]
-    elif cap is None:
-        doomed += candidates  # --fingerprint alone: all of that model's files
-    if cap is not None:
-        total = sum(f.bytes for f in files) - sum(f.bytes for f in doomed)
-        for f in candidates:
-            if total <= cap:
-                break
-            if f not in doomed:
-                doomed.append(f)
-                total -= f.bytes
+    files = scan_files(directory)
+    candidates = {f for f in files if fingerprint is None or f.fingerprint.split("-")[0] == fingerprint
+                  or f.fingerprint == fingerprint}
+    doomed = _doomed(files, candidates, parse_duration(older_than) if older_than else None, cap, now)
     for f in doomed:
         typer.echo(f"{'would remove' if dry_run else 'removed'} {f.path} ({f.bytes / 1e6:.2f} MB, "
                    f"unused {_age(now - f.mtime)})")
@@ -171,6 +124,32 @@ def prune(
             f.path.unlink(missing_ok=True)
     freed = sum(f.bytes for f in doomed)
     typer.echo(f"{len(doomed)} files, {freed / 1e6:.1f} MB {'would be freed' if dry_run else 'freed'}")
+
+
+def _doomed(files: list[CacheFile], candidates: set, older_than: float | None, cap: int | None,
+            now: float) -> list[CacheFile]:
+    """Whole subtrees only: a file goes only with every file below it, so no kept child loses its parent.
+
+    By age: the candidate subtrees all of whose files are unused for ``older_than``; by size: least
+    recently used candidate leaves, one at a time (a parent becomes a leaf when its last child goes).
+    """
+    doomed: list[CacheFile] = []
+    if older_than is not None:
+        doomed = [f for f in files if all(x in candidates and now - x.mtime > older_than for x in f.subtree())]
+    elif cap is None:
+        doomed = [f for f in files if all(x in candidates for x in f.subtree())]  # --fingerprint alone
+    if cap is not None:
+        gone = set(doomed)
+        total = sum(f.bytes for f in files if f not in gone)
+        while total > cap:
+            leaves = [f for f in candidates - gone if all(c in gone for c in f.children)]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda f: f.mtime)
+            gone.add(victim)
+            doomed.append(victim)
+            total -= victim.bytes
+    return sorted(doomed, key=lambda f: -f.depth)  # children before their parents
 
 
 @app.command("flush")

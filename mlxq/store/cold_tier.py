@@ -24,18 +24,20 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mlxq.store.cold_tier_state import MIN_PREFILL_SAMPLE_TOKENS, ColdTierCounters, FlushResult, smooth
 from mlxq.store.fingerprint import FINGERPRINT_MEMO, model_fingerprint
 from mlxq.store.layout import layout_of
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
 from mlxq.store.ssd_config import SsdConfig
-from mlxq.store.ssd_store import IndexEntry, SsdStore
-from mlxq.store.vanished import forget_vanished
+from mlxq.store.ssd_restore import Base, PendingRestore, StaleRead, restore_steps
+from mlxq.store.ssd_store import SsdStore
 
 log = logging.getLogger("mlxq.ssd")
 
@@ -61,56 +63,10 @@ def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_n
 
 
 @dataclass
-class PendingRestore:
-    """A restore in progress: one tensor per engine step (so decoding rows never wait for all of it)."""
-
-    index_entry: IndexEntry
-    n: int  # prompt tokens it will serve
-    namespace: str
-    steps: Iterator[None]
-    entry: CacheEntry | None = None  # set when done and good
-
-
-@dataclass
 class _Job:
     key: Key
     entry: CacheEntry
     steps: Iterator[None]
-
-
-@dataclass
-class ColdTierCounters:
-    spills: int = 0  # dirty entries evicted from RAM and queued for disk
-    demotions: int = 0  # idle RAM entries released because they are on disk
-    dropped: int = 0  # spills dropped over the queue cap (their prefixes are lost)
-    failed: int = 0  # writes the disk refused
-    restores_skipped_slower: int = 0  # hits not restored: recomputing was predicted faster
-    siblings_skipped: int = 0  # entries not written: a file on disk shares nearly all their tokens
-
-
-# Rates are smoothed over recent observations (exponential moving average).
-RATE_SMOOTHING = 0.5
-# A prefill this short says little about the machine's prefill rate.
-MIN_PREFILL_SAMPLE_TOKENS = 512
-
-
-@dataclass(frozen=True)
-class FlushResult:
-    durable: bool
-    pending: int  # entries still not on disk
-    dropped: int  # spills dropped since the last flush
-    failed: int  # writes that failed during this flush
-    entries: int  # files in the SSD tier
-    longest_durable_prefix_tokens: int
-    elapsed_s: float = 0.0
-    timed_out: bool = False
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def _smooth(old: float | None, new: float) -> float:
-    return new if old is None else RATE_SMOOTHING * new + (1 - RATE_SMOOTHING) * old
 
 
 @dataclass
@@ -131,6 +87,7 @@ class ColdTier:
     _flush_started: float = 0.0
     read_bytes_per_s: float | None = None  # measured on restores
     prefill_tok_s: float | None = None  # measured on cold prefills (note_prefill)
+    _restoring: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # PendingRestores in progress
 
     def __post_init__(self):
         self.ram.cold = self
@@ -171,7 +128,7 @@ class ColdTier:
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` uncached tokens took ``seconds``: the recompute side of the trade."""
         if tokens >= MIN_PREFILL_SAMPLE_TOKENS and seconds > 0:
-            self.prefill_tok_s = _smooth(self.prefill_tok_s, tokens / seconds)
+            self.prefill_tok_s = smooth(self.prefill_tok_s, tokens / seconds)
 
     def _slower_than_recompute(self, nbytes: int, tokens: int) -> bool:
         """Would reading ``nbytes`` take longer than prefilling ``tokens``? (False until both rates are known.)
@@ -184,29 +141,55 @@ class ColdTier:
         return nbytes / self.read_bytes_per_s > tokens / self.prefill_tok_s
 
     def begin_restore(self, namespace: str, prompt: list[int], better_than: int) -> PendingRestore | None:
-        """A restore of the longest usable prefix on disk, if longer than ``better_than`` and not predicted
-        to lose to recomputing it; advance it with ``advance_restore``."""
+        """A restore of the longest usable prefix on disk, if longer than ``better_than`` (what RAM lends) and
+        not predicted to lose to recomputing it; advance it with ``advance_restore``. Only the files beyond
+        what RAM holds are read, and a file another restore is reading is not read twice."""
         found = self.store.find(namespace, prompt, better_than)
         if found is None:
             return None
-        index_entry, n = found
-        if self._slower_than_recompute(index_entry.nbytes, n - better_than):
+        nodes, held = self.ram.held_path(namespace, prompt)
+        base = Base(held, node=nodes[-1]) if nodes and held == better_than and held < found.n else Base()
+        pending = PendingRestore(found.chain, found.n, namespace, tuple(prompt), base)
+        pending.plan(self._read_steps)
+        if self._slower_than_recompute(pending.read_bytes, found.n - better_than):
             self.counters.restores_skipped_slower += 1
             return None
-        return PendingRestore(index_entry, n, namespace, self.store.load_steps(index_entry))
+        first = pending.files[0]
+        pending.leader = next((other for other in self._restoring
+                               if not other.done and other.namespace == namespace and first in other.files), None)
+        if pending.leader is not None:
+            self.counters.restores_joined += 1
+        self._restoring.add(pending)
+        return pending
+
+    def _read_steps(self, pending: PendingRestore):
+        return restore_steps(pending, self.store.checked_header)
 
     def advance_restore(self, pending: PendingRestore) -> bool:
-        """Read one more tensor; True once done (``pending.entry`` is None if the file was bad)."""
-        try:
-            next(pending.steps)
+        """Read one more tensor; True once done (``pending.entry`` is None if a file was bad)."""
+        if pending.leader is not None:
+            if pending.follow():
+                return False  # the leader is still reading what both need
+            pending.plan(self._read_steps)
+        if not pending.step():
             return False
-        except StopIteration as stop:
-            caches = stop.value
-        if caches is not None:
-            nbytes = pending.index_entry.nbytes
-            self.read_bytes_per_s = _smooth(self.read_bytes_per_s, nbytes / max(self.store.last_restore_s, 1e-6))
-            pending.entry = CacheEntry(pending.index_entry.tokens, caches, sum(c.nbytes for c in caches),
-                                       pending.index_entry.trimmable, pending.namespace)
+        self._restoring.discard(pending)
+        if pending.failed is not None:
+            node, error = pending.failed
+            if node.in_tree and not isinstance(error, StaleRead):
+                self.store.discard(node, error)
+            return True
+        stats = self.store.stats
+        stats.read_files += len(pending.files)
+        stats.read_bytes += pending.read_bytes
+        for node in pending.files:
+            stats.reread_bytes += node.nbytes if node.reads else 0
+            node.reads += 1
+        stats.restores += 1
+        stats.restored_tokens += pending.n - pending.base.n
+        stats.restore_ms_last = round(pending.busy_s * 1000, 3)
+        self.read_bytes_per_s = smooth(self.read_bytes_per_s, pending.read_bytes / max(pending.busy_s, 1e-6))
+        self.store.touch(pending.chain)
         return True
 
     def restore(self, namespace: str, prompt: list[int], better_than: int) -> tuple[CacheEntry, int] | None:
@@ -254,12 +237,8 @@ class ColdTier:
     def _next_job(self) -> _Job | None:
         for source in (self._spills, self._dirty):
             for key, entry in list(source.items()):
-                if entry.trimmable and self.store.has_sibling(key[0], key[1]):
-                    del source[key]  # n choices of one prompt: the shared prompt is on disk once
-                    self.counters.siblings_skipped += 1
-                    continue
                 if key not in self._failed:
-                    steps = self.store.write_steps(key[0], key[1], entry.caches, entry.trimmable)
+                    steps = self.store.write_steps(key[0], key[1], entry.caches_from, entry.trimmable)
                     return _Job(key, entry, steps)
         return None
 
@@ -289,7 +268,7 @@ class ColdTier:
     def flush_result(self, *, timed_out: bool = False, report: bool = True) -> FlushResult:
         """The state of durability now; ``report`` also resets the lost-since-last-flush count."""
         if report:  # the engine thread: forget files removed under the server (cache prune), claim only what is there
-            forget_vanished(self.store.index)
+            self.store.forget_vanished()
         pending = len(self._dirty) + len(self._spills)
         failed = self.counters.failed - self._flush_failures_at
         lost = self._lost
@@ -297,7 +276,7 @@ class ColdTier:
             self._lost = 0
         return FlushResult(
             durable=not timed_out and pending == 0 and lost == 0 and failed == 0 and self._job is None,
-            pending=pending, dropped=lost, failed=failed, entries=len(self.store.index),
+            pending=pending, dropped=lost, failed=failed, entries=len(self.store.files),
             longest_durable_prefix_tokens=self.store.longest_prefix,
             elapsed_s=round(time.monotonic() - self._flush_started, 3), timed_out=timed_out,
         )
@@ -308,7 +287,7 @@ class ColdTier:
             "enabled": True,
             "directory": str(store.directory),
             "fingerprint": store.identity.fingerprint,
-            "entries": len(store.index),
+            "entries": len(store.files),
             "bytes": store.bytes,
             "max_bytes": store.max_bytes,
             "write_behind": self.write_behind,

@@ -25,7 +25,7 @@ class CacheEntry:
 @dataclass(eq=False)
 class TreeEntry:
     """A logical entry: the prefix ending at ``node``. Its caches are assembled when asked for
-    (the SSD tier writes one file per entry); detached nodes keep their arrays for it."""
+    (the SSD tier writes the part its files lack); detached nodes keep their arrays for it."""
 
     tokens: tuple[int, ...]
     node: Node
@@ -42,6 +42,14 @@ class TreeEntry:
     @property
     def last_used(self) -> float:
         return self.node.last_used
+
+    def caches_from(self, start: int) -> list:
+        """Caches holding only tokens [start, n) on full-attention layers and the whole state on the
+        others: what the SSD tier writes when its files already hold the first ``start`` tokens."""
+        nodes = [node for node in self.node.chain() if node.end > start] or [self.node]
+        skip, n = start - nodes[0].depth, len(self.tokens) - start
+        return [kv_spans.assemble_layer(layer, [node.spans[i] for node in nodes], n, skip) if layer.spans
+                else kv_spans.lend_snapshot(self.snapshot[i]) for i, layer in enumerate(self.layout)]
 
 
 def assemble(layout: tuple, nodes: list[Node], snapshot: list | None, n: int) -> list:

@@ -68,11 +68,11 @@ def arrays(tree) -> list:
     return [a for _, a in tree_flatten(tree)]
 
 
-def assemble_layer(layout: LayerLayout, spans: list[Span], n: int):
-    """A cache the row owns, holding the first ``n`` tokens of the concatenated ``spans``."""
+def assemble_layer(layout: LayerLayout, spans: list[Span], n: int, skip: int = 0):
+    """A cache the row owns, holding ``n`` tokens of the concatenated ``spans`` after the first ``skip``."""
     def join(*parts):
         whole = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
-        return whole[..., :n, :]
+        return whole[..., skip : skip + n, :]
 
     keys, values = tree_map(join, *spans)
     out = QuantizedKVCache(layout.group_size, layout.bits) if layout.cls is QuantizedKVCache else KVCache()

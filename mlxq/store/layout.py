@@ -18,6 +18,7 @@ from mlxq.store.mlxkv import _DTYPES, MlxkvError, encode_layer
 
 # The sequence axis of each kind's tensors (-2: (batch, heads, tokens, dim)); None: fixed shapes.
 _SEQUENCE_AXIS = {"kv": -2, "rotating": -2, "qkv": -2, "rotating-qkv": -2, "arrays": None}
+_SNAPSHOT_KINDS = ("rotating", "rotating-qkv", "arrays")
 # Meta fields that are properties of the model and scheme, not of the entry.
 _FIXED_META = {"rotating": ("max_size", "keep"), "qkv": ("group_size", "bits"),
                "rotating-qkv": ("max_size", "keep", "group_size", "bits"), "arrays": ("size",), "kv": ()}
@@ -44,13 +45,16 @@ def _dtype_name(dtype) -> str:
     return next(name for name, d in _DTYPES.items() if d == dtype)
 
 
-def check_layout(expected: list[LayerLayout], layers: list, tokens: int) -> None:
-    """Raise MlxkvError unless the header's ``layers`` match ``expected`` for an entry of ``tokens`` tokens."""
+def check_layout(expected: list[LayerLayout], layers: list, span: int, end: int) -> None:
+    """Raise MlxkvError unless a node file's ``layers`` match ``expected``: full-attention layers hold the
+    ``span`` tokens of the node, rings and recurrent state (or ``absent``) the state after ``end`` tokens."""
     if len(layers) != len(expected):
         raise MlxkvError(f"{len(layers)} layers; this model has {len(expected)}")
     for i, (want, layer) in enumerate(zip(expected, layers, strict=True)):
+        if layer.get("kind") == "absent" and want.kind in _SNAPSHOT_KINDS:
+            continue  # a snapshot the span does not carry
         try:
-            _check_layer(want, layer, tokens)
+            _check_layer(want, layer, span if want.kind in ("kv", "qkv") else end)
         except (KeyError, TypeError, ValueError) as exc:
             raise MlxkvError(f"layer {i}: {exc}") from None
 

@@ -1,4 +1,12 @@
-"""The ``.mlxkv`` file: one prompt-cache entry on disk (docs/mlxkv-format.md).
+"""The ``.mlxkv`` file: one node of the SSD tier's prefix tree on disk (docs/mlxkv-format.md).
+
+A file holds one *span*: the tokens ``[start, start + len(tokens))`` of a
+prefix whose earlier tokens its *parent* file holds (named by digest; ``""``
+for a root), the span's full-attention KV per layer, and, where ``snapshot``
+is set, the state of every ring / recurrent layer at the span's end. Its
+name is its digest: the hash chain of the whole prefix it ends (the parent's
+hash state extended by the span's tokens), so the name says which prefix a
+file completes however the path above it is cut into files.
 
 Layout::
 
@@ -18,12 +26,15 @@ file under the final name. 16 KiB alignment is a page on arm64 and four on
 x86-64, so a tensor can be read or mapped without straddling pages of others.
 
 Layers are encoded by cache kind (``kv``, ``rotating``, ``arrays``, ``qkv``,
-``rotating-qkv``); a kind
-this reader does not know makes the whole file unusable, never half-restored.
+``rotating-qkv``, and ``absent`` for a snapshot layer a span does not carry); a
+kind this reader does not know makes the whole file unusable, never
+half-restored. Reading copies each tensor once, from the file straight into
+the buffer of the MLX array that keeps it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -34,12 +45,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import xxhash
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxq.kv.quantized import QuantizedRotatingKVCache
+from mlxq.store.layer_codec import ABSENT, KINDS, MlxkvError, decode_layer, encode_layer
+
+__all__ = ["ABSENT", "KINDS", "EntryHeader", "FormatVersionError", "Identity", "MlxkvError", "decode_layer",
+           "encode_layer", "extend", "prefix_digest", "prefix_hasher", "read_caches", "read_header", "verify_file",
+           "write_steps"]
 
 MAGIC = b"MLXQKV\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ALIGN = 16 * 1024
 _PREAMBLE = struct.Struct("<8sII32s")  # magic, version, header length, header checksum
 _HASH_PLACEHOLDER = "0" * 32
@@ -48,10 +62,11 @@ _DTYPES = {name: getattr(mx, name) for name in (
     "bool_", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
     "float16", "bfloat16", "float32", "float64")}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+DTYPES = _DTYPES  # name -> MLX dtype, for readers of tensor records
 
 
-class MlxkvError(ValueError):
-    """The file is not a usable ``.mlxkv`` entry (bad magic, version, checksum, kind...)."""
+class FormatVersionError(MlxkvError):
+    """A file of another format version (an older mlxq's cache): never read, safe to remove."""
 
 
 @dataclass(frozen=True)
@@ -71,86 +86,46 @@ class Identity:
 
 @dataclass(frozen=True)
 class EntryHeader:
+    """One node file's header: where its span sits in the tree, and its layers' tensors."""
+
     identity: Identity
-    tokens: tuple[int, ...]
-    trimmable: bool
+    digest: str  # prefix_digest of the prefix the span ends: the file's name
+    parent: str  # prefix_digest of the prefix before the span (its parent file's name); "" at the root
+    start: int  # tokens before the span (its fork point inside the parent's chain)
+    tokens: tuple[int, ...]  # the span's own tokens
+    trimmable: bool  # every layer is full attention: any prefix along the chain is servable
+    snapshot: bool  # ring / recurrent layers hold their state at the span's end (else kind "absent")
     created: float
     layers: list  # [{"kind", "meta", "tensors": [{"name","offset","nbytes","shape","dtype","xxh3"}]}]
     model: str  # the served model name, for humans (`mlxq cache ls`)
+    data_start: int = 0  # where tensor offsets count from (bytes from the file's start)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
     @property
     def tensor_bytes(self) -> int:
         return sum(t["nbytes"] for layer in self.layers for t in layer["tensors"])
 
 
+def prefix_hasher(tokens=()) -> hashlib.blake2b:
+    """The hash state of a token prefix; ``extend`` it with the next span's tokens (a hash chain)."""
+    return extend(hashlib.blake2b(digest_size=16), tokens)
+
+
+def extend(hasher: hashlib.blake2b, tokens) -> hashlib.blake2b:
+    hasher.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return hasher
+
+
+def prefix_digest(tokens) -> str:
+    """The name of the file that ends the prefix ``tokens``."""
+    return prefix_hasher(tokens).hexdigest()
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-# --- cache kinds --------------------------------------------------------------------
-def encode_layer(cache) -> tuple[str, dict, list[tuple[str, mx.array]]]:
-    """(kind, meta, named tensors) of one stored cache."""
-    if type(cache) is KVCache:
-        n = cache.offset
-        return "kv", {"offset": n}, [("keys", cache.keys[..., :n, :]), ("values", cache.values[..., :n, :])]
-    if type(cache) is RotatingKVCache:
-        meta = {"offset": cache.offset, "idx": cache._idx, "max_size": cache.max_size, "keep": cache.keep}
-        return "rotating", meta, [("keys", cache.keys), ("values", cache.values)]
-    if type(cache) is ArraysCache:
-        slots = [i for i, a in enumerate(cache.cache) if a is not None]
-        return "arrays", {"size": len(cache.cache)}, [(str(i), cache.cache[i]) for i in slots]
-    if type(cache) is QuantizedKVCache:
-        n = cache.offset
-        meta = {"offset": n, "group_size": cache.group_size, "bits": cache.bits}
-        return "qkv", meta, _triples(cache, lambda x: x[..., :n, :])
-    if type(cache) is QuantizedRotatingKVCache:
-        meta = {"offset": cache.offset, "idx": cache._idx, "max_size": cache.max_size, "keep": cache.keep,
-                "group_size": cache.group_size, "bits": cache.bits}
-        return "rotating-qkv", meta, _triples(cache, lambda x: x)
-    raise MlxkvError(f"no .mlxkv encoding for cache class {type(cache).__name__}")
-
-
-_TRIPLE = ("data", "scales", "biases")
-
-
-def _triples(cache, cut) -> list[tuple[str, mx.array]]:
-    """A quantized cache's six arrays: keys.data, keys.scales, keys.biases, then values.*."""
-    return [(f"{side}.{part}", cut(getattr(cache, side)[i]))
-            for side in ("keys", "values") for i, part in enumerate(_TRIPLE)]
-
-
-def _triple(tensors: dict[str, mx.array], side: str) -> tuple:
-    return tuple(tensors[f"{side}.{part}"] for part in _TRIPLE)
-
-
-KINDS = ("kv", "rotating", "arrays", "qkv", "rotating-qkv")
-
-
-def decode_layer(kind: str, meta: dict, tensors: dict[str, mx.array]):
-    if kind == "kv":
-        cache = KVCache()
-        cache.state = (tensors["keys"], tensors["values"], meta["offset"])
-        return cache
-    if kind == "rotating":
-        cache = RotatingKVCache(meta["max_size"], meta["keep"])
-        cache.keys, cache.values = tensors["keys"], tensors["values"]
-        cache.offset, cache._idx = meta["offset"], meta["idx"]
-        return cache
-    if kind == "arrays":
-        cache = ArraysCache(meta["size"])
-        for name, array in tensors.items():
-            cache.cache[int(name)] = array
-        return cache
-    if kind == "qkv":
-        cache = QuantizedKVCache(meta["group_size"], meta["bits"])
-        cache.keys, cache.values, cache.offset = _triple(tensors, "keys"), _triple(tensors, "values"), meta["offset"]
-        return cache
-    if kind == "rotating-qkv":
-        cache = QuantizedRotatingKVCache(meta["max_size"], meta["keep"], meta["group_size"], meta["bits"])
-        cache.keys, cache.values = _triple(tensors, "keys"), _triple(tensors, "values")
-        cache.offset, cache._idx = meta["offset"], meta["idx"]
-        return cache
-    raise MlxkvError(f"unknown cache kind {kind!r}")
 
 
 # --- writing ------------------------------------------------------------------------
@@ -230,18 +205,22 @@ def read_header(path: Path) -> EntryHeader:
         if magic != MAGIC:
             raise MlxkvError("not an .mlxkv file (bad magic)")
         if version != FORMAT_VERSION:
-            raise MlxkvError(f"format version {version}; this mlxq reads version {FORMAT_VERSION}")
+            raise FormatVersionError(f"format version {version}; this mlxq reads version {FORMAT_VERSION} "
+                                     "(a cache: remove it with `mlxq cache verify --delete-bad`)")
         body = f.read(length)
     if len(body) != length or xxhash.xxh3_128_hexdigest(body).encode() != checksum:
         raise MlxkvError("header checksum mismatch")
     try:
         h = json.loads(body)
         identity = Identity(h["fingerprint"], h["kv_scheme"], h["namespace"])
-        header = EntryHeader(identity, tuple(h["tokens"]), bool(h["trimmable"]), float(h["created"]),
-                             h["layers"], h.get("model", ""))
+        header = EntryHeader(identity, str(h["digest"]), str(h["parent"]), int(h["start"]), tuple(h["tokens"]),
+                             bool(h["trimmable"]), bool(h["snapshot"]), float(h["created"]), h["layers"],
+                             h.get("model", ""), _align(_PREAMBLE.size + length))
     except (ValueError, KeyError, TypeError) as exc:
         raise MlxkvError(f"malformed header: {exc}") from None
-    data_start = _align(_PREAMBLE.size + length)
+    if header.start < 0 or (header.start == 0) != (header.parent == ""):
+        raise MlxkvError(f"a span starting at {header.start} with parent {header.parent!r}")
+    data_start = header.data_start
     size = os.path.getsize(path)
     for layer in header.layers:
         if layer.get("kind") not in KINDS:
@@ -252,33 +231,45 @@ def read_header(path: Path) -> EntryHeader:
     return header
 
 
-def read_tensors(path: Path, header: EntryHeader) -> Iterator[tuple[int, str, np.ndarray]]:
-    """(layer index, name, verified host bytes) for every tensor; MlxkvError on a checksum mismatch."""
-    with open(path, "rb") as f:
-        _, _, length, _ = _PREAMBLE.unpack(f.read(_PREAMBLE.size))
-        start = _align(_PREAMBLE.size + length)
+def read_exactly(fd: int, into: memoryview, at: int) -> int:
+    """Read ``len(into)`` bytes at offset ``at`` (a short count only at the end of the file)."""
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], at + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
+def read_arrays_steps(path: Path, header: EntryHeader) -> Generator[None, None, list[dict[str, mx.array]]]:
+    """Every tensor, one per step, read straight into the buffer of the MLX array that keeps it and
+    checked against its checksum there (one copy: page cache -> array). Returns {name: array} per layer;
+    MlxkvError on a short read or a checksum mismatch."""
+    start = header.data_start
+    tensors: list[dict[str, mx.array]] = [{} for _ in header.layers]
+    fd = os.open(path, os.O_RDONLY)
+    try:
         for i, layer in enumerate(header.layers):
             for t in layer["tensors"]:
-                f.seek(start + t["offset"])
-                data = np.empty(t["nbytes"], dtype=np.uint8)
-                if f.readinto(memoryview(data)) != t["nbytes"]:
+                array = mx.zeros(t["shape"], _DTYPES[t["dtype"]], stream=mx.cpu)
+                mx.eval(array)
+                view = memoryview(array).cast("B") if t["nbytes"] else memoryview(b"")
+                if read_exactly(fd, view, start + t["offset"]) != t["nbytes"]:
                     raise MlxkvError(f"tensor {t['name']!r} of layer {i} is truncated")
-                if xxhash.xxh3_128_hexdigest(data) != t["xxh3"]:
+                if xxhash.xxh3_128_hexdigest(view) != t["xxh3"]:
                     raise MlxkvError(f"tensor {t['name']!r} of layer {i} fails its checksum")
-                yield i, t, data
+                del view
+                tensors[i][t["name"]] = array
+                yield
+    finally:
+        os.close(fd)
+    return tensors
 
 
 def read_caches_steps(path: Path, header: EntryHeader) -> Generator[None, None, list]:
-    """Restore the caches one tensor per step: each is copied into an MLX array and its host bytes
-    dropped before the next is read (peak host transient: one tensor). Returns the caches."""
-    tensors: list[dict[str, mx.array]] = [{} for _ in header.layers]
-    for i, t, data in read_tensors(path, header):
-        dtype = _DTYPES[t["dtype"]]
-        array = mx.array(data).view(dtype).reshape(t["shape"]) if t["nbytes"] else mx.zeros(t["shape"], dtype)
-        mx.eval(array)  # copy now, so the host transient is one tensor
-        tensors[i][t["name"]] = array
-        del data
-        yield
+    """The file's layers as caches (``None`` for an absent layer), one tensor read per step."""
+    tensors = yield from read_arrays_steps(path, header)
     return [decode_layer(layer["kind"], layer["meta"], tensors[i]) for i, layer in enumerate(header.layers)]
 
 
@@ -298,6 +289,5 @@ def read_caches(path: Path, header: EntryHeader) -> list:
 def verify_file(path: Path) -> EntryHeader:
     """Check the header and every tensor checksum; raises MlxkvError naming what is wrong."""
     header = read_header(path)
-    for _ in read_tensors(path, header):
-        pass
+    run_steps(read_arrays_steps(path, header))
     return header

@@ -14,7 +14,8 @@ boundaries (the end of a system prompt, the last-but-one prompt token) and
 a prompt is served only from a node that holds one.
 
 Each put names a logical *entry* (namespace, tokens): what ``len()``
-counts, what idle demotion and the SSD tier see (one file per entry). A
+counts, what idle demotion and the SSD tier see (the SSD tier writes the
+part of an entry its files lack). A
 trimmable entry that a longer put extends is superseded; snapshot entries
 keep their ancestors. Eviction removes the least recently used unpinned
 leaf, then any ancestor left as an unmarked leaf. Pinned nodes (``pin``)
@@ -109,6 +110,12 @@ class PromptCache:
             if found.path[i].snapshot is not None:
                 return found.path[: i + 1], found.path[i], found.path[i].end
         return [], None, 0
+
+    def held_path(self, namespace: str, prompt: list[int]) -> tuple[list[Node], int]:
+        """The nodes (and token count) ``take`` would lend from, without counting a query: what an SSD
+        restore builds on instead of reading it again."""
+        nodes, _, n = self._lookup(namespace, prompt)
+        return nodes, n
 
     def take(self, namespace: str, prompt: list[int], cold: bool = True) -> tuple[list | None, int]:
         """(caches the caller owns, cached token count) for the longest usable prefix, or (None, 0).

@@ -1,18 +1,25 @@
-"""The SSD tier's files: ``DIR/<fingerprint>-<kv-scheme>/<namespace-hash>/<id>.mlxkv``.
+"""The SSD tier's files: ``DIR/<fingerprint>-<kv-scheme>/<namespace-hash>/<digest>.mlxkv``, one per tree node.
 
 Files are the database. At start-up the store reads the headers (only) of
-its own directory into an in-memory index; other directories belong to
-other models, runtimes or KV schemes and are never touched.
+its own directory into a tree of files (store.ssd_tree); other directories
+belong to other models, runtimes or KV schemes and are never touched.
 Leftover ``.tmp`` files (a write cut by a crash) are removed; a file whose
-header is corrupt or does not match this model is unlinked with a log line.
-Every tensor carries an xxh3-128 checksum that is checked on every restore
-(xxh3 runs at memory speed, so this costs little next to the read), so a
-file with flipped bytes is never served: the restore fails, the file is
-unlinked, and the request falls back to a shorter prefix or a cold prefill.
+header is corrupt or does not match this model is unlinked with a log line,
+and so is every file below it (a child is usable only through its parent).
+Files of another format version are removed with one log line for all.
 
-LRU is the file mtime (touched on every restore); the byte cap is enforced
-after each write by removing the oldest files. Every failure degrades to
-"not stored" or "no hit"; the tier never takes serving down.
+A write adds the part of an entry no file holds yet below the deepest file
+chain that holds the rest, splitting a file the entry shares only in part
+(store.ssd_writes). It starts only from files already renamed into place,
+so a node's file is durable only after its parent's. Every tensor carries an
+xxh3-128 checksum checked on every restore, so a file with flipped bytes is
+never served: the restore fails, the file and its subtree are unlinked, and
+the request falls back to a shorter prefix or a cold prefill.
+
+LRU is the file mtime (a restore touches its whole chain); the byte cap is
+enforced after each write by removing the least recently used leaf files
+(never a parent that children still need). Every failure degrades to "not
+stored" or "no hit"; the tier never takes serving down.
 """
 
 from __future__ import annotations
@@ -20,74 +27,49 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxq.store.cold_tier_state import SsdStats
 from mlxq.store.fingerprint import namespace_dir
 from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import (
     EntryHeader,
+    FormatVersionError,
     Identity,
     MlxkvError,
-    encode_layer,
-    read_caches_steps,
+    extend,
+    prefix_hasher,
     read_header,
     verify_file,
 )
-from mlxq.store.mlxkv import write_steps as mlxkv_write_steps
-from mlxq.store.prefix import usable_prefix
+from mlxq.store.ssd_tree import (
+    ChainMatch,
+    FileNode,
+    attach,
+    detach,
+    make_root,
+    search,
+    served_at_snapshots,
+)
+from mlxq.store.ssd_writes import entry_steps
+from mlxq.store.vanished import forget_vanished
 
 log = logging.getLogger("mlxq.ssd")
-
-
-SIBLING_SHARE = 0.75  # a divergent entry sharing this much of a file on disk is not written again
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-@dataclass
-class IndexEntry:
-    path: Path
-    namespace: str
-    tokens: tuple[int, ...]
-    nbytes: int  # file size
-    mtime: float
-    trimmable: bool
-
-
-@dataclass
-class SsdStats:
-    restores: int = 0
-    restored_tokens: int = 0
-    restore_ms_last: float = 0.0
-    writes: int = 0
-    written_bytes: int = 0
-    write_failures: int = 0
-    corrupt_removed: int = 0  # files unlinked at scan or restore because they failed a check
-    evicted_files: int = 0  # removed to stay under the byte cap or superseded by a longer entry
-    reaped_tmp: int = 0
 
 
 @dataclass
 class SsdStore:
     root: Path
-    identity: Identity  # fingerprint + kv scheme; namespace varies per entry
+    identity: Identity  # fingerprint + kv scheme; namespace varies per file
     max_bytes: int | None = None  # None: unlimited
     model_name: str = ""
-    index: dict[Path, IndexEntry] = field(default_factory=dict)
+    files: dict[Path, FileNode] = field(default_factory=dict)
+    roots: dict[str, FileNode] = field(default_factory=dict)  # namespace -> its tree's root
     stats: SsdStats = field(default_factory=SsdStats)
     layout: list | None = None  # the model's own caches' layout (store.layout); None: not checked
-    _warned_write: bool = False
-    last_restore_s: float = 0.0  # reading time of the last restore
+    _failing: bool = False  # the last write failed: the next failure is not logged again
 
     @property
     def directory(self) -> Path:
@@ -95,183 +77,237 @@ class SsdStore:
 
     @property
     def bytes(self) -> int:
-        return sum(e.nbytes for e in list(self.index.values()))
+        return sum(node.nbytes for node in list(self.files.values()))
 
     @property
     def longest_prefix(self) -> int:
-        return max((len(e.tokens) for e in list(self.index.values())), default=0)
+        return max((node.end for node in list(self.files.values())), default=0)
+
+    def root_of(self, namespace: str) -> FileNode:
+        return self.roots.setdefault(namespace, make_root(namespace))
 
     # --- start-up ---------------------------------------------------------------------
     def scan(self, *, verify: bool = False) -> None:
-        """Index this fingerprint's files (headers only, or every tensor when ``verify``)."""
-        self.index.clear()
+        """Index this fingerprint's files as a tree (headers only, or every tensor when ``verify``)."""
+        self.files.clear()
+        self.roots.clear()
         if not self.directory.is_dir():
             log.info("SSD cache %s: empty (new); prompts are written here", self.directory)
             return
+        headers: dict[Path, EntryHeader] = {}
         for path in sorted(self.directory.glob("*/*")):
             if path.name.endswith(".tmp"):
-                self._unlink(path, "a write that never finished")
+                self.unlink(path, "a write that never finished")
                 self.stats.reaped_tmp += 1
             elif path.suffix == ".mlxkv":
-                try:
-                    header = verify_file(path) if verify else read_header(path)
-                    self._check_identity(header)
-                    self._check_layout(header)
-                except (MlxkvError, OSError) as exc:
-                    self._discard(path, exc)
-                    continue
-                self._add(path, header.identity.namespace, header.tokens, header.trimmable)
+                header = self._scan_one(path, verify)
+                if header is not None:
+                    headers[path] = header
+        if self.stats.old_format_removed:
+            log.warning("SSD cache %s: removed %d files of another .mlxkv format version "
+                        "(written by another mlxq; they are regenerated as prompts arrive)",
+                        self.directory, self.stats.old_format_removed)
+        self._link(headers)
         self._enforce_cap(keep=None)  # a lowered --ssd-cache-max applies at once
-        log.info("SSD cache %s: %d entries, %.1f MB", self.directory, len(self.index), self.bytes / 1e6)
+        log.info("SSD cache %s: %d node files, %.1f MB", self.directory, len(self.files), self.bytes / 1e6)
 
-    def _check_identity(self, header: EntryHeader) -> None:
+    def _scan_one(self, path: Path, verify: bool) -> EntryHeader | None:
+        try:
+            header = verify_file(path) if verify else read_header(path)
+            self._check(header, path)
+            return header
+        except FormatVersionError:
+            self.stats.old_format_removed += 1
+            path.unlink(missing_ok=True)
+        except (MlxkvError, OSError) as exc:
+            self._discard_path(path, exc)
+        return None
+
+    def _check(self, header: EntryHeader, path: Path) -> None:
         ours = self.identity
         if (header.identity.fingerprint, header.identity.kv_scheme) != (ours.fingerprint, ours.kv_scheme):
             raise MlxkvError(f"written for {header.identity.fingerprint}/{header.identity.kv_scheme}, "
                              f"not {ours.fingerprint}/{ours.kv_scheme}")
-
-    def _check_layout(self, header: EntryHeader) -> None:
+        if path.stem != header.digest or path.parent.name != namespace_dir(header.identity.namespace):
+            raise MlxkvError("its name or directory does not match its header")
         if self.layout is not None:
-            check_layout(self.layout, header.layers, len(header.tokens))
+            check_layout(self.layout, header.layers, len(header.tokens), header.end)
 
-    def _add(self, path: Path, namespace: str, tokens: tuple[int, ...], trimmable: bool) -> IndexEntry:
+    def _link(self, headers: dict[Path, EntryHeader]) -> None:
+        """Parents before children. A file whose parent is missing, or whose digest does not name the prefix
+        its chain spells, is removed with everything below it."""
+        by_digest = {(h.identity.namespace, h.digest): (path, h) for path, h in headers.items()}
+        linked: dict[tuple[str, str], tuple[FileNode, object] | None] = {}
+
+        def node_of(key: tuple[str, str]) -> tuple[FileNode, object] | None:
+            namespace, digest = key
+            if digest == "":
+                return self.root_of(namespace), prefix_hasher()
+            if key in linked:
+                return linked[key]
+            if key not in by_digest:
+                return None
+            path, h = by_digest.pop(key)
+            linked[key] = None  # a cycle of digests ends as a missing parent
+            above = node_of((namespace, h.parent))
+            if above is None or not above[0].in_tree or above[0].end != h.start:
+                self._orphan(path, "its parent file is missing or does not end where it starts")
+                return None
+            hasher = extend(above[1].copy(), h.tokens)
+            if hasher.hexdigest() != h.digest:
+                self._discard_path(path, MlxkvError("its digest does not name the prefix its chain spells"))
+                return None
+            node = self._add(path, h, above[0])
+            linked[key] = None if node is None else (node, hasher)
+            return linked[key]
+
+        for key in list(by_digest):
+            node_of(key)
+
+    def _add(self, path: Path, h: EntryHeader, parent: FileNode) -> FileNode | None:
         st = path.stat()
-        entry = IndexEntry(path, namespace, tokens, st.st_size, st.st_mtime, trimmable)
-        self.index[path] = entry
-        return entry
-
-    # --- lookup and restore -----------------------------------------------------------
-    def find(self, namespace: str, prompt: list[int], better_than: int) -> tuple[IndexEntry, int] | None:
-        """The entry with the longest usable prefix of ``prompt``, if longer than ``better_than``."""
-        best, best_len = None, better_than
-        for entry in self.index.values():
-            if entry.namespace != namespace or len(entry.tokens) <= best_len:
+        node = FileNode(path, h.digest, parent, h.start, tuple(h.tokens), st.st_size, st.st_mtime, h.trimmable,
+                        h.snapshot, h.identity.namespace)
+        for other in attach(parent, node):
+            # One span a prefix of its sibling's: the head of a split that a crash cut short (written, but
+            # the split file not yet rewritten). The whole file stays; the split is redone when needed.
+            short = min(node, other, key=lambda n: len(n.tokens))
+            if (node.tokens if short is other else other.tokens)[: len(short.tokens)] != short.tokens:
                 continue
-            n = usable_prefix(entry.tokens, entry.trimmable, prompt)
-            if n > best_len:
-                best, best_len = entry, n
-        return None if best is None else (best, best_len)
+            for each in short.subtree():
+                self.files.pop(each.path, None)
+                self.stats.unfinished_splits_removed += 1
+                self.unlink(each.path, "the head of a split a crash cut short")
+            detach(short)
+            if short is node:
+                return None
+        self.files[path] = node
+        return node
 
-    def load_steps(self, entry: IndexEntry) -> Generator[None, None, list | None]:
-        """The entry's caches, one tensor per step (every checksum verified); None after removing a bad file.
+    def _orphan(self, path: Path, why: str) -> None:
+        self.unlink(path, why)
+        self.stats.orphans_removed += 1
 
-        ``last_restore_s`` is the time spent reading, not the time between steps.
-        """
-        busy = 0.0
-        try:
-            t = time.perf_counter()
-            header = read_header(entry.path)
-            self._check_identity(header)
-            self._check_layout(header)
-            if header.tokens != entry.tokens:
-                raise MlxkvError("the file changed since it was indexed")
-            steps = read_caches_steps(entry.path, header)
-            busy += time.perf_counter() - t
-            while True:
-                t = time.perf_counter()
-                try:
-                    next(steps)
-                except StopIteration as stop:
-                    caches = stop.value
-                    busy += time.perf_counter() - t
-                    break
-                busy += time.perf_counter() - t
-                yield
-        except Exception as exc:  # any failure: remove the file, and the request prefills instead
-            self._discard(entry.path, exc)
+    # --- lookup -----------------------------------------------------------------------
+    def find(self, namespace: str, prompt: list[int], better_than: int) -> ChainMatch | None:
+        """The chain serving the longest usable prefix of ``prompt`` (all but its last token), if longer
+        than ``better_than``."""
+        root = self.roots.get(namespace)
+        if root is None:
             return None
-        now = time.time()
-        try:
-            os.utime(entry.path, (now, now))
-            entry.mtime = now
-        except OSError:
-            pass
-        self.stats.restores += 1
-        self.stats.restored_tokens += len(entry.tokens)
-        self.stats.restore_ms_last = round(busy * 1000, 3)
-        self.last_restore_s = busy
-        return caches
+        found = search(root, prompt, len(prompt) - 1, served_at_snapshots)
+        return found if found.n > better_than else None
 
     def covers(self, namespace: str, tokens: tuple[int, ...]) -> bool:
-        """Is the state after ``tokens`` durable: an exact file, or a trimmable file extending it?"""
-        n = len(tokens)
-        return any(e.namespace == namespace and (e.tokens == tokens or (e.trimmable and e.tokens[:n] == tokens))
-                   for e in self.index.values())
+        """Is the state after ``tokens`` durable (a chain serves all of them)?"""
+        root = self.roots.get(namespace)
+        return root is not None and search(root, tokens, len(tokens), served_at_snapshots).n == len(tokens)
 
-    def has_sibling(self, namespace: str, tokens: tuple[int, ...]) -> bool:
-        """Does a trimmable file share at least ``SIBLING_SHARE`` of ``tokens`` and then diverge?
+    def checked_header(self, node: FileNode) -> EntryHeader:
+        """A node file's header, checked again before its tensors are read (the file may have changed)."""
+        header = read_header(node.path)
+        self._check(header, node.path)
+        if (header.parent, header.start, header.tokens) != (node.parent.digest, node.start, node.tokens):
+            raise MlxkvError("the file changed since it was indexed")
+        return header
 
-        The ``n`` choices of one prompt end as entries that differ only in their generated
-        tails; one file serves the shared prompt to every later request. A file that is a
-        prefix of ``tokens`` is not a sibling: ``tokens`` extends it (the next turn) and is new.
-        """
-        need = SIBLING_SHARE * len(tokens)
-        for e in self.index.values():
-            if e.namespace == namespace and e.trimmable and len(e.tokens) >= need:
-                common = _common_prefix(e.tokens, tokens)
-                if common >= need and common < len(e.tokens):
-                    return True
-        return False
+    def touch(self, chain: list[FileNode]) -> None:
+        now = time.time()
+        for node in chain:
+            try:
+                os.utime(node.path, (now, now))
+                node.mtime = now
+            except OSError:
+                pass
 
     # --- writing ----------------------------------------------------------------------
-    def write_steps(self, namespace: str, tokens: tuple[int, ...], caches: list, trimmable: bool) -> Iterator[None]:
-        """Write one entry, one tensor per step; then index it, supersede its ancestors, enforce the cap.
+    def write_steps(self, namespace: str, tokens: tuple[int, ...], caches_from: Callable[[int], list],
+                    trimmable: bool) -> Iterator[None]:
+        """Write the part of an entry no file holds yet, one tensor per step (store.ssd_writes); then
+        enforce the cap.
 
-        Raises OSError when the disk refuses (counted; the entry is simply not stored).
+        ``caches_from(m)``: the entry's caches holding only tokens [m, len(tokens)) on full-attention
+        layers (and the whole state on the others). Raises OSError when the disk refuses (counted; the
+        entry is simply not stored).
         """
-        layers = [encode_layer(c) for c in caches]
-        nbytes = sum(a.nbytes for _, _, named in layers for _, a in named)
-        if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise OSError(f"entry of {nbytes} bytes exceeds --ssd-cache-max ({self.max_bytes} bytes)")
-        directory = self.directory / namespace_dir(namespace)
+        if self.covers(namespace, tokens):
+            return  # already durable
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            path = directory / f"{uuid.uuid4().hex}.mlxkv"
-            header = {"fingerprint": self.identity.fingerprint, "kv_scheme": self.identity.kv_scheme,
-                      "namespace": namespace, "tokens": list(tokens), "trimmable": trimmable,
-                      "created": time.time(), "model": self.model_name}
-            yield from mlxkv_write_steps(path, header, layers)
+            node = yield from entry_steps(self, namespace, tuple(tokens), caches_from, trimmable)
         except OSError as exc:
-            self.stats.write_failures += 1
-            if not self._warned_write:
-                self._warned_write = True
-                log.warning("SSD cache write failed (%s); entries are not stored until writes succeed "
-                            "(this warning is shown once; /stats.ssd_cache counts failures)", exc)
+            self._count_failure(exc)
             raise
-        entry = self._add(path, namespace, tuple(tokens), trimmable)  # we just wrote it: no need to read it back
-        self.stats.writes += 1
-        self.stats.written_bytes += entry.nbytes
-        for other in list(self.index.values()):
-            if other is entry or other.namespace != namespace or len(other.tokens) > len(tokens):
-                continue
-            same = other.tokens == tokens
-            if same or (trimmable and other.trimmable and tokens[: len(other.tokens)] == other.tokens):
-                self._remove(other)
-        self._enforce_cap(keep=entry)
+        self._count_success()
+        if node is not None:
+            self.touch(node.chain())  # a chain is never older than its newest file (LRU, prune --older-than)
+            self._enforce_cap(keep=node)
 
-    def _enforce_cap(self, keep: IndexEntry | None) -> None:
+    def _count_failure(self, exc: OSError) -> None:
+        self.stats.write_failures += 1
+        if not self._failing:
+            self._failing = True
+            log.warning("SSD cache write failed (%s); serving goes on from RAM and entries are not stored "
+                        "until a write succeeds (logged once; /stats.ssd_cache counts failures)", exc)
+
+    def _count_success(self) -> None:
+        if self._failing:
+            self._failing = False
+            log.warning("SSD cache writes succeed again (%d failed in all; `mlxq cache flush` retries them)",
+                        self.stats.write_failures)
+
+    # --- removal ----------------------------------------------------------------------
+    def _enforce_cap(self, keep: FileNode | None) -> None:
+        """Remove least recently used leaf files (never ``keep``'s chain) until under the cap."""
         if self.max_bytes is None:
             return
-        total = self.bytes
-        for victim in sorted(self.index.values(), key=lambda e: e.mtime):
-            if total <= self.max_bytes:
-                break
-            if victim is not keep:
-                self._remove(victim)
-                total -= victim.nbytes
+        total, kept = self.bytes, set(keep.chain()) if keep is not None else set()
+        while total > self.max_bytes:
+            leaves = [n for n in self.files.values() if not n.children and n not in kept]
+            if not leaves:
+                return
+            victim = min(leaves, key=lambda n: n.mtime)
+            self._remove(victim)
+            self.stats.evicted_files += 1
+            total -= victim.nbytes
 
-    def _remove(self, entry: IndexEntry) -> None:
-        self.index.pop(entry.path, None)
-        self.stats.evicted_files += 1
-        entry.path.unlink(missing_ok=True)
+    def _remove(self, node: FileNode) -> None:
+        detach(node)
+        self.files.pop(node.path, None)
+        node.path.unlink(missing_ok=True)
 
-    def _discard(self, path: Path, why: Exception) -> None:
-        self.index.pop(path, None)
+    def forget_vanished(self) -> int:
+        """Files another process removed (`mlxq cache prune` beside the server) leave the tree, with every
+        file below them (unreachable now; a prune removes whole subtrees, so normally gone too)."""
+        index = dict(self.files)
+        gone = forget_vanished(index)
+        for path in set(self.files) - set(index):
+            node = self.files.get(path)
+            if node is None:
+                continue  # below another vanished file, already gone
+            for each in node.subtree():
+                self.files.pop(each.path, None)
+                if each.path.exists():
+                    self.unlink(each.path, "a file above it was removed")
+            detach(node)
+        return gone
+
+    def discard(self, node: FileNode, why: Exception) -> None:
+        """A file failed a check: unlink it and every file below it (they are reachable only through it)."""
         self.stats.corrupt_removed += 1
-        self._unlink(path, f"not usable: {why}")
+        self.unlink(node.path, f"not usable: {why}")
+        for below in node.subtree()[1:]:
+            self.stats.orphans_removed += 1
+            self.unlink(below.path, "a file above it was not usable")
+        for each in node.subtree():
+            self.files.pop(each.path, None)
+        detach(node)
+
+    def _discard_path(self, path: Path, why: Exception) -> None:
+        self.stats.corrupt_removed += 1
+        self.unlink(path, f"not usable: {why}")
 
     @staticmethod
-    def _unlink(path: Path, why: str) -> None:
+    def unlink(path: Path, why: str) -> None:
         log.warning("SSD cache: removing %s (%s)", path, why)
         try:
             path.unlink(missing_ok=True)

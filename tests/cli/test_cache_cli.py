@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from mlxq.cli.main import app
 from mlxq.store.mlxkv import Identity
 from mlxq.store.ssd_store import SsdStore
+from tests.store.test_cold_tier import whole
 from tests.store.test_prompt_cache import cache_with
 
 runner = CliRunner()
@@ -19,9 +20,9 @@ runner = CliRunner()
 def populate(root, fingerprint: str, prompts: list[list[int]], namespace: str = "") -> list:
     store = SsdStore(root, Identity(fingerprint, "native", ""), model_name=f"model-{fingerprint[0]}")
     for tokens in prompts:
-        for _ in store.write_steps(namespace, tuple(tokens), cache_with(tokens), True):
+        for _ in store.write_steps(namespace, tuple(tokens), whole(cache_with(tokens)), True):
             pass
-    return sorted(store.index.values(), key=lambda e: len(e.tokens))
+    return sorted(store.files.values(), key=lambda e: len(e.tokens))
 
 
 def test_ls_lists_every_entry_with_its_identity(tmp_path):
@@ -83,3 +84,77 @@ def test_prune_by_age_size_and_fingerprint(tmp_path):
     assert len(list(tmp_path.rglob("*.mlxkv"))) == 1
     assert runner.invoke(app, ["cache", "prune", str(tmp_path)]).exit_code == 2  # nothing said
     assert runner.invoke(app, ["cache", "prune", str(tmp_path), "--older-than", "soon"]).exit_code == 2
+
+
+def tree(root) -> dict:
+    """A server-written tree: a shared prompt (split off the first agent's file when the second came), two
+    agents below it, and one agent's next turn."""
+    from tests.store.test_cold_tier import drain, tier
+
+    t = tier(root)
+    shared = list(range(100, 140))
+    for tokens in (shared + [1] * 4, shared + [2] * 5, shared + [1] * 4 + [3] * 6):
+        t.ram.put("", tokens, cache_with(tokens))
+        drain(t)
+    return {(n.start, len(n.tokens)): n.path for n in t.store.files.values()}
+
+
+def test_ls_shows_each_file_under_its_parent(tmp_path):
+    paths = tree(tmp_path)
+    result = runner.invoke(app, ["cache", "ls", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    by_span = {(r["start"], r["tokens"]): r for r in rows}
+    assert set(by_span) == set(paths) == {(0, 40), (40, 4), (40, 5), (44, 6)}
+    root, one, two, turn = (by_span[k] for k in ((0, 40), (40, 4), (40, 5), (44, 6)))
+    assert root["parent"] is None and one["parent"] == two["parent"] == root["digest"]
+    assert turn["parent"] == one["digest"] and turn["end"] == 50 and turn["depth"] == 2
+    assert all(r["durable"] for r in rows) and rows[0]["digest"] == root["digest"]  # parents first
+    table = runner.invoke(app, ["cache", "ls", str(tmp_path)])
+    assert table.exit_code == 0 and "└" in table.output and "4 files" in table.output
+
+
+def test_verify_reports_a_child_whose_parent_is_missing_or_corrupt(tmp_path):
+    paths = tree(tmp_path)
+    data = bytearray(paths[(0, 40)].read_bytes())
+    data[-2] ^= 0x01
+    paths[(0, 40)].write_bytes(bytes(data))
+    result = runner.invoke(app, ["cache", "verify", str(tmp_path)])
+    assert result.exit_code == 1 and "0 ok, 4 bad" in result.output
+    assert "checksum" in result.output and result.output.count("a file above it is bad") == 3
+    paths[(0, 40)].unlink()
+    result = runner.invoke(app, ["cache", "verify", str(tmp_path)])
+    assert result.exit_code == 1 and result.output.count("is missing (unreachable)") == 2
+    assert result.output.count("a file above it is bad") == 1  # the next turn, below a missing parent's child
+    assert runner.invoke(app, ["cache", "verify", str(tmp_path), "--delete-bad"]).exit_code == 1
+    assert not list(tmp_path.rglob("*.mlxkv"))
+
+
+def test_prune_removes_whole_subtrees_never_a_needed_parent(tmp_path):
+    paths = tree(tmp_path)
+    week_ago = time.time() - 8 * 86400
+    for path in paths.values():
+        os.utime(path, (week_ago, week_ago))
+    now = time.time()
+    os.utime(paths[(44, 6)], (now, now))  # one agent's next turn was used: the files above it must stay
+    result = runner.invoke(app, ["cache", "prune", str(tmp_path), "--older-than", "7d"])
+    assert result.exit_code == 0 and "1 files" in result.output
+    assert not paths[(40, 5)].exists() and all(paths[k].exists() for k in ((0, 40), (40, 4), (44, 6)))
+    result = runner.invoke(app, ["cache", "prune", str(tmp_path), "--max-bytes", "1"])
+    assert result.exit_code == 0 and not list(tmp_path.rglob("*.mlxkv"))
+    lines = [line for line in result.output.splitlines() if line.startswith("removed")]
+    assert [str(paths[k]) in line for k, line in zip(((44, 6), (40, 4), (0, 40)), lines, strict=True)] == [True] * 3
+
+
+def test_old_format_files_are_named_by_verify_and_removable(tmp_path):
+    import struct
+
+    paths = tree(tmp_path)
+    path = paths[(40, 5)]
+    data = bytearray(path.read_bytes())
+    data[8:12] = struct.pack("<I", 1)
+    path.write_bytes(bytes(data))
+    result = runner.invoke(app, ["cache", "verify", str(tmp_path)])
+    assert result.exit_code == 1 and "format version 1; this mlxq reads version 2" in result.output
+    assert runner.invoke(app, ["cache", "verify", str(tmp_path), "--delete-bad"]).exit_code == 1
+    assert not path.exists() and runner.invoke(app, ["cache", "verify", str(tmp_path)]).exit_code == 0

@@ -63,3 +63,29 @@ def test_a_second_wave_of_32_agents_is_served_from_ram_with_the_same_output(tiny
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1, usage
         assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
     assert stats["entries"] >= AGENTS and stats["bytes"] <= cap < stats["entry_bytes"]
+
+
+def test_after_a_restart_the_shared_prompt_is_read_from_ssd_once(tiny_model_dirs, load_tiny, tmp_path):
+    """The SSD tier holds the tree too: the 32 agents' files restore after a restart, no file read twice."""
+    import signal
+
+    _, tokenizer = load_tiny("llama")
+    system = system_prompt(tokenizer)
+    args = ("--model", str(tiny_model_dirs["llama"]), "--batch", "16", "--log-level", "warning",
+            "--ssd-cache", str(tmp_path))
+    with ServerProcess(*args) as server:
+        first = wave(server.url, system)
+        assert httpx.post(server.url + "/admin/cache/flush", timeout=120).json()["durable"]
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+    with ServerProcess(*args) as server:
+        second = wave(server.url, system)
+        ssd = httpx.get(server.url + "/stats").json()["ssd_cache"]
+    for a, b in zip(first, second, strict=True):
+        usage = b["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1, usage
+        assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    sizes = sorted(f.stat().st_size for f in tmp_path.rglob("*.mlxkv"))
+    assert sizes[-1] > 4 * sizes[-2]  # one file holds the system prompt; the agents' own files are small
+    assert ssd["restores"] == AGENTS and ssd["read_bytes"] >= sizes[-1]
+    assert ssd["reread_bytes"] < sizes[-1], ssd  # the system prompt's file was read once

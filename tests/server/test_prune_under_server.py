@@ -15,7 +15,7 @@ from mlxq.golden.cases import LONG
 from tests.conftest import ServerProcess
 
 SERVER_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "server-config.md"
-# What docs/server-config.md says the tier writes: DIR/<fingerprint>-<kv scheme>/<namespace digest>/<random id>.mlxkv
+# What docs/server-config.md says the tier writes: DIR/<fingerprint>-<kv scheme>/<namespace digest>/<digest>.mlxkv
 DOCUMENTED_LAYOUT = re.compile(r"[0-9a-f]{16}-native/[0-9a-f]{16}/[0-9a-f]{32}\.mlxkv")
 
 
@@ -35,7 +35,7 @@ def test_flush_and_shutdown_stop_claiming_files_a_prune_removed(tiny_model_dirs,
         assert before["durable"] is True and before["entries"] == 2
         files = [path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*.mlxkv")]
         assert len(files) == 2 and all(DOCUMENTED_LAYOUT.fullmatch(f) for f in files), files
-        assert "`DIR/<fingerprint>-<kv scheme>/<namespace digest>/<random id>.mlxkv`" in \
+        assert "`DIR/<fingerprint>-<kv scheme>/<namespace digest>/<digest>.mlxkv`" in \
             " ".join(SERVER_CONFIG.read_text().split())
         pruned = CliRunner().invoke(app, ["cache", "prune", str(tmp_path), "--max-bytes", "1"])
         assert pruned.exit_code == 0 and "2 files" in pruned.output, pruned.output

@@ -92,8 +92,9 @@ def test_flipped_bytes_are_named_by_verify_and_never_served(tiny_model_dirs, tmp
         ssd = httpx.get(server.url + "/stats").json()["ssd_cache"]
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert ssd["corrupt_removed"] == 1 and ssd["restores"] == 0 and not path.exists()
-    assert cli("cache", "verify", str(tmp_path)).returncode == 0  # what remains is the new, good entry
+    assert ssd["corrupt_removed"] == 1 and ssd["restores"] == 0
+    # A span's name is its digest: the server wrote the good state again under the same name.
+    assert cli("cache", "verify", str(tmp_path)).returncode == 0
 
 
 def test_an_unwritable_cache_directory_never_stops_serving(tiny_model_dirs, tmp_path):
@@ -156,7 +157,7 @@ for i in range(1000):
         k = mx.random.normal((1, 8, 2048, 128))
         c.update_and_fetch(k, k)
         caches.append(c)
-    for _ in store.write_steps("", tuple(range(i, i + 2048)), caches, True):
+    for _ in store.write_steps("", tuple(range(i, i + 2048)), lambda start: caches, True):
         pass
     print("wrote", i, flush=True)
 """
@@ -181,8 +182,8 @@ def test_kill_9_during_writes_leaves_no_partial_entry(tmp_path):
 
     store = SsdStore(tmp_path, Identity("c" * 16, "native", ""))
     store.scan()
-    assert store.stats.reaped_tmp == 1 and store.stats.corrupt_removed == 0 and len(store.index) >= 1
-    assert all(len(e.tokens) == 2048 for e in store.index.values())
+    assert store.stats.reaped_tmp == 1 and store.stats.corrupt_removed == 0 and len(store.files) >= 1
+    assert all(len(e.tokens) == 2048 for e in store.files.values())
     verified = cli("cache", "verify", str(tmp_path))
     assert verified.returncode == 0, verified.stdout
     assert not list(Path(tmp_path).rglob("*.tmp"))

@@ -44,6 +44,14 @@ def stored_bytes(tokens: int) -> int:
     return probe.bytes
 
 
+def whole(caches: list):
+    """``SsdStore.write_steps``'s caches_from for an entry written into a store that holds none of it."""
+    def caches_from(start: int) -> list:
+        assert start == 0, "the store already held part of this entry"
+        return caches
+    return caches_from
+
+
 def files(root: Path) -> list[Path]:
     return sorted(root.rglob("*.mlxkv"))
 
@@ -73,16 +81,25 @@ def test_ssd_wins_only_with_a_strictly_longer_prefix(tmp_path):
     assert n == 8 and t2.store.stats.restores == 0
 
 
-def test_a_longer_trimmable_entry_supersedes_its_prefixes_on_disk(tmp_path):
+def spans(t: ColdTier) -> list[tuple[int, int]]:
+    """(fork point, span length) of every node file, sorted."""
+    return sorted((node.start, len(node.tokens)) for node in t.store.files.values())
+
+
+def test_an_extension_is_written_as_a_child_holding_only_its_new_tokens(tmp_path):
     t = tier(tmp_path)
     t.ram.put("", [1, 2, 3], cache_with([1, 2, 3]))
     drain(t)
     t.ram.put("", [1, 2, 3, 4, 5], cache_with([1, 2, 3, 4, 5]))
     drain(t)
-    assert len(files(tmp_path)) == 1 and t.store.longest_prefix == 5
-    t.ram.put("", [1, 2, 3, 4, 5], cache_with([1, 2, 3, 4, 5]))  # an exact duplicate replaces
+    assert spans(t) == [(0, 3), (3, 2)] and t.store.longest_prefix == 5
+    (child,) = [n for n in t.store.files.values() if n.start == 3]
+    assert child.parent.end == 3 and child.path.stem == child.digest
+    t.ram.put("", [1, 2, 3, 4, 5], cache_with([1, 2, 3, 4, 5]))  # an exact duplicate writes nothing
     drain(t)
-    assert len(files(tmp_path)) == 1
+    assert len(files(tmp_path)) == 2 and t.store.stats.writes == 2
+    caches, n = tier(tmp_path).ram.take("", [1, 2, 3, 4, 5, 6])  # restored along the chain
+    assert n == 5 and held_tokens(caches[0]) == [1, 2, 3, 4, 5]
 
 
 def test_evicted_dirty_entries_spill_and_flush_makes_them_durable(tmp_path):
@@ -147,7 +164,7 @@ def test_scan_reaps_tmp_removes_corrupt_and_ignores_foreign_fingerprints(tmp_pat
     foreign.parent.mkdir(parents=True)
     foreign.write_bytes(b"another model's entry")
     fresh = tier(tmp_path)
-    assert len(fresh.store.index) == 1 and fresh.store.stats.reaped_tmp == 1
+    assert len(fresh.store.files) == 1 and fresh.store.stats.reaped_tmp == 1
     assert fresh.store.stats.corrupt_removed == 1
     assert not orphan.exists() and not bad.exists() and good.exists() and foreign.exists()
 
@@ -237,9 +254,9 @@ def test_a_repeated_put_of_what_disk_holds_is_not_written_again(tmp_path):
         t.ram.put("", tokens[:5], cache_with(tokens[:5]))
         assert not t.has_work()
     assert t.store.stats.writes == writes and files(tmp_path) == [path] and path.stat().st_ino == inode
-    t.ram.put("", tokens + [9], cache_with(tokens + [9]))  # an extension is new: written, and supersedes
+    t.ram.put("", tokens + [9], cache_with(tokens + [9]))  # an extension is new: its one token is written
     drain(t)
-    assert t.store.stats.writes == writes + 1 and t.store.longest_prefix == 9 and len(files(tmp_path)) == 1
+    assert t.store.stats.writes == writes + 1 and t.store.longest_prefix == 9 and spans(t) == [(0, 8), (8, 1)]
 
 
 def test_a_put_during_the_write_of_the_same_key_is_not_queued_again(tmp_path):
@@ -259,10 +276,14 @@ def test_n_choices_store_their_shared_prompt_once(tmp_path):
         tail = [choice] * 6
         t.ram.put("", prompt + tail, cache_with(prompt + tail))
     drain(t)
-    assert len(files(tmp_path)) == 1 and t.counters.siblings_skipped == 3 and t.flush_result().durable
+    # The prompt is split off the first choice's file as the second choice arrives (as the RAM tree
+    # splits its node): one file holds the prompt, each choice's file only its own tail.
+    assert spans(t) == [(0, 40)] + [(40, 6)] * 4 and t.flush_result().durable
     again = tier(tmp_path)
-    _, n = again.ram.take("", prompt + [7, 7])
-    assert n == len(prompt)  # the one file serves the shared prompt
+    for choice in (2, 0):
+        _, n = again.ram.take("", prompt + [choice] * 6 + [7])
+        assert n == len(prompt) + 6
+    assert again.store.stats.read_files == 3  # the prompt's file once, then each choice's own tail
 
 
 def test_a_new_ssd_directory_is_announced_at_start(tmp_path, caplog):

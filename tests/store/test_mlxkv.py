@@ -12,6 +12,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlxq.store import mlxkv
 
 HEADER = {"fingerprint": "f" * 16, "kv_scheme": "native", "namespace": "ns", "tokens": [1, 2, 3],
+          "digest": mlxkv.prefix_digest([1, 2, 3]), "parent": "", "start": 0, "snapshot": True,
           "trimmable": False, "created": 0.0, "model": "m"}
 
 
@@ -147,6 +148,8 @@ def test_a_flipped_tensor_byte_is_named_and_never_restored(tmp_path):
     (lambda p: p.write_bytes(p.read_bytes()[:30]), "truncated"),
     (lambda p: p.write_bytes(p.read_bytes()[:20000]), "out of bounds"),
     (lambda p: p.write_bytes(p.read_bytes()[:8] + struct.pack("<I", 99) + p.read_bytes()[12:]), "version 99"),
+    (lambda p: p.write_bytes(p.read_bytes()[:8] + struct.pack("<I", 1) + p.read_bytes()[12:]),
+     "version 1; this mlxq reads version 2 .*cache verify --delete-bad"),
 ])
 def test_damaged_headers_are_refused_with_a_reason(tmp_path, damage, message):
     path = tmp_path / "e.mlxkv"
@@ -154,3 +157,24 @@ def test_damaged_headers_are_refused_with_a_reason(tmp_path, damage, message):
     damage(path)
     with pytest.raises(mlxkv.MlxkvError, match=message):
         mlxkv.read_header(path)
+
+
+def test_the_digest_names_the_prefix_however_it_is_cut_into_files(tmp_path):
+    whole = mlxkv.prefix_digest([1, 2, 3, 4, 5])
+    chained = mlxkv.extend(mlxkv.prefix_hasher([1, 2, 3]), [4, 5]).hexdigest()  # a parent's state, extended
+    assert whole == chained != mlxkv.prefix_digest([1, 2, 3, 5, 4])
+    path = tmp_path / "e.mlxkv"
+    for _ in mlxkv.write_steps(path, dict(HEADER, start=2), [mlxkv.encode_layer(kv(3))]):
+        pass
+    with pytest.raises(mlxkv.MlxkvError, match="a span starting at 2 with parent ''"):
+        mlxkv.read_header(path)
+
+
+def test_an_absent_snapshot_layer_has_no_tensors(tmp_path):
+    path = tmp_path / "e.mlxkv"
+    for _ in mlxkv.write_steps(path, dict(HEADER, snapshot=False), [mlxkv.encode_layer(kv(3)), mlxkv.ABSENT]):
+        pass
+    header = mlxkv.read_header(path)
+    assert header.snapshot is False and header.layers[1] == {"kind": "absent", "meta": {}, "tensors": []}
+    restored = mlxkv.read_caches(path, header)
+    assert restored[1] is None and restored[0].offset == 3

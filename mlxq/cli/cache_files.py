@@ -1,0 +1,136 @@
+"""The SSD tier's files read offline for `mlxq cache`: headers, the tree they form, and what is unusable.
+
+A node file is usable only through its whole chain: a file whose own header
+or tensors are bad, or whose parent is missing, bad or does not hold its fork
+point, is reported, and so is every file below it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    from mlxq.store.mlxkv import EntryHeader
+
+
+@dataclass(eq=False)
+class CacheFile:
+    path: Path
+    fingerprint: str  # the directory name: <model fingerprint>-<kv scheme>
+    bytes: int
+    mtime: float
+    header: EntryHeader | None = None  # when readable
+    problem: str | None = None  # its own (header, tensors, name), or its chain's
+    parent: CacheFile | None = None
+    children: list[CacheFile] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        n, node = 0, self.parent
+        while node is not None:
+            n, node = n + 1, node.parent
+        return n
+
+    def subtree(self) -> list[CacheFile]:
+        out, stack = [], [self]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children)
+        return out
+
+
+def scan_files(directory: Path, *, verify: bool = False) -> list[CacheFile]:
+    """Every ``.mlxkv`` (and leftover ``.tmp``) under any level of DIR/<fingerprint>-<scheme>/<namespace>/,
+    linked into trees, parents before children."""
+    if not directory.is_dir():
+        typer.echo(f"error: {directory} is not a directory", err=True)
+        raise typer.Exit(2)
+    paths = sorted(p for p in directory.rglob("*.mlxkv*") if p.name.endswith((".mlxkv", ".mlxkv.tmp")))
+    if not paths:
+        typer.echo(f"note: no .mlxkv files under {directory} (the tree is "
+                   "DIR/<fingerprint>-<kv scheme>/<namespace>/*.mlxkv)", err=True)
+    files = [_read(path, verify) for path in paths]
+    return _in_tree_order(_link(files))
+
+
+def _read(path: Path, verify: bool) -> CacheFile:
+    from mlxq.store.mlxkv import MlxkvError, read_header, verify_file
+
+    st = path.stat()
+    item = CacheFile(path, path.parent.parent.name, st.st_size, st.st_mtime)
+    if path.name.endswith(".tmp"):
+        item.problem = "unfinished write (.tmp)"
+        return item
+    try:
+        item.header = read_header(path)  # kept even when a tensor is bad: its children name it as their parent
+        if verify:
+            verify_file(path)
+        if item.header.identity.directory != item.fingerprint:
+            item.problem = f"header identity {item.header.identity.directory} is not its directory's"
+        elif item.header.digest != path.stem:  # the digest itself is checked along the chain
+            item.problem = f"named {path.stem}, but its header's digest is {item.header.digest}"
+    except (MlxkvError, OSError) as exc:
+        item.problem = str(exc)
+    return item
+
+
+def _link(files: list[CacheFile]) -> list[CacheFile]:
+    by_digest = {(f.path.parent, f.header.digest): f for f in files if f.header is not None}
+    for f in files:
+        h = f.header
+        if h is None or not h.parent:
+            continue
+        parent = by_digest.get((f.path.parent, h.parent))
+        if parent is None:
+            f.problem = f.problem or f"its parent {h.parent} is missing (unreachable)"
+            continue
+        f.parent = parent
+        parent.children.append(f)
+        if parent.header.end != h.start:
+            f.problem = f.problem or f"it starts at {h.start}, but its parent {h.parent} ends at {parent.header.end}"
+    for f in files:
+        if f.parent is None:
+            _propagate(f, None)
+    return files
+
+
+def _propagate(top: CacheFile, inherited: str | None) -> None:
+    """Check each digest against the prefix its chain spells; a bad file's descendants are unreachable:
+    each is reported, naming the file above it."""
+    from mlxq.store.mlxkv import extend, prefix_hasher
+
+    start = prefix_hasher() if top.header is not None and not top.header.parent else None
+    stack = [(top, inherited, start)]
+    while stack:
+        node, inherited, above = stack.pop()
+        hasher = None
+        if node.header is not None and above is not None:
+            hasher = extend(above.copy(), node.header.tokens)
+            if hasher.hexdigest() != node.header.digest and not node.problem:
+                node.problem = "its digest does not name the prefix its chain spells"
+        node.problem = node.problem or inherited
+        passed = inherited or (f"a file above it is bad ({node.path.name})" if node.problem else None)
+        stack.extend((child, passed, hasher) for child in node.children)
+
+
+def _in_tree_order(files: list[CacheFile]) -> list[CacheFile]:
+    out = []
+    for f in files:
+        if f.parent is None:
+            out.extend(sorted(f.subtree(), key=lambda x: _chain_key(x)))
+    return out
+
+
+def _chain_key(f: CacheFile) -> tuple:
+    """Sorts a tree depth-first: each file right after its parent, siblings by fork point."""
+    chain, node = [], f
+    while node is not None:
+        h = node.header
+        chain.append((h.start if h else 0, node.path.name))
+        node = node.parent
+    return tuple(chain[::-1])
