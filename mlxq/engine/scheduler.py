@@ -39,11 +39,11 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.faults import Evaluator, MemoryFault, is_allocation_failure, release_cached_memory
-from mlxq.engine.grammar import prepare_masks
 from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.preempt import LoadCaps, split_prefill_group
 from mlxq.engine.rows import Row, make_row, resume_row
 from mlxq.engine.shedding import MemoryShedding, resumed_size
+from mlxq.engine.step_sampling import sample_step
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
 from mlxq.engine.transient import ModelShape, joiners_transient
 from mlxq.engine.types import FinishReason, Request
@@ -591,11 +591,6 @@ class BatchScheduler(MemoryShedding):
         inputs, logprobs_now, emitted = self._pending
         with mx.stream(generation_stream):
             logits = self.model(inputs[:, None], cache=self._caches)[:, -1, :]
-            grammar_rows = [(row.grammar, i) for i, row in enumerate(self._rows) if row.grammar is not None]
-            if grammar_rows:
-                # Start the forward, then read token n and build the grammar rows' masks while it runs.
-                self.faults.run("decode", lambda: mx.async_eval(logits))
-                prepare_masks(grammar_rows, inputs, logits.shape[-1], self.grammar_timing)
             next_tokens, next_logprobs = self._sample(logits, inputs)
         built = time.perf_counter()
         self.faults.run("decode", lambda: mx.async_eval(next_tokens, next_logprobs))
@@ -633,16 +628,10 @@ class BatchScheduler(MemoryShedding):
             self.timing.interrupt()  # the batch ran dry: the next step starts after an idle gap
 
     def _sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list]:
-        if all(row.is_plain_greedy for row in self._rows):
-            # One vectorized argmax; per row the same math as the serial greedy sampler.
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return mx.argmax(logprobs, axis=-1), [None] * len(self._rows)  # no row asked for logprobs
-        tokens, logprobs = [], []
-        for i, row in enumerate(self._rows):
-            token, lp = row.sample(logits[i : i + 1], inputs[i : i + 1])
-            tokens.append(token)
-            logprobs.append(lp.squeeze(0))
-        return mx.concatenate(tokens), logprobs
+        def start(*arrays: mx.array) -> None:  # the forward (and free rows' draws) run while masks are built
+            self.faults.run("decode", lambda: mx.async_eval(*arrays))
+
+        return sample_step(self._rows, logits, inputs, start, self.grammar_timing)
 
     def _emit(self, row: Row, token: int, logprobs) -> bool:
         """Hand one token to the row's output; False when the row is done."""
