@@ -131,3 +131,28 @@ def test_ssd_restore_measurements(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_restore_stages.py"), "--buffers", "2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and len(json.loads(done.stdout)["rounds"]) == 3, done.stderr
+
+
+def output_of(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def test_profile_grammar_step():
+    """The decode step of free, grammar and mixed batches on the embedded model: grammar mixes compute masks."""
+    lines = [json.loads(line) for line in output_of("profile_grammar_step.py", "--rows", "2", "--steps", "3",
+                                                    "--token0-in-decode", "0").splitlines()]
+    assert [line["mix"] for line in lines] == ["free", "grammar", "mixed"]
+    assert all(line["rows_per_step"] == 2 and line["ms_per_step"] > 0 for line in lines)
+    assert lines[0]["mask_ms_per_step"] == 0 and lines[1]["mask_ms_per_step"] > 0
+
+
+def test_bench_structured():
+    """One short round per mix over HTTP: each mix's row is printed, with masks only where grammars run."""
+    out = output_of("bench_structured.py", "--concurrency", "2", "--rounds", "1", "--seconds", "0.5")
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "mix (c=2)" not in line}
+    assert set(rows) == {"free", "grammar", "mixed"}
+    assert rows["free"][1] == "1.00x" and int(rows["free"][6]) == 0
+    assert int(rows["grammar"][6]) > 0 and int(rows["mixed"][6]) > 0

@@ -9,11 +9,12 @@ grammar is complete only EOS is allowed, so the row ends as any row does.
 
 Pipelining: the decode loop builds step n+1 before it reads token n. The
 mask for step n+1 needs token n, so the forward is started first
-(``async_eval`` of the logits: by the batch scheduler, under its fault
-handling, or by ``processor`` in the serial lane), then ``constrain`` reads
-token n (a sync the loop does anyway) and computes the mask on the host
-while the forward runs. Rows without a grammar never wait for it: the mask
-only gates this row's draw.
+(``async_eval`` of the logits: by the batch step, engine/step_sampling.py,
+under the scheduler's fault handling, or by ``processor`` in the serial
+lane), then token n is read (a sync the loop does anyway) and the mask is
+computed on the host while the forward runs. In the batch lane every grammar
+row's mask goes into one bitmask, applied in one op (engine/grammar_batch.py);
+rows without a grammar never wait for it.
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ def llg_tokenizer(tokenizer, vocab_size: int):
         return _tokenizers[key]
 
 
-def _unpack(bitmask: np.ndarray, vocab_size: int) -> mx.array:
-    """llguidance's packed bitmask (int32 words, bit i of word w = token 32w+i) -> bool [1, V]."""
+def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """``logits`` [k, V] with the tokens ``bitmask`` forbids at -inf: one upload and one masking op for
+    all k rows. ``bitmask`` is llguidance's packed form [k, W] (int32 words, bit i of word w = token 32w+i)."""
     words = mx.array(bitmask)
     bits = (words[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
-    return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(mx.bool_)
+    allowed = bits.reshape(words.shape[0], -1)[:, : logits.shape[-1]].astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 _templates: collections.OrderedDict = collections.OrderedDict()  # (tokenizer, grammar) -> unused matcher
@@ -73,8 +76,9 @@ def _fresh_matcher(llg_tok, grammar: str):
 
 
 class GrammarState:
-    """One request's matcher. One mask per drawn token, in order: ``prepare_masks`` (a decode
-    step's grammar rows together) or ``constrain`` alone, then ``constrain`` applies it."""
+    """One request's matcher. One mask per drawn token, in order: computed by ``prepare_masks`` (a
+    decode step's grammar rows together, engine/grammar_batch.py) or by ``constrain`` alone, and
+    applied to the logits by the batch step or by ``constrain``."""
 
     def __init__(self, spec: GrammarSpec, tokenizer, timing: GrammarTiming | None = None):
         self.spec = spec
@@ -115,8 +119,12 @@ class GrammarState:
             self._prepared = _masks([self])
             if self._timing is not None:
                 self._timing.add(time.perf_counter() - started)
-        allowed, self._prepared = _unpack(self._prepared, self._vocab_size), None
-        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+        bitmask, self._prepared = self._prepared, None
+        return apply_bitmask(logits, bitmask)
+
+    def hold(self, bitmask: np.ndarray) -> None:
+        """Keep this draw's mask [1, W], computed with the step's other rows, for ``constrain``."""
+        self._prepared = bitmask
 
     def resume(self, generated: list[int]) -> None:
         """The row restarts from a prompt that ends with its ``generated`` tokens (KV recomputed after
@@ -178,10 +186,10 @@ def _masks(states: list[GrammarState]) -> np.ndarray:
 
 
 def prepare_masks(rows: list[tuple[GrammarState, int]], inputs: mx.array, vocab_size: int,
-                  timing: GrammarTiming | None) -> None:
+                  timing: GrammarTiming | None) -> np.ndarray:
     """A decode step's grammar rows (state, index into ``inputs``): read the tokens drawn last step
-    once, feed them to the matchers, and compute every mask together while the already started
-    forward runs. Each row's ``constrain`` then applies its own."""
+    once, feed them to the matchers, and compute every mask into one bitmask [len(rows), W] while the
+    already started forward runs."""
     states = [state for state, _ in rows]
     tokens = inputs.tolist() if any(s.reads_input for s in states) else []
     for state, i in rows:
@@ -191,5 +199,4 @@ def prepare_masks(rows: list[tuple[GrammarState, int]], inputs: mx.array, vocab_
     bitmask = _masks(states)
     if timing is not None:
         timing.add(time.perf_counter() - started, masks=len(states))
-    for k, state in enumerate(states):
-        state._prepared = bitmask[k : k + 1]
+    return bitmask

@@ -48,13 +48,14 @@ class Row:
         if self.processors:
             self.history = tokens if self.history is None else mx.concatenate([self.history, tokens])
 
-    def sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, mx.array]:
-        """(token [1], logprobs [1, V]) from this row's logits [1, V] after feeding ``inputs``."""
+    def sample(self, logits: mx.array, inputs: mx.array, masked: bool = False) -> tuple[mx.array, mx.array]:
+        """(token [1], logprobs [1, V]) from this row's logits [1, V] after feeding ``inputs``;
+        ``masked``: the grammar's mask is already applied (with the step's other grammar rows)."""
         if self.processors:
             self.feed_history(inputs)
             for processor in self.processors:
                 logits = processor(self.history, logits)
-        if self.grammar is not None:
+        if self.grammar is not None and not masked:
             logits = self.grammar.constrain(logits, inputs)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if self.key is None:

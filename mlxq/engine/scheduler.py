@@ -34,7 +34,6 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
-from mlxq.engine.grammar import prepare_masks
 from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.intake import Intake
 from mlxq.engine.joiners import Joiners
@@ -53,6 +52,7 @@ from mlxq.engine.step_plan import (
     plan_intake,
     plan_prefill,
 )
+from mlxq.engine.step_sampling import sample_step
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
 from mlxq.engine.transient import ModelShape
 from mlxq.engine.types import FinishReason, Request
@@ -208,11 +208,6 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
         inputs = pending.tokens
         with mx.stream(generation_stream):
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]
-            grammar_rows = [(row.grammar, i) for i, row in enumerate(batch.rows) if row.grammar is not None]
-            if grammar_rows:
-                # Start the forward, then read token n and build the grammar rows' masks while it runs.
-                self.faults.run("decode", lambda: mx.async_eval(logits))
-                prepare_masks(grammar_rows, inputs, logits.shape[-1], self.grammar_timing)
             next_tokens, next_logprobs = self._sample(logits, inputs)
         built = time.perf_counter()
         self.faults.run("decode", lambda: mx.async_eval(next_tokens, next_logprobs))
@@ -244,17 +239,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
             self.timing.interrupt()  # the batch ran dry: the next step starts after an idle gap
 
     def _sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list]:
-        rows = self.batch.rows
-        if all(row.is_plain_greedy for row in rows):
-            # One vectorized argmax; per row the same math as the serial greedy sampler.
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return mx.argmax(logprobs, axis=-1), [None] * len(rows)  # no row asked for logprobs
-        tokens, logprobs = [], []
-        for i, row in enumerate(rows):
-            token, lp = row.sample(logits[i : i + 1], inputs[i : i + 1])
-            tokens.append(token)
-            logprobs.append(lp.squeeze(0))
-        return mx.concatenate(tokens), logprobs
+        def start(*arrays: mx.array) -> None:  # the forward (and free rows' draws) run while masks are built
+            self.faults.run("decode", lambda: mx.async_eval(*arrays))
+
+        return sample_step(self.batch.rows, logits, inputs, start, self.grammar_timing)
 
     def _emit(self, row: Row, token: int, logprobs) -> bool:
         """Hand one token to the row's output; False when the row is done."""

@@ -17,7 +17,7 @@ from mlxq.engine.types import FinishReason, GrammarSpec, Request, SamplingParams
 from mlxq.golden.cases import LONG, SHORT
 from mlxq.kv.projection import measure_footprint
 from mlxq.kv.scheme import NATIVE
-from tests.engine.test_batch_parity import SEEDED, run_schedule, solo_tokens
+from tests.engine.test_batch_parity import PROCESSORS, SEEDED, run_schedule, solo_tokens
 
 SCHEMA = {
     "type": "object",
@@ -81,6 +81,28 @@ def test_grammar_rows_batch_with_free_rows_and_equal_their_serial_runs(arch, tok
         else:
             tokens, finished = solo(model, tokenizer, request)
             assert batched[request.request_id] == tokens, request.request_id  # serial lane == batch lane
+            assert finished == FinishReason.STOP
+            assert_valid(tokenizer, tokens)
+
+
+def test_grammar_rows_with_and_without_processors_share_a_step(load_tiny):
+    """The step masks its grammar rows together; a grammar row with logits processors masks after them,
+    as the serial lane does. Both equal their serial runs, and the free row beside them is unchanged."""
+    model, tokenizer = load_tiny("llama")
+    short, long = tokenizer.encode(SHORT), tokenizer.encode(LONG)
+    grammar = schema_grammar(SCHEMA)
+    arrivals = [
+        (0, Request("json-processors", short, PROCESSORS, 120, grammar=grammar)),
+        (0, Request("free-seeded", long, SEEDED, 30)),
+        (0, Request("json-a", long, SamplingParams(temperature=0.8, seed=1), 120, grammar=grammar)),
+        (1, Request("json-b", short[:9], SamplingParams(temperature=0.8, seed=2), 120, grammar=grammar)),
+    ]
+    batched, widest = run_schedule(model, tokenizer, arrivals, prompt_concurrency=4)
+    assert widest == 4
+    for _, request in arrivals:
+        tokens, finished = solo(model, tokenizer, request)
+        assert batched[request.request_id] == tokens, request.request_id
+        if request.grammar is not None:
             assert finished == FinishReason.STOP
             assert_valid(tokenizer, tokens)
 
