@@ -59,7 +59,8 @@ def time_mix(model, tokenizer, grammar: GrammarSpec, kinds: list[bool], steps: i
         scheduler.step()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     mask_steps, mask_s = getattr(timing, "steps", steps) - before[0], timing.seconds - before[1]
-    for row in list(scheduler._rows):
+    running = scheduler.batch.rows if hasattr(scheduler, "batch") else scheduler._rows  # either scheduler layout
+    for row in list(running):
         row.request.cancelled.set()
     while not scheduler.is_idle:
         scheduler.step()

@@ -27,8 +27,9 @@ from mlxq.engine.preempt import MAX_PREEMPTIONS
 from mlxq.engine.sampling import make_request_processors, make_request_sampler
 from mlxq.engine.serial_resume import DrawLedger, SerialPreempted, SerialRun
 from mlxq.engine.types import FinishReason, Request
+from mlxq.kv.capabilities import is_trimmable
 from mlxq.kv.scheme import NATIVE, KvScheme
-from mlxq.store.prompt_cache import MIN_SNAPSHOT_TOKENS, is_trimmable
+from mlxq.store.prefix import boundary_snapshot, finish_tokens, system_snapshot
 
 log = logging.getLogger("mlxq.serial")
 
@@ -153,15 +154,16 @@ def _attempt(model, run: SerialRun, evaluator: Evaluator, step: int, on_step, pr
         if 0 < done < total:
             check("prefill")
         boundary = start + done
-        if snapshot and done and total - done == 1 and boundary >= MIN_SNAPSHOT_TOKENS:
+        if done and total - done == 1 and boundary == boundary_snapshot(len(prompt), trimmable=not snapshot):
             # All but the last prompt token are in: the state the next turn starts from.
             prompt_cache.put(request.namespace, prompt[:boundary], caches)
 
     steps = _generate(model, run, check, prompt, start, caches, step, on_prefill_progress, scheme)
     _hand_out(run, steps, evaluator, on_step)
-    if prompt_cache is not None and not snapshot:
+    stored = None if prompt_cache is None else finish_tokens(request.prompt_ids + output.tokens, caches)
+    if stored is not None:
         # The caches hold every token fed so far: the sequence, then the generated ones.
-        prompt_cache.put(request.namespace, (request.prompt_ids + output.tokens)[: caches[0].offset], caches)
+        prompt_cache.put(request.namespace, stored, caches)
 
 
 def _to_snapshot(model, caches, cached: int, prompt: list[int], request: Request, prompt_cache, step: int,
@@ -171,9 +173,10 @@ def _to_snapshot(model, caches, cached: int, prompt: list[int], request: Request
     Caches that cannot be trimmed (sliding windows, recurrent state) are stored only where
     they stand: prefill up to the end of the system prompt first and snapshot it there, so
     other agents with the same system prompt start from this entry."""
-    split = request.snapshot_at
-    if (prompt_cache is None or is_trimmable(caches) or not split or not cached < split < len(prompt) - 1
-            or split < MIN_SNAPSHOT_TOKENS):
+    if prompt_cache is None:
+        return cached
+    split = system_snapshot(len(prompt), request.snapshot_at, cached, is_trimmable(caches))
+    if split is None:
         return cached
     _prefill(model, caches, prompt[cached:split], step, on_step, request, scheme, check)
     prompt_cache.put(request.namespace, prompt[:split], caches)

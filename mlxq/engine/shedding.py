@@ -3,7 +3,7 @@
 A mixin of BatchScheduler (engine/scheduler.py), kept apart because it is one
 idea: what happens to rows when memory runs short. The decisions are plain
 data in engine/preempt.py; here they are carried out on the scheduler's rows,
-caches and pending tokens. A preempted row keeps its output and PRNG key and
+caches and pending tokens (its RunningBatch). A preempted row keeps its output and PRNG key and
 waits (oldest first, ahead of new requests) until the scheduler's ``_readmit``
 resumes it as a joiner whose prompt holds its emitted tokens (rows.resume_row).
 """
@@ -15,11 +15,10 @@ import logging
 import mlx.core as mx
 
 from mlxq.engine.faults import MemoryFault, release_cached_memory
-from mlxq.engine.preempt import MAX_PREEMPTIONS, SHED_AT, plan_decode_preemption, rows_that_fit
+from mlxq.engine.preempt import MAX_PREEMPTIONS, plan_decode_preemption, rows_that_fit
 from mlxq.engine.rows import Row
 from mlxq.engine.transient import decode_step_bytes
-from mlxq.engine.types import FinishReason, Request
-from mlxq.kv.batch_ops import extract_row, keep_rows
+from mlxq.engine.types import FinishReason
 
 log = logging.getLogger("mlxq.scheduler")
 
@@ -33,16 +32,6 @@ def resumed_size(row: Row) -> tuple[int, int]:
 class MemoryShedding:
     """Rows give way when memory runs short (mixed into BatchScheduler)."""
 
-    def _fits_memory_now(self, prompt: int, max_tokens: int, request: Request) -> bool:
-        """While rows run: MLX's active memory has room for this row's whole KV and its prefill.
-
-        Checked only while busy, so a request is never refused for it: it waits."""
-        limit = self.config.memory_limit_bytes
-        if limit is None or (not self._rows and not self._joiners):
-            return True
-        need = self.footprint.row_bytes(prompt + max_tokens, prompt) + self.transient_bytes(request)
-        return mx.get_active_memory() + need <= limit * SHED_AT
-
     def _preempt_running(self, keys: list, fault: MemoryFault) -> None:
         """A decode step failed twice for memory: every running row's KV went with it.
 
@@ -50,15 +39,14 @@ class MemoryShedding:
         sampler state goes back to before the step, and the rows are requeued to be
         recomputed from their tokens; the most recently admitted wait for room.
         """
-        inputs, logprobs_now, emitted = self._pending
-        tokens = inputs.tolist()  # evaluated by the previous step
-        rows = self._rows
-        self._rows, self._caches, self._pending, self._batched = [], None, None, False
+        pending = self.batch.pending
+        tokens = pending.tokens.tolist()  # evaluated by the previous step
+        rows = self.batch.clear()
         release_cached_memory()
         requeue = []
         for i, row in enumerate(rows):
             row.key = keys[i]
-            if not emitted[i] and not self._emit(row, tokens[i], logprobs_now[i]):
+            if not pending.emitted[i] and not self._emit(row, tokens[i], pending.logprobs[i]):
                 self._on_finish(row)
                 continue
             requeue.append(row)
@@ -75,39 +63,36 @@ class MemoryShedding:
         limit = self.config.memory_limit_bytes
         if limit is None:
             return
-        lengths = [len(r.output.request.prompt_ids) + r.output.num_generated for r in self._rows]
+        lengths = [len(r.output.request.prompt_ids) + r.output.num_generated for r in self.batch.rows]
         kv_now = self.footprint.batch_bytes(lengths)
         growth = self.footprint.batch_bytes([n + 1 for n in lengths]) - kv_now + kv_now // len(self.footprint.layers)
         keep = rows_that_fit(mx.get_active_memory(), limit, len(lengths), kv_now, growth,
                              decode_step_bytes(self.config.shape, max(lengths)))
-        if keep < len(self._rows):
+        if keep < len(self.batch):
             log.warning("decode step would pass the memory limit: %d newest of %d rows preempted",
-                        len(self._rows) - keep, len(self._rows))
+                        len(self.batch) - keep, len(self.batch))
             self._drop_newest(keep)
 
     def _drop_newest(self, keep: int) -> None:
         """Requeue rows[keep:] (their KV dropped, tokens computed but not handed out emitted first)."""
-        inputs, logprobs_now, emitted = self._pending
-        tokens = inputs.tolist() if not all(emitted[keep:]) else None
+        pending = self.batch.pending
+        tokens = pending.tokens.tolist() if not all(pending.emitted[keep:]) else None
         requeue = []
-        for i in range(keep, len(self._rows)):
-            row = self._rows[i]
-            if not emitted[i] and not self._emit(row, tokens[i], logprobs_now[i]):
+        for i in range(keep, len(self.batch)):
+            row = self.batch.rows[i]
+            if not pending.emitted[i] and not self._emit(row, tokens[i], pending.logprobs[i]):
                 self._on_finish(row)
                 continue
             requeue.append(row)
-        kept = list(range(keep))
-        self._rows = self._rows[:keep]
-        self._pending = (inputs[mx.array(kept)], logprobs_now[:keep], emitted[:keep])
-        keep_rows(self._caches, kept)
-        if keep == 1:
-            self._caches, self._batched = extract_row(self._caches, 0), False
+        self.batch.keep(list(range(keep)))
         self.caps.lower_rows(keep)
         self._requeue(requeue)
 
     def _requeue(self, rows: list[Row]) -> None:
-        """Rows without KV wait ahead of new requests, in submission order, to be recomputed."""
+        """Rows without KV wait ahead of new requests, in submission order, to be recomputed;
+        they let go of their prompt-cache lease (a new one is taken when they come back)."""
         for row in rows:
+            self._let_go(row)
             rid = row.request.request_id
             times = self._times_preempted.get(rid, 0)
             if times >= MAX_PREEMPTIONS:

@@ -3,7 +3,9 @@
 mlx-lm's batched caches already implement the operations by layer kind
 (BatchKVCache: left-padded full attention; BatchRotatingKVCache: per-row
 rings, ring wrap included; ArraysCache: row-stacked recurrent state). These
-functions route each layer by its declared kind (capabilities.py) and keep
+functions route each layer by the class table (capabilities.py: quantized
+triples merge into mlxq's batch classes, the same surgery on all three
+arrays) and keep
 the invariant the scheduler relies on: after a join every row's next write
 lands in the same column (rows are right-aligned), so one advancing offset
 serves all rows, with per-row left padding masked and per-row RoPE offsets.
@@ -11,21 +13,7 @@ serves all rows, with per-row left padding masked and per-row RoPE offsets.
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, QuantizedKVCache
-
-from mlxq.kv.capabilities import CacheKind, cache_kind
-from mlxq.kv.quantized import BatchQuantizedKVCache, BatchQuantizedRotatingKVCache, QuantizedRotatingKVCache
-
-_BATCH_CLASS = {CacheKind.FULL: BatchKVCache, CacheKind.ROTATING: BatchRotatingKVCache,
-                CacheKind.RECURRENT: ArraysCache}
-
-
-def _batch_class(solo) -> type:
-    if type(solo) is QuantizedKVCache:
-        return BatchQuantizedKVCache  # quantized triples: the same surgery on all three arrays
-    if type(solo) is QuantizedRotatingKVCache:
-        return BatchQuantizedRotatingKVCache
-    return _BATCH_CLASS[cache_kind(solo)]
+from mlxq.kv.capabilities import CacheKind, batch_class, cache_kind
 
 
 def merge_solo_rows(rows: list[list]) -> list:
@@ -37,7 +25,7 @@ def merge_solo_rows(rows: list[list]) -> list:
         classes = {type(c) for c in column}
         if len(classes) > 1:
             raise TypeError(f"layer {layer}: cannot merge {sorted(c.__name__ for c in classes)}")
-        merged.append(_batch_class(column[0]).merge(column))
+        merged.append(batch_class(column[0]).merge(column))
     return merged
 
 

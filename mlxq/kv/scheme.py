@@ -30,9 +30,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-from mlxq.kv.quantized import quantize_rotating, use_contiguous_views
+from mlxq.kv.capabilities import quantized, quantized_class
+from mlxq.kv.quantized import use_contiguous_views
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 KV_CONFIG_FILE = "kv_config.json"
@@ -75,18 +74,14 @@ class KvScheme:
         bits = self.bits_for(layer)
         if bits is None:
             return cache
-        if type(cache) is KVCache:  # the class's method: the instance may carry an armed hook
-            return KVCache.to_quantized(cache, group_size=self.group_size, bits=bits)
-        if type(cache) is RotatingKVCache:
-            return quantize_rotating(cache, self.group_size, bits)
-        return cache  # already quantized, or recurrent state
+        return quantized(cache, self.group_size, bits)
 
     def convert(self, caches: list) -> None:
         """Quantize, in place, every populated cache of a layer the scheme quantizes."""
         if not self.quantized:
             return
         for i, cache in enumerate(caches):
-            if type(cache) in (KVCache, RotatingKVCache) and cache.offset > 0:
+            if quantized_class(cache) is not None and cache.offset > 0:
                 caches[i] = self._quantize(i, cache)
 
     def arm(self, caches: list) -> None:
@@ -98,7 +93,7 @@ class KvScheme:
         if not self.quantized:
             return
         for i, cache in enumerate(caches):
-            if type(cache) in (KVCache, RotatingKVCache):
+            if quantized_class(cache) is not None:
                 cache.to_quantized = lambda group_size=None, bits=None, i=i, cache=cache: self._quantize(i, cache)
 
 
@@ -128,7 +123,7 @@ def resolve_scheme(kv_quant: str, group_size: int, model_dir: Path, caches: list
     else:
         raise KvSchemeError(f"--kv-quant must be off, one of {SUPPORTED_BITS} or config; got {kv_quant!r}")
     for layer, (b, cache) in enumerate(zip(bits, caches, strict=True)):
-        if type(cache) not in (KVCache, RotatingKVCache):
+        if quantized_class(cache) is None:
             bits[layer] = None  # recurrent state (or another kind): no KV to quantize
             continue
         if b is None:

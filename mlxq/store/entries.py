@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
-
-from mlxq.kv.quantized import QuantizedRotatingKVCache
+from mlxq.kv.capabilities import is_spans, ops_of
 from mlxq.store import kv_spans
 from mlxq.store.prefix_tree import Node
 
@@ -64,18 +62,14 @@ def assemble(layout: tuple, nodes: list[Node], snapshot: list | None, n: int) ->
 
 def holds(cache, n: int) -> bool:
     """Does ``cache`` hold state for exactly (untrimmable) or at least (KVCache) n tokens?"""
-    if type(cache) in (KVCache, QuantizedKVCache):
-        return cache.offset >= n
-    if type(cache) in (RotatingKVCache, QuantizedRotatingKVCache):
-        return cache.offset == n
-    return isinstance(cache, ArraysCache)
+    return ops_of(cache).holds(getattr(cache, "offset", 0), n)
 
 
 def prefix_bytes(caches: list, n: int) -> int:
     """Bytes of an entry of ``n`` tokens: full-attention layers scale with n, snapshots are whole."""
     total = 0
     for c in caches:
-        if type(c) in kv_spans.SPAN_CLASSES:
+        if is_spans(c):
             total += sum(a.nbytes // a.shape[-2] * n for a in kv_spans.arrays((c.keys, c.values)))
         else:
             total += kv_spans.nbytes(kv_spans.snapshot_arrays(c))

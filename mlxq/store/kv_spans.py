@@ -20,9 +20,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from mlxq.kv.capabilities import is_spans
 from mlxq.kv.quantized import QuantizedRotatingKVCache
-
-SPAN_CLASSES = (KVCache, QuantizedKVCache)
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ def layout_of(caches: list) -> tuple[LayerLayout, ...]:
     out = []
     for c in caches:
         quantized = type(c) is QuantizedKVCache
-        out.append(LayerLayout(type(c) in SPAN_CLASSES, type(c),
+        out.append(LayerLayout(is_spans(c), type(c),
                                c.group_size if quantized else 0, c.bits if quantized else 0))
     return tuple(out)
 
@@ -127,6 +126,6 @@ def snapshot_nbytes(snapshot: list) -> int:
 
 def lend(cache, n: int):
     """A borrower's view of any cacheable layer's first ``n`` tokens (full attention) or whole state."""
-    if type(cache) in SPAN_CLASSES:
+    if is_spans(cache):
         return assemble_layer(layout_of([cache])[0], [(cache.keys, cache.values)], n)
     return lend_snapshot(cache)

@@ -33,14 +33,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxq.kv.quantized import QuantizedRotatingKVCache
+from mlxq.kv.capabilities import can_cache, is_trimmable
 from mlxq.store import kv_spans
 from mlxq.store.entries import CacheEntry, TreeEntry, assemble, holds, prefix_bytes
+from mlxq.store.lease import Lease
+from mlxq.store.prefix import MIN_SNAPSHOT_TOKENS
 from mlxq.store.prefix_tree import Node, add_child, detach, match, split
 
-__all__ = ["CacheEntry", "Key", "PromptCache", "TreeEntry", "can_cache", "is_trimmable"]
+__all__ = ["CacheEntry", "Key", "Lease", "PromptCache", "MIN_SNAPSHOT_TOKENS", "TreeEntry", "can_cache",
+           "is_trimmable"]
 
 
 @dataclass
@@ -62,19 +64,6 @@ class _Tree:
         return all(layer.spans for layer in self.layout)
 
 
-# Snapshot a prompt boundary only when the prefix is worth a lookup.
-MIN_SNAPSHOT_TOKENS = 32
-
-
-def is_trimmable(caches: list) -> bool:
-    """Full-attention only: store at finish (any shorter prefix is servable). Else: snapshots."""
-    return all(type(c) in (KVCache, QuantizedKVCache) for c in caches)
-
-
-def can_cache(caches: list) -> bool:
-    """Cache classes the prompt cache knows how to store and lend."""
-    return all(type(c) in (KVCache, QuantizedKVCache, ArraysCache)
-               or (type(c) in (RotatingKVCache, QuantizedRotatingKVCache) and not c.keep) for c in caches)
 
 
 Key = tuple[str, tuple[int, ...]]  # (namespace, exact tokens)
@@ -121,22 +110,41 @@ class PromptCache:
         """(caches the caller owns, cached token count) for the longest usable prefix, or (None, 0).
 
         ``cold=False`` looks in RAM only (the batch lane restores from disk step by step,
-        then calls ``adopt_restored``)."""
+        then calls ``lease_restored``)."""
+        caches, n, _ = self._take(namespace, prompt, cold)
+        return caches, n
+
+    def lease(self, namespace: str, prompt: list[int], cold: bool = True) -> Lease:
+        """``take``, with the node chain the prefix came from pinned until ``Lease.release``."""
+        caches, n, node = self._take(namespace, prompt, cold)
+        if node is not None:
+            node.pins += 1
+        elif n:  # read back from disk into the tree: pinned if it fit
+            node = self.pin(namespace, prompt[:n])
+        return Lease(n, caches, node, self.unpin)
+
+    def lease_restored(self, namespace: str, entry: CacheEntry, n: int, previous: int) -> Lease:
+        """``adopt_restored``, with the stored prefix pinned (when it fit the tier)."""
+        caches = self.adopt_restored(namespace, entry, n, previous)
+        return Lease(n, caches, self.pin(namespace, list(entry.tokens[:n])), self.unpin)
+
+    def _take(self, namespace: str, prompt: list[int], cold: bool) -> tuple[list | None, int, Node | None]:
+        """(caches, cached tokens, the node the prefix ends at or inside of; None when it came from disk)."""
         self.stats.queries += 1
         nodes, holder, n = self._lookup(namespace, prompt)
         if self.cold is not None and cold:
             restored = self.cold.restore(namespace, prompt, better_than=n)
             if restored is not None:
                 entry, m = restored
-                return self.adopt_restored(namespace, entry, m, previous=0), m
+                return self.adopt_restored(namespace, entry, m, previous=0), m, None
         if not n:
-            return None, 0
+            return None, 0, None
         for node in nodes:
             node.touch()
         self.stats.hits += 1
         self.stats.hit_tokens += n
         tree = self._trees[namespace]
-        return assemble(tree.layout, nodes, holder.snapshot if holder else None, n), n
+        return assemble(tree.layout, nodes, holder.snapshot if holder else None, n), n, holder or nodes[-1]
 
     def adopt_restored(self, namespace: str, entry: CacheEntry, n: int, previous: int) -> list:
         """Hold an entry read from disk (already durable; kept only if it fits the tier) and lend its

@@ -46,7 +46,7 @@ def main(model_dirs: list[str]) -> None:
         original = sched.BatchScheduler._sample
 
         def spy(self, logits, inputs, original=original, recorded=recorded):
-            for i, row in enumerate(self._rows):
+            for i, row in enumerate(self.batch.rows):
                 recorded.setdefault(row.request.request_id, []).append(logits[i])
             return original(self, logits, inputs)
 

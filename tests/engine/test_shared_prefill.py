@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 from mlxq.engine.serial import run_serial
 from mlxq.engine.types import Request, SamplingParams
@@ -65,3 +66,65 @@ def test_no_waiting_without_a_long_enough_shared_prefix(load_tiny):
     for i, text in enumerate(["A short prompt about cats.", "A short prompt about dogs."]):
         scheduler.add(Request(f"r{i}", tokenizer.encode(text), SamplingParams(), 4), lambda e: None)
     assert scheduler.shared_prefills == 0
+
+
+def test_rows_pin_the_prefix_they_run_on_until_they_finish_or_are_cancelled(load_tiny):
+    model, tokenizer = load_tiny("llama")
+    reqs = requests(tokenizer, snapshot=False)
+    cache = PromptCache(1 << 30)
+    finished = {}
+    scheduler = BatchScheduler(model, tokenizer, measure_footprint(model), SchedulerConfig(8, 4, 2048, None),
+                               prompt_cache=cache,
+                               on_finish=lambda row: finished.__setitem__(row.request.request_id, row.output))
+    scheduler.add(reqs[0], lambda e: None)
+    while not scheduler.is_idle:
+        scheduler.step()
+    assert not scheduler._leases  # a request that took nothing holds nothing
+    long_run = Request("long", reqs[1].prompt_ids, SamplingParams(), 40, ignore_eos=True)
+    scheduler.add(long_run, lambda e: None)
+    scheduler.add(reqs[2], lambda e: None)
+    leases = dict(scheduler._leases)
+    assert set(leases) == {"long", reqs[2].request_id}
+    pinned = [lease.chain()[-1] for lease in leases.values()]
+    assert all(node.pins >= 1 for node in pinned)
+    scheduler.step()
+    assert scheduler.num_rows == 2
+    long_run.cancelled.set()
+    while not scheduler.is_idle:
+        scheduler.step()
+    assert finished["long"].cached_tokens >= 64 and finished[reqs[2].request_id].cached_tokens >= 64
+    assert not scheduler._leases and all(not lease.held for lease in leases.values())
+    assert all(node.pins == 0 for node in pinned)
+
+
+def test_preempted_rows_let_go_of_their_prefix_and_lease_it_again(load_tiny):
+    model, tokenizer = load_tiny("llama")
+    reqs = requests(tokenizer, snapshot=False)
+
+    def run(plan: dict) -> tuple[dict, BatchScheduler, list]:
+        cache = PromptCache(1 << 30)
+        finished = {}
+        scheduler = BatchScheduler(model, tokenizer, measure_footprint(model), SchedulerConfig(8, 4, 2048, None),
+                                   prompt_cache=cache, evaluator=Evaluator(FaultInjector()),
+                                   on_finish=lambda row: finished.__setitem__(row.request.request_id,
+                                                                              row.output.tokens))
+        scheduler.add(reqs[0], lambda e: None)  # stores the shared prefix
+        while not scheduler.is_idle:
+            scheduler.step()
+        scheduler.faults.injector.plan = plan  # counted from here: the agents' decode steps
+        for r in reqs[1:]:
+            scheduler.add(Request(r.request_id, r.prompt_ids, r.params, 24, ignore_eos=True), lambda e: None)
+        pinned = [lease.chain()[-1] for lease in scheduler._leases.values()]
+        held_while_preempted = []
+        while not scheduler.is_idle:
+            scheduler.step()
+            if scheduler.num_preempted:
+                held_while_preempted.append(sorted(scheduler._leases))
+        assert not scheduler._leases and all(node.pins == 0 for node in pinned)
+        return finished, scheduler, held_while_preempted
+
+    undisturbed, _, _ = run({})
+    disturbed, scheduler, held = run({"decode": frozenset({4, 5})})  # a step and its retry fail: all requeued
+    assert scheduler.faults.counters.preemptions >= 2
+    assert held and all(ids != sorted(r.request_id for r in reqs[1:]) for ids in held)  # requeued rows hold none
+    assert disturbed == undisturbed

@@ -54,7 +54,7 @@ def test_rows_keep_decoding_while_a_joiner_restores(load_tiny, tmp_path):
     while len(emitted) < 3:
         scheduler.step()
     scheduler.add(Request("b", follow_up, greedy, 10), lambda e: None)
-    joiner = scheduler._joiners[-1]
+    joiner = scheduler.joiners[-1]
     assert joiner.restore is not None
     restoring_steps = 0
     while joiner.restore is not None:

@@ -4,10 +4,27 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
 
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
-from mlxq.kv.capabilities import CacheKind, UnknownCacheKind, cache_kind
+from mlxq.kv.capabilities import (
+    CacheKind,
+    Stored,
+    UnknownCacheKind,
+    batch_class,
+    cache_kind,
+    can_cache,
+    is_trimmable,
+    quantized_class,
+    stored_as,
+)
 from mlxq.kv.projection import GROWTH_STEP, KvFootprint, LayerFootprint
 from mlxq.kv.quantized import QuantizedRotatingKVCache
 
@@ -128,3 +145,33 @@ def test_rings_wrap_inside_the_batch_and_extract_exactly(kind):
             solo.update_and_fetch(k[row : row + 1], k[row : row + 1] * 2)
     for row, solo in enumerate(solos):
         assert mx.array_equal(temporal(extract_row(batch, row)[0]), temporal(solo)), row
+
+
+def test_one_table_answers_every_rule_and_unknown_classes_fail_closed():
+    assert stored_as(KVCache()) is Stored.SPANS and stored_as(QuantizedKVCache()) is Stored.SPANS
+    assert stored_as(RotatingKVCache(max_size=16)) is Stored.SNAPSHOT and stored_as(ArraysCache(2)) is Stored.SNAPSHOT
+    assert is_trimmable([KVCache(), QuantizedKVCache()]) and not is_trimmable([KVCache(), ArraysCache(2)])
+    assert batch_class(KVCache()) is BatchKVCache and batch_class(ArraysCache(2)) is ArraysCache
+    assert quantized_class(KVCache()) is QuantizedKVCache and quantized_class(ArraysCache(2)) is None
+    # A class the table does not list, or a ring with attention sinks: never stored, never batched.
+    assert not can_cache([KVCache(), ChunkedKVCache(chunk_size=8)])
+    assert not can_cache([RotatingKVCache(max_size=16, keep=4)])
+    with pytest.raises(UnknownCacheKind):
+        batch_class(ChunkedKVCache(chunk_size=8))
+    with pytest.raises(UnknownCacheKind):
+        batch_class(BatchKVCache([0]))  # already batched
+
+
+def test_the_tables_mlxkv_tags_are_what_the_file_format_writes():
+    from mlxq.kv.capabilities import ops_of
+    from mlxq.kv.quantized import quantize_rotating
+    from mlxq.store.layer_codec import encode_layer
+
+    kv = mx.random.normal((1, 2, 8, 32))
+    full, ring, state = KVCache(), RotatingKVCache(max_size=16), ArraysCache(2)
+    full.update_and_fetch(kv, kv)
+    ring.update_and_fetch(kv, kv)
+    state[0] = kv
+    caches = [full, ring, state, full.to_quantized(group_size=32, bits=8), quantize_rotating(ring, 32, 8)]
+    for cache in caches:
+        assert encode_layer(cache)[0] == ops_of(cache).mlxkv_tag, type(cache).__name__

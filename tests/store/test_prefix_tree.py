@@ -7,8 +7,9 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxq.kv.capabilities import is_spans
 from mlxq.kv.projection import measure_footprint
-from mlxq.store.kv_spans import SPAN_CLASSES
+from mlxq.kv.sharing_plan import prefix_from_spans
 from mlxq.store.prompt_cache import PromptCache, is_trimmable
 
 PREFIX = [(7 * i) % 200 + 3 for i in range(120)]  # a shared "system prompt"
@@ -29,7 +30,7 @@ def state_arrays(caches: list) -> list:
     """Every layer's state, full-attention layers cut to their offset: what attention reads."""
     out = []
     for c in caches:
-        if type(c) in SPAN_CLASSES:
+        if is_spans(c):
             out += [a[..., : c.offset, :] for _, a in tree_flatten((c.keys, c.values))]
         else:
             out += [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
@@ -163,3 +164,34 @@ def test_an_evicted_entry_spills_whole_from_its_detached_nodes_and_restores_exac
     ColdTier(store, again)
     caches, n = again.take("", PREFIX + tail(0) + [1])
     assert n == len(PREFIX) + 12 and same_state(caches, rows[0])
+
+
+def test_a_lease_pins_the_chain_it_was_served_from_until_released(load_tiny):
+    model, _ = load_tiny("llama")
+    per_token = per_token_bytes(model)
+    pc = PromptCache(per_token * (len(PREFIX) + 2 * 12))  # the prefix and two tails
+    pc.put("", PREFIX + tail(0), prefilled(model, PREFIX + tail(0)))
+    lease = pc.lease("", PREFIX + tail(0)[:7] + [1])  # ends inside agent 0's tail node
+    assert lease.cached == len(PREFIX) + 7 and lease.held
+    assert same_state(lease.caches, prefilled(model, PREFIX + tail(0)[:7]))
+    chain = lease.chain()
+    assert [n.end for n in chain] == [len(PREFIX) + 12] and chain[-1].pins == 1
+    # What a kind referencing the shared prefix reads: the chain's spans, cut to ``cached``.
+    keys = mx.concatenate([n.spans[0][0] for n in chain], axis=-2)[..., : lease.cached, :]
+    assert mx.array_equal(keys, lease.caches[0].keys[..., : lease.cached, :]).item()
+    prefix = prefix_from_spans(lease.layer_spans())  # a group's shared prefix, as the batch kind builds it
+    assert all(mx.array_equal(k, c.keys[..., : lease.cached, :]).item() and
+               mx.array_equal(v, c.values[..., : lease.cached, :]).item()
+               for (k, v), c in zip(prefix, lease.caches, strict=True))
+    for agent in range(1, 5):
+        pc.put("", PREFIX + tail(agent), prefilled(model, PREFIX + tail(agent)))
+    assert pc.take("", PREFIX + tail(0) + [1])[1] == len(PREFIX) + 12  # leased: never evicted
+    assert chain[-1].pins == 1  # ``take`` alone pins nothing
+    lease.release()
+    lease.release()  # a second release does nothing
+    assert chain[-1].pins == 0
+    assert pc.take("", PREFIX + tail(4) + [1])[1] == len(PREFIX) + 12  # agent 4 is now used more recently
+    pc.put("", PREFIX + tail(5), prefilled(model, PREFIX + tail(5)))
+    assert pc.take("", PREFIX + tail(0) + [1])[1] == len(PREFIX)  # released: it ages out like the rest
+    miss = pc.lease("", [9, 9, 9])
+    assert miss.cached == 0 and miss.caches is None and not miss.held

@@ -1,0 +1,112 @@
+"""Joiners: rows prefilling their prompt on their own (solo) caches before they join the batch.
+
+A joiner starts from the longest prefix the prompt cache lends it (and holds
+that lease until the row finishes), may read a longer prefix from the SSD
+tier a tensor per step, or wait for another joiner that is prefilling the
+same long prefix (its *leader*). The planner (engine/step_plan.py) sees each
+one through a ``JoinerView``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from mlxq.engine.rows import Row
+from mlxq.engine.step_plan import Extent, JoinerView, PrefixView
+from mlxq.kv.capabilities import is_trimmable
+
+if TYPE_CHECKING:
+    from mlxq.store.cold_tier import PendingRestore
+
+
+@dataclass(eq=False)
+class Joiner:
+    row: Row
+    caches: list
+    done: int = 0  # prompt tokens already prefilled
+    leader: Joiner | None = None  # prefilling the prefix this joiner shares: wait for it, then take
+    wait_until: int = 0  # the leader's ``done`` at which the shared prefix is in the prompt cache
+    followers: int = 0  # joiners waiting on this one
+    restore: PendingRestore | None = None  # reading a longer prefix from disk
+    resumed: bool = False  # a preempted row recomputing its KV: its usage keeps its first cached count
+
+    def start_from(self, caches: list, cached: int) -> None:
+        """Continue from a cached prefix of ``cached`` tokens. Only before the joiner advanced:
+        its own caches are then untouched and can simply be replaced."""
+        prompt = self.row.request.prompt_ids
+        if cached > self.done:
+            self.row.feed_history(mx.array(prompt[self.done : cached]))  # processors see the whole prompt
+        self.caches, self.done = caches, cached
+        if not self.resumed:
+            self.row.output.cached_tokens = cached
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.row.request.prompt_ids
+
+    @property
+    def is_prefilled(self) -> bool:
+        """All but the last prompt token are in the caches: ready for token 0."""
+        return self.done >= len(self.prompt) - 1
+
+    @property
+    def is_ready(self) -> bool:
+        """Prefilled, and neither waiting for a leader nor reading from disk: it joins this step."""
+        return self.is_prefilled and self.leader is None and self.restore is None
+
+    def extent(self) -> Extent:
+        return Extent(len(self.prompt), self.row.request.max_tokens)
+
+    def prefix_view(self) -> PrefixView:
+        request = self.row.request
+        return PrefixView(request.namespace, self.prompt, self.done, is_trimmable(self.caches), request.snapshot_at,
+                          can_lead=self.leader is None and self.restore is None)
+
+
+class Joiners:
+    """The joiners in arrival order (FIFO): the order they advance, lead and join in."""
+
+    def __init__(self):
+        self._items: list[Joiner] = []
+
+    def __iter__(self) -> Iterator[Joiner]:
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: int) -> Joiner:
+        return self._items[index]
+
+    def __contains__(self, joiner: Joiner) -> bool:
+        return joiner in self._items
+
+    def add(self, joiner: Joiner) -> None:
+        self._items.append(joiner)
+
+    def remove(self, joiner: Joiner) -> None:
+        if joiner in self._items:
+            self._items.remove(joiner)
+
+    def clear(self) -> list[Joiner]:
+        items, self._items = self._items, []
+        return items
+
+    def take_ready(self) -> list[Joiner]:
+        """Remove and return the joiners that join this step, in order."""
+        ready = [j for j in self._items if j.is_ready]
+        self._items = [j for j in self._items if not j.is_ready]
+        return ready
+
+    def views(self, chunk_len) -> list[JoinerView]:
+        """What the planner sees; ``chunk_len(joiner)``: its next chunk's tokens."""
+        index = {id(j): i for i, j in enumerate(self._items)}
+        return [JoinerView(j.extent(), j.done, 0 if j.is_prefilled else chunk_len(j),
+                           cancelled=j.row.request.cancelled.is_set(), restoring=j.restore is not None,
+                           leader=None if j.leader is None else index.get(id(j.leader)),
+                           following=j.leader is not None, wait_until=j.wait_until)
+                for j in self._items]

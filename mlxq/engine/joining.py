@@ -1,0 +1,135 @@
+"""Prefilled joiners become running rows: token 0, then the join into the running batch.
+
+A mixin of BatchScheduler (engine/scheduler.py). On a GPU a joiner joins
+with its last prompt token as pending input, so the batch's next decode step
+computes its token 0 together with every running row's next token (one
+forward and one host sync per burst of arrivals; a separate token-0 forward
+would stream all the weights again). On the compute-bound CPU a forward of
+the joiners alone is cheaper than a batch step, so token 0 comes from that
+forward before they join (``SchedulerConfig.token0_in_decode``). One-token
+prompts have empty caches, which do not merge: they always take that path.
+Either way the row's math is the serial lane's: the last prompt token fed on
+caches holding the rest of the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from mlxq.engine.faults import MemoryFault, is_allocation_failure, release_cached_memory
+from mlxq.engine.joiners import Joiner
+from mlxq.engine.rows import Row
+from mlxq.engine.running_batch import Pending
+from mlxq.engine.types import FinishReason
+from mlxq.kv.batch_ops import extract_row, keep_rows, merge_solo_rows
+from mlxq.store.prefix import finish_tokens
+
+log = logging.getLogger("mlxq.scheduler")
+
+
+def _gathered(joiners: list[Joiner]) -> tuple[list, bool]:
+    """(caches, batched): a lone joiner's own caches (the serial lane's graph), or all merged."""
+    if len(joiners) == 1:
+        return joiners[0].caches, False
+    return merge_solo_rows([j.caches for j in joiners]), True
+
+
+class Joining:
+    """Token 0 and the join (mixed into BatchScheduler)."""
+
+    def _start_decoding(self, ready: list[Joiner]) -> None:
+        """Prefilled joiners join the batch, their token 0 from its next decode step or from their own forward."""
+        if not self.config.token0_in_decode:
+            self._first_tokens(ready)
+            return
+        empty = [j for j in ready if j.done == 0]
+        if empty:
+            self._first_tokens(empty)
+        joining = [j for j in ready if j.done > 0]
+        if not joining:
+            return
+        try:
+            caches, batched = _gathered(joining)
+        except Exception as exc:
+            self._fail_joiners(joining, "join", exc)
+            return
+        lasts = mx.array([j.prompt[-1] for j in joining], dtype=mx.uint32)
+        self.batch.join([j.row for j in joining], caches, batched,
+                        Pending(lasts, [None] * len(joining), [True] * len(joining)))
+
+    def _first_tokens(self, ready: list[Joiner]) -> None:
+        """Token 0 of ready joiners from one forward of their last prompt tokens, then join.
+
+        One joiner runs on its own caches (the serial lane's graph); several are merged
+        first, so a burst of arrivals costs one forward, not one each. Token 0 is emitted
+        before the rows join; a row that ends there never joins.
+        """
+        if self.scheme.quantized and len(ready) > 1 and any(j.done == 0 for j in ready):
+            # One-token prompts reach token 0 with empty caches, which the serial lane quantizes
+            # only after this forward: run each of those alone, in the same order.
+            for joiner in ready:
+                self._first_tokens([joiner])
+            return
+        keys = [j.row.key for j in ready]
+        try:
+            caches, batched = _gathered(ready)
+            lasts = mx.array([j.prompt[-1] for j in ready])
+            with mx.stream(generation_stream):
+                logits = self.model(lasts[:, None], cache=caches)[:, -1, :]
+                if not batched:
+                    self.scheme.convert(caches)  # a one-token prompt: converted after this forward
+                drawn = [j.row.sample(logits[i : i + 1], lasts[i : i + 1]) for i, j in enumerate(ready)]
+                tokens = mx.concatenate([token for token, _ in drawn])
+                logprobs = [lp.squeeze(0) for _, lp in drawn]
+                self.faults.run("token0", lambda: mx.eval(tokens, logprobs))
+        except MemoryFault:
+            for joiner, key in zip(ready, keys, strict=True):
+                joiner.row.key = key  # nothing was emitted: they draw again from the same state
+            self._requeue([j.row for j in ready])
+            return
+        except Exception as exc:
+            self._fail_joiners(ready, "first token", exc)
+            return
+        alive = []
+        for i, (joiner, token) in enumerate(zip(ready, tokens.tolist(), strict=True)):
+            if self._emit(joiner.row, token, logprobs[i]):
+                alive.append(i)
+            else:
+                if not batched:
+                    self._put(joiner.row, caches)
+                self._on_finish(joiner.row)  # ended at token 0: never joins the batch
+        if not alive:
+            return
+        if batched and len(alive) < len(ready):
+            keep_rows(caches, alive)
+        if batched and len(alive) == 1 and not self.batch:
+            caches, batched = extract_row(caches, 0), False
+        self.batch.join([ready[i].row for i in alive], caches, batched,
+                        Pending(tokens[mx.array(alive)], [logprobs[i] for i in alive], [True] * len(alive)))
+
+    def _put(self, row: Row, caches: list) -> None:
+        """Store a finished row's prefix as the prefix policy says (store/prefix.py)."""
+        if self.prompt_cache is None:
+            return
+        first = row.output.request  # the request as submitted (a resumed row's prompt holds its tokens)
+        tokens = finish_tokens(first.prompt_ids + row.output.tokens, caches)
+        if tokens is None:
+            return
+        try:
+            self.prompt_cache.put(first.namespace, tokens, caches)
+        except Exception as exc:  # storing is an optimization: short of memory, skip it
+            if not is_allocation_failure(exc):
+                raise
+            log.warning("prompt cache put skipped: %s", exc)
+            release_cached_memory()
+
+    def _fail_joiners(self, joiners: list[Joiner], phase: str, exc: Exception) -> None:
+        log.error("%s failed for %d joiner(s)", phase, len(joiners), exc_info=True)
+        for joiner in joiners:
+            self.joiners.remove(joiner)
+            joiner.row.output.finish(FinishReason.ERROR, error=f"{phase} failed: {type(exc).__name__}: {exc}")
+            self._on_finish(joiner.row)
+        release_cached_memory()

@@ -1,0 +1,163 @@
+"""The batch lane's prefill phase: joiners advance one chunk each, as the step plan says.
+
+A mixin of BatchScheduler (engine/scheduler.py): ``_prefill`` carries out a
+``PrefillPlan`` (engine/step_plan.py). A joiner prefills prompt[:-1] on its
+own solo caches in the serial lane's chunks (``--prefill-step-size``, cut
+where the prefix policy snapshots: store/prefix.py); when several advance in
+one step their chunks run as one forward (merged caches, right-padded
+chunks, mlx-lm's ``prepare``/``finalize``), then each row is extracted again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from mlxq.engine.faults import MemoryFault
+from mlxq.engine.joiners import Joiner
+from mlxq.engine.preempt import split_prefill_group
+from mlxq.engine.step_plan import PrefillPlan
+from mlxq.kv.batch_ops import extract_row, merge_solo_rows
+from mlxq.kv.capabilities import is_trimmable
+from mlxq.store.prefix import boundary_snapshot, system_snapshot
+
+log = logging.getLogger("mlxq.scheduler")
+
+
+class Prefilling:
+    """Joiners' chunks (mixed into BatchScheduler)."""
+
+    def _prefill(self, plan: PrefillPlan) -> None:
+        restoring = [self.joiners[i] for i in plan.restore]
+        group = [(self.joiners[i], n) for i, n in zip(plan.advance, plan.chunks, strict=True)]
+        for joiner in restoring:
+            self._restore_step(joiner)
+        if not group:
+            return
+        start = time.perf_counter()
+        alone = self._advance_together_or_fewer(group) if plan.together else group
+        if alone:
+            group = alone  # after a failed batched forward only these advance, one by one
+        for joiner, n in alone:
+            try:
+                self._advance(joiner, n)
+            except MemoryFault:
+                self.caps.lower_rows(len(self.batch) + len(self.joiners) - 1)  # admit no more until it drains
+                self.joiners.remove(joiner)  # its caches took part of the failed forward: start over
+                self._requeue([joiner.row])
+            except Exception as exc:
+                self._fail_joiners([joiner], "prefill", exc)
+        self.phases.add_prefill(time.perf_counter() - start)
+        for joiner, _ in group:
+            if joiner in self.joiners and joiner.is_prefilled:
+                self._snapshot(joiner)
+
+    def _advance_together_or_fewer(self, group: list[tuple[Joiner, int]]) -> list[tuple[Joiner, int]]:
+        """One forward for the group; returns the joiners still to advance one by one (none on success)."""
+        try:
+            self._advance_together(group)
+            return []
+        except MemoryFault:
+            # Their own caches are untouched (the batch was a merged copy): the newest sit out.
+            keep, _ = split_prefill_group(len(group))
+            log.warning("batched prefill of %d joiners out of memory; %d go on, one by one", len(group), keep)
+            self.caps.lower_group(keep)
+            self.caps.lower_rows(len(self.batch) + len(self.joiners))  # admit no more until it drains
+            return group[:keep]
+        except Exception:
+            # Find the joiner at fault: each one alone (their caches are untouched until success).
+            log.warning("batched prefill of %d joiners failed; retrying one by one", len(group), exc_info=True)
+            return group
+
+    def _restore_step(self, joiner: Joiner) -> None:
+        """Read one more tensor of the joiner's prefix from disk; once all are in, start from there."""
+        try:
+            done = self.prompt_cache.cold.advance_restore(joiner.restore)
+        except Exception:  # a restore never fails the request: it prefills instead
+            log.exception("SSD restore failed; prefilling instead")
+            joiner.restore = None
+            return
+        if not done:
+            return
+        pending, joiner.restore = joiner.restore, None
+        if pending.entry is None:
+            return  # the file was bad (and is gone): prefill from what RAM gave
+        lease = self.prompt_cache.lease_restored(joiner.row.request.namespace, pending.entry, pending.n, joiner.done)
+        self._hold(joiner.row, lease)
+        joiner.start_from(lease.caches, pending.n)  # it never advanced while it restored
+
+    def _chunk_len(self, joiner: Joiner) -> int:
+        """The next chunk: the serial lane's boundaries (mlx-lm generate_step), cut at a snapshot point."""
+        n = min(self.config.prefill_step_size, len(joiner.prompt) - 1 - joiner.done)
+        split = self._split_at(joiner)
+        return n if split is None else min(n, split - joiner.done)
+
+    def _split_at(self, joiner: Joiner) -> int | None:
+        """Where to stop a chunk for a system-prompt snapshot (the serial lane stops at the same place)."""
+        if self.prompt_cache is None:
+            return None
+        return system_snapshot(len(joiner.prompt), joiner.row.request.snapshot_at, joiner.done,
+                               is_trimmable(joiner.caches))
+
+    def _advance(self, joiner: Joiner, n: int) -> None:
+        """One chunk of prompt[:-1] (``n`` tokens) on the joiner's own caches."""
+        with mx.stream(generation_stream):
+            chunk = mx.array(joiner.prompt[joiner.done : joiner.done + n])
+            self.model(chunk[None], cache=joiner.caches)
+            self.scheme.convert(joiner.caches)  # the serial lane's (mlx-lm's) conversion point
+            self.faults.run("prefill", lambda: mx.eval([c.state for c in joiner.caches]))
+        self._advanced(joiner, n)
+
+    def _advance_together(self, planned: list[tuple[Joiner, int]]) -> None:
+        """One planned chunk for each joiner from one forward, then back to solo caches.
+
+        Rows are merged (history right-aligned), the chunks right-padded and the
+        caches told the real lengths (``prepare``/``finalize``, so padding never
+        displaces a ring's tokens or a recurrent state), then each row is extracted.
+        """
+        group, lengths = [j for j, _ in planned], [n for _, n in planned]
+        longest = max(lengths)
+        chunks = [j.prompt[j.done : j.done + n] for j, n in zip(group, lengths, strict=True)]
+        with mx.stream(generation_stream):
+            caches = merge_solo_rows([j.caches for j in group])
+            padding = [longest - n for n in lengths]
+            if any(padding):
+                for cache in caches:
+                    cache.prepare(lengths=lengths, right_padding=padding)
+            tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
+            self.model(tokens, cache=caches)
+            if any(padding):
+                for cache in caches:
+                    cache.finalize()
+            self.faults.run("prefill", lambda: mx.eval([c.state for c in caches]))
+            rows = [extract_row(caches, i) for i in range(len(group))]
+        for joiner, row_caches, n in zip(group, rows, lengths, strict=True):  # only once everything succeeded
+            joiner.caches = row_caches
+            self._advanced(joiner, n)
+
+    def _advanced(self, joiner: Joiner, n: int) -> None:
+        """Bookkeeping after a chunk: processor history, snapshot at a system-prompt end, allocator."""
+        prompt = joiner.prompt
+        split = self._split_at(joiner)
+        joiner.row.feed_history(mx.array(prompt[joiner.done : joiner.done + n]))
+        joiner.done += n
+        if split is not None and joiner.done == split:
+            # The end of a shared system prompt: other agents start from this entry.
+            self.prompt_cache.put(joiner.row.request.namespace, prompt[:split], joiner.caches)
+        if n == self.config.prefill_step_size:
+            # A long prompt: release the chunk's transient buffers (the serial lane does
+            # the same). Short prompts skip it, so a burst of joiners does not make the
+            # allocator give back and re-acquire the running batch's buffers each time.
+            mx.clear_cache()
+
+    def _snapshot(self, joiner: Joiner) -> None:
+        """At the prompt boundary (all but the last token), store what the prefix policy asks for:
+        rings and recurrent state always, full attention only when joiners wait on this prompt now."""
+        if self.prompt_cache is None:
+            return
+        boundary = boundary_snapshot(len(joiner.prompt), is_trimmable(joiner.caches), joiner.followers > 0)
+        if boundary is not None:
+            self.prompt_cache.put(joiner.row.request.namespace, joiner.prompt[:boundary], joiner.caches)

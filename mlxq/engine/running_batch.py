@@ -1,0 +1,88 @@
+"""The running batch: the rows decoding together, their caches and the tokens each step feeds them.
+
+One object owns what used to be four loose fields (rows, caches, "batched",
+a 3-tuple of pending state), so every change to the batch (a join, an
+eviction, a preemption, a failure) keeps them in step, and one ``clear``
+empties it.
+
+Caches are *solo* (mlx-lm's per-request classes) while one row runs, so the
+B=1 step is the serial lane's graph, and *batched* (``BatchKVCache`` and its
+kin, kv/batch_ops.py) from the second row on; a batch that drops back to one
+row is extracted to solo caches again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mlxq.engine.rows import Row
+from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
+
+
+@dataclass
+class Pending:
+    """What the next decode step feeds each row, and what the step that computed it left to hand out."""
+
+    tokens: mx.array  # [rows] uint32: each row's next input token
+    logprobs: list  # per row: the [V] logprobs that token was drawn from (None when nobody asked)
+    emitted: list[bool]  # per row: that token was already handed out (token 0, a prompt's last token)
+
+    def take(self, keep: list[int]) -> Pending:
+        return Pending(self.tokens[mx.array(keep)], [self.logprobs[i] for i in keep], [self.emitted[i] for i in keep])
+
+    def extend(self, other: Pending) -> Pending:
+        return Pending(mx.concatenate([self.tokens, other.tokens]), self.logprobs + other.logprobs,
+                       self.emitted + other.emitted)
+
+
+@dataclass(eq=False)
+class RunningBatch:
+    rows: list[Row] = field(default_factory=list)
+    caches: list | None = None  # solo caches when one row runs, batched otherwise
+    batched: bool = False
+    pending: Pending | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def join(self, rows: list[Row], caches: list, batched: bool, pending: Pending) -> None:
+        """Add rows whose caches hold everything before their ``pending`` input token.
+
+        Into an empty batch the rows' caches are adopted as they are (a lone row keeps its
+        own caches: zero copy, the serial graph); otherwise both sides become batched caches
+        and the newcomers extend the running ones (right-aligned)."""
+        if not self.rows:
+            self.rows, self.caches, self.batched, self.pending = list(rows), caches, batched, pending
+            return
+        if not self.batched:
+            self.caches, self.batched = merge_solo_rows([self.caches]), True
+        extend_batch(self.caches, caches if batched else merge_solo_rows([caches]))
+        self.pending = self.pending.extend(pending)
+        self.rows += rows
+
+    def row_caches(self, index: int) -> list:
+        """Row ``index``'s caches as solo caches: a copy out of a batch, the caches themselves when alone."""
+        return extract_row(self.caches, index) if self.batched else self.caches
+
+    def keep(self, keep: list[int]) -> None:
+        """Only the rows at ``keep`` (indices, in order) go on; back to solo caches at one row."""
+        if not keep:
+            self.clear()
+            return
+        self.rows = [self.rows[i] for i in keep]
+        self.pending = self.pending.take(keep)
+        if self.batched:
+            keep_rows(self.caches, keep)
+            if len(keep) == 1:
+                self.caches, self.batched = extract_row(self.caches, 0), False
+
+    def clear(self) -> list[Row]:
+        """Drop every row's KV and pending state; the rows are returned to be finished or requeued."""
+        rows = self.rows
+        self.rows, self.caches, self.batched, self.pending = [], None, False, None
+        return rows

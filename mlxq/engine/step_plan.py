@@ -1,0 +1,231 @@
+"""The batch lane's decisions as plain data: testable without MLX or a model.
+
+A scheduler step first looks at its state through small frozen views (token
+counts, budgets, cached-prefix lengths), asks the functions here what to do,
+and only then touches caches:
+
+- ``can_admit``: may a request join now (row cap, prompt concurrency, the
+  prefill transient reserve, memory room while busy, ``--kv-budget``)?
+- ``plan_intake``: which cancelled joiners and preempted rows leave, which
+  followers are released (their leader's prefix is stored, or the leader is
+  gone), how many preempted rows re-enter (oldest first, under the same
+  rules as a new request, ahead of it).
+- ``plan_prefill``: which joiners advance one chunk this step (FIFO, within
+  one chunk's worth of tokens, at most the group cap), which read one more
+  tensor from disk, and whether the chunks run as one forward.
+- ``choose_leader``: agents arriving together with a long shared prefix
+  prefill it once; a joiner follows the first one still prefilling it.
+
+Preemption after a fault and shedding before a decode step are decided the
+same way in engine/preempt.py (``plan_decode_preemption``, ``rows_that_fit``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mlxq.engine.transient import ModelShape, joiners_transient
+from mlxq.kv.projection import KvFootprint
+from mlxq.store.prefix import common_prefix
+
+# A joiner waits for another joiner's prefill only when they share at least this many new tokens.
+MIN_SHARED_PREFILL = 64
+
+
+@dataclass(frozen=True)
+class Extent:
+    """A request's worst case: its prompt and how many tokens it may still generate."""
+
+    prompt: int  # tokens
+    max_tokens: int  # tokens
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.max_tokens
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What admission is held to this step."""
+
+    row_cap: int  # rows + joiners (--batch, lowered after memory faults)
+    prompt_concurrency: int  # joiners at once
+    group_cap: int  # joiners prefilled in one forward (lowered after a failed batched prefill)
+    prefill_budget: int  # prompt tokens prefilled per step: one chunk's worth (--prefill-step-size)
+    kv_budget: int | None = None  # bytes: projected KV of every row at prompt + max_tokens (--kv-budget)
+    transient_budget: int | None = None  # bytes: the joiners' worst prefill step together; 0/None: no reserve
+    memory_room: int | None = None  # bytes MLX may still take before the shed line; None = no limit
+
+
+@dataclass(frozen=True)
+class Load:
+    """The batch as admission sees it."""
+
+    running: tuple[Extent, ...]  # decoding rows
+    prefilling: tuple[Extent, ...]  # joiners
+    preempted: int = 0  # rows waiting to be recomputed: new requests wait behind them
+
+    def with_joiner(self, extent: Extent) -> Load:
+        return Load(self.running, (*self.prefilling, extent), self.preempted)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The measured arithmetic admission uses (pure Python: kv/projection.py, engine/transient.py)."""
+
+    footprint: KvFootprint
+    shape: ModelShape | None = None
+
+    def projected_bytes(self, load: Load) -> int:
+        """Worst-case KV of every row at prompt + max_tokens, plus the joiners' ring transients."""
+        lengths = [e.total for e in load.running + load.prefilling]
+        return self.footprint.batch_bytes(lengths) + sum(self.footprint.prefill_bytes(e.prompt)
+                                                          for e in load.prefilling)
+
+    def transient_bytes(self, prompts: list[int], chunk_cap: int, group_cap: int) -> int:
+        """The worst prefill step of joiners with these prompt lengths (engine/transient.py)."""
+        return joiners_transient(self.shape, prompts, chunk_cap, group_cap)
+
+
+def fits_memory(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> bool:
+    """While anything runs, a newcomer's whole KV and its prefill step must fit the memory left.
+
+    Checked only while busy, so a request is never refused for it: it waits."""
+    if limits.memory_room is None or not (load.running or load.prefilling):
+        return True
+    prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
+    transient = sizing.transient_bytes(prompts, limits.prefill_budget, limits.group_cap)
+    need = sizing.footprint.row_bytes(extent.total, extent.prompt) + transient
+    return need <= limits.memory_room
+
+
+def has_slot(load: Load, limits: Limits) -> bool:
+    return (len(load.running) + len(load.prefilling) < limits.row_cap
+            and len(load.prefilling) < limits.prompt_concurrency)
+
+
+def can_admit(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> bool:
+    """May a new request become a joiner now? (FIFO: the engine asks for the head of its queue only.)"""
+    if load.preempted or not has_slot(load, limits):
+        return False
+    if load.prefilling and limits.transient_budget:  # 0: nothing was set aside (engine/memory.py): no cap
+        prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
+        if sizing.transient_bytes(prompts, limits.prefill_budget, limits.group_cap) > limits.transient_budget:
+            return False  # a lone joiner always runs: only joiners together are held to the reserve
+    if not fits_memory(load, extent, limits, sizing):
+        return False
+    return limits.kv_budget is None or sizing.projected_bytes(load.with_joiner(extent)) <= limits.kv_budget
+
+
+@dataclass(frozen=True)
+class JoinerView:
+    """One joiner (a row prefilling on its own caches), as the planner sees it."""
+
+    extent: Extent
+    done: int  # prompt tokens in its caches
+    next_chunk: int  # tokens its next chunk would prefill (the serial lane's boundaries)
+    cancelled: bool = False
+    restoring: bool = False  # reading a longer prefix from disk, a tensor per step
+    leader: int | None = None  # index of the joiner it waits for (None: follows nobody, or its leader left)
+    following: bool = False  # it was told to wait for a leader (which may have left since)
+    wait_until: int = 0  # the leader's ``done`` at which the shared prefix is stored
+
+    @property
+    def is_prefilled(self) -> bool:
+        """All but the last prompt token are in the caches: ready for token 0."""
+        return self.done >= self.extent.prompt - 1
+
+
+@dataclass(frozen=True)
+class IntakePlan:
+    """The start of a step: who leaves, who is released, who comes back."""
+
+    cancelled_joiners: tuple[int, ...]  # indices into the joiners
+    cancelled_preempted: tuple[int, ...]  # indices into the preempted rows
+    released: tuple[int, ...]  # followers to take the shared prefix from the prompt cache now
+    readmit: int  # preempted rows (oldest first, after the cancelled left) that re-enter as joiners
+
+
+def plan_intake(joiners: Sequence[JoinerView], preempted: Sequence[tuple[Extent, bool]], running: Sequence[Extent],
+                limits: Limits, sizing: Sizing) -> IntakePlan:
+    """``preempted``: (extent once resumed, cancelled) per row waiting to be recomputed, oldest first."""
+    gone = tuple(i for i, j in enumerate(joiners) if j.cancelled)
+    released = tuple(i for i, j in enumerate(joiners) if j.following and not j.cancelled
+                     and (j.leader is None or j.leader in gone or joiners[j.leader].done >= j.wait_until))
+    dropped = tuple(i for i, (_, cancelled) in enumerate(preempted) if cancelled)
+    load = Load(tuple(running), tuple(j.extent for i, j in enumerate(joiners) if i not in gone))
+    readmit = 0
+    for extent, cancelled in preempted:
+        if cancelled:
+            continue
+        if not has_slot(load, limits) or not fits_memory(load, extent, limits, sizing):
+            break
+        load = load.with_joiner(extent)
+        readmit += 1
+    return IntakePlan(gone, dropped, released, readmit)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    restore: tuple[int, ...]  # joiners reading one more tensor of their prefix from disk
+    advance: tuple[int, ...]  # joiners advancing one chunk, FIFO
+    chunks: tuple[int, ...]  # tokens each of them prefills (the serial lane's chunk boundaries)
+    together: bool  # their chunks run as one forward (several, and the KV is not quantized)
+
+
+def plan_prefill(joiners: Sequence[JoinerView], limits: Limits, quantized: bool = False) -> PrefillPlan:
+    """Joiners advance FIFO until one chunk's worth of tokens was spent this step (the last one
+    may pass it), at most ``group_cap`` of them; restoring and waiting joiners do not advance."""
+    budget = limits.prefill_budget
+    restore, advance = [], []
+    for i, joiner in enumerate(joiners):
+        if joiner.restoring:
+            restore.append(i)
+            continue
+        if joiner.following or joiner.is_prefilled or budget <= 0 or len(advance) >= limits.group_cap:
+            continue
+        advance.append(i)
+        budget -= joiner.next_chunk
+    chunks = tuple(joiners[i].next_chunk for i in advance)
+    return PrefillPlan(tuple(restore), tuple(advance), chunks, len(advance) > 1 and not quantized)
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """A joiner's prompt as shared prefill sees it."""
+
+    namespace: str
+    prompt: Sequence[int]
+    done: int  # tokens already in its caches (from the prompt cache or its own chunks)
+    trimmable: bool  # full attention only: any prefix of its state is servable
+    snapshot_at: int | None  # where its system prompt ends (rings / recurrent state snapshot there)
+    can_lead: bool = True  # not itself following, not restoring from disk
+
+
+@dataclass(frozen=True)
+class LeaderChoice:
+    leader: int  # index into the candidates
+    wait_until: int  # the leader's ``done`` at which the shared prefix is in the prompt cache
+
+
+def choose_leader(joiner: PrefixView, candidates: Sequence[PrefixView]) -> LeaderChoice | None:
+    """The first joiner still prefilling at least MIN_SHARED_PREFILL tokens this one would compute too.
+
+    A full-attention leader's whole prompt state serves any shared prefix (stored when its
+    prefill ends); sliding-window and recurrent state exists only where the leader snapshots:
+    the end of its system prompt."""
+    prompt = joiner.prompt
+    for index, leader in enumerate(candidates):
+        if not leader.can_lead or leader.namespace != joiner.namespace:
+            continue
+        theirs = leader.prompt
+        shared = common_prefix(prompt, theirs, min(len(prompt), len(theirs)) - 1)
+        if leader.trimmable:
+            wait_until = len(theirs) - 1
+        else:
+            split = leader.snapshot_at
+            wait_until = shared = split if split is not None and split <= shared else 0
+        if shared - joiner.done >= MIN_SHARED_PREFILL and leader.done < wait_until:
+            return LeaderChoice(index, wait_until)
+    return None

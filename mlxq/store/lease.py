@@ -1,0 +1,69 @@
+"""A row's hold on the stored prefix it started from (the prompt cache's ``lease``).
+
+While a row runs, the node its prefix ends at is pinned, so the whole chain
+from the root stays in the tree: eviction never drops a prefix a running
+row uses, and the prefix's bytes stay counted once, by the tree. The row
+releases the lease when it finishes, is cancelled, fails or is preempted
+(a preempted row takes a new lease when it comes back).
+
+What the row computes on (``caches``) is its own: full-attention layers
+are the concatenation of the chain's spans (a copy), rings and recurrent
+state copy-on-write views of the node's snapshot. A batch cache kind that
+references the shared prefix instead of copying it (kv/shared_prefix_cache.py)
+reads the same chain: ``chain()`` lists the nodes root-first; node ``k``'s
+``spans[layer]`` holds the keys and values (each an array, or a quantized
+triple, shaped [1, heads, tokens, dim]) of its own ``tokens``; the prefix is
+their concatenation along the token axis, cut to ``cached`` tokens (a lease
+may end inside its last node); ``layer_spans()`` gives them per layer, cut,
+for ``kv.sharing_plan.prefix_from_spans``. What they hold never changes
+while the lease is held: the tree only adds children, and a split replaces
+a node's spans by two halves holding the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mlx.utils import tree_map
+
+from mlxq.store.prefix_tree import Node
+
+
+@dataclass(eq=False)
+class Lease:
+    cached: int  # prompt tokens the prefix serves (0: nothing was found)
+    caches: list | None  # the row's caches holding them (None when nothing was found)
+    node: Node | None = None  # the pinned node: the chain ends at it (None: nothing pinned)
+    _unpin: Callable[[Node], None] | None = field(default=None, repr=False)
+
+    def chain(self) -> list[Node]:
+        """The nodes whose spans hold the prefix, root first (empty when nothing is pinned)."""
+        return [] if self.node is None else self.node.chain()
+
+    def layer_spans(self) -> list[list | None]:
+        """Per layer, the chain's spans root first, the last cut to ``cached`` tokens (a lazy slice,
+        no copy); None for layers kept as snapshots. What kv/sharing_plan.prefix_from_spans takes."""
+        chain = [node for node in self.chain() if node.depth < self.cached]  # a later split may add nodes past it
+        if not chain:
+            return []
+        out = []
+        for layer in range(len(chain[0].spans)):
+            spans = [node.spans[layer] for node in chain]
+            if spans[0] is None:
+                out.append(None)
+                continue
+            keep = self.cached - chain[-1].depth  # tokens of the last node inside the prefix
+            out.append(spans[:-1] + [tree_map(lambda a, k=keep: a[..., :k, :], spans[-1])])
+        return out
+
+    @property
+    def held(self) -> bool:
+        return self.node is not None
+
+    def release(self) -> None:
+        """Let the chain be evicted again; a second call does nothing."""
+        node, self.node = self.node, None
+        if node is not None and self._unpin is not None:
+            self._unpin(node)
+

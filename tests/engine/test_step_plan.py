@@ -1,0 +1,158 @@
+"""The batch lane's scheduling rules on step plans alone: plain numbers in, decisions out, no model."""
+
+from __future__ import annotations
+
+from mlxq.engine.preempt import plan_decode_preemption, rows_that_fit
+from mlxq.engine.step_plan import (
+    MIN_SHARED_PREFILL,
+    Extent,
+    JoinerView,
+    Limits,
+    Load,
+    PrefixView,
+    Sizing,
+    can_admit,
+    choose_leader,
+    plan_intake,
+    plan_prefill,
+)
+from mlxq.engine.transient import ModelShape
+from mlxq.kv.capabilities import CacheKind
+from mlxq.kv.projection import GROWTH_STEP, KvFootprint, LayerFootprint
+
+# Two full-attention layers of 1 KiB per token: a row of up to 256 tokens costs 512 KiB.
+FOOTPRINT = KvFootprint((LayerFootprint(CacheKind.FULL, 1024, 0, None),) * 2, prefill_chunk=512)
+SIZING = Sizing(FOOTPRINT)
+ROW = 2 * 1024 * GROWTH_STEP  # bytes of one row of <= 256 tokens
+
+
+def limits(**overrides) -> Limits:
+    base = dict(row_cap=8, prompt_concurrency=4, group_cap=4, prefill_budget=512)
+    return Limits(**(base | overrides))
+
+
+def joiner(prompt: int, done: int = 0, chunk: int | None = None, **kw) -> JoinerView:
+    return JoinerView(Extent(prompt, 16), done, min(512, prompt - 1 - done) if chunk is None else chunk, **kw)
+
+
+# --- admission ------------------------------------------------------------------------
+def test_admission_fills_the_kv_budget_and_stops_at_the_row_that_would_pass_it():
+    load, request = Load((), ()), Extent(100, 100)
+    admitted = 0
+    while can_admit(load, request, limits(kv_budget=3 * ROW), SIZING):
+        load, admitted = load.with_joiner(request), admitted + 1
+    assert admitted == 3
+    # The padded layout: one long row makes every row cost its length.
+    long_row = Load((Extent(600, 100),), ())
+    assert SIZING.projected_bytes(long_row) == 3 * ROW
+    assert not can_admit(long_row, Extent(10, 10), limits(kv_budget=5 * ROW), SIZING)
+    assert can_admit(long_row, Extent(10, 10), limits(kv_budget=6 * ROW), SIZING)
+
+
+def test_admission_respects_row_cap_prompt_concurrency_and_waits_behind_preempted_rows():
+    one = Extent(10, 10)
+    assert not can_admit(Load((one,) * 7, (one,)), one, limits(), SIZING)  # 8 rows: the cap
+    assert not can_admit(Load((), (one,) * 4), one, limits(), SIZING)  # 4 joiners prefilling
+    assert can_admit(Load((one,) * 3, (one,) * 3), one, limits(), SIZING)
+    assert not can_admit(Load((), (), preempted=1), one, limits(), SIZING)  # FIFO: requeued rows first
+
+
+def test_memory_room_holds_newcomers_only_while_busy():
+    one = Extent(100, 100)
+    tight = limits(memory_room=ROW // 2)
+    assert can_admit(Load((), ()), one, tight, SIZING)  # idle: never refused for memory, it runs alone
+    assert not can_admit(Load((one,), ()), one, tight, SIZING)  # busy: it waits for room
+    assert can_admit(Load((one,), ()), one, limits(memory_room=ROW), SIZING)
+
+
+def test_a_lone_joiner_always_prefills_but_joiners_together_keep_to_the_transient_reserve():
+    sizing = Sizing(FOOTPRINT, ModelShape(hidden=64, intermediate=128, heads=4, vocab=1000, dtype_bytes=2))
+    long_prompt, reserve = Extent(2000, 10), limits(transient_budget=1)
+    assert can_admit(Load((), ()), long_prompt, reserve, sizing)
+    assert not can_admit(Load((), (long_prompt,)), long_prompt, reserve, sizing)
+    # A reserve of 0: the memory plan set nothing aside for transients, so nobody is held to one.
+    assert can_admit(Load((), (long_prompt,)), long_prompt, limits(transient_budget=0), sizing)
+
+
+# --- the per-step prefill budget, FIFO ------------------------------------------------
+def test_joiners_advance_fifo_within_one_chunks_worth_of_tokens():
+    plan = plan_prefill([joiner(100), joiner(300), joiner(200), joiner(50)], limits())
+    assert plan.advance == (0, 1, 2) and plan.together  # 99 + 299 < 512: the third may pass it
+    assert plan.chunks == (99, 299, 199)  # each its own prompt[:-1], chunk boundaries as the serial lane's
+    assert plan_prefill([joiner(2000), joiner(20)], limits()).advance == (0,)  # a whole chunk spends the step
+    assert plan_prefill([joiner(20), joiner(2000)], limits()).advance == (0, 1)
+
+
+def test_prefill_skips_prefilled_waiting_and_restoring_joiners_and_keeps_to_the_group_cap():
+    views = [joiner(40, done=39), joiner(300, restoring=True), joiner(300, leader=0, following=True),
+             joiner(30), joiner(30), joiner(30)]
+    plan = plan_prefill(views, limits(group_cap=2))
+    assert plan.restore == (1,) and plan.advance == (3, 4) and plan.together
+    assert not plan_prefill(views, limits(group_cap=1)).together
+    assert not plan_prefill(views, limits(), quantized=True).together  # quantized joiners advance one by one
+
+
+# --- intake: cancelled, released, readmitted ------------------------------------------
+def test_intake_drops_cancelled_and_releases_followers_whose_leader_is_done_or_gone():
+    views = [joiner(300, done=100, cancelled=True),  # a leader, cancelled
+             joiner(300, leader=0, following=True, wait_until=299),
+             joiner(400, done=399),  # a leader that is done
+             joiner(400, leader=2, following=True, wait_until=399),
+             joiner(400, done=100),
+             joiner(400, leader=4, following=True, wait_until=399),  # still waiting
+             joiner(400, leader=None, following=True, wait_until=399)]  # its leader already joined
+    plan = plan_intake(views, [], [], limits(), SIZING)
+    assert plan.cancelled_joiners == (0,) and plan.released == (1, 3, 6) and plan.readmit == 0
+
+
+def test_preempted_rows_come_back_oldest_first_while_slots_and_memory_allow():
+    rows = [(Extent(100, 50), False), (Extent(100, 50), True), (Extent(100, 50), False), (Extent(100, 50), False)]
+    plan = plan_intake([], rows, [], limits(prompt_concurrency=2), SIZING)
+    assert plan.cancelled_preempted == (1,) and plan.readmit == 2  # rows 0 and 2: two prefill slots
+    busy = plan_intake([], rows, [Extent(100, 50)], limits(memory_room=ROW // 2), SIZING)
+    assert busy.readmit == 0  # a running row and no room for another's KV: they wait
+
+
+# --- shared prefill: who leads ---------------------------------------------------------
+def view(prompt, done=0, trimmable=True, snapshot_at=None, namespace="m", can_lead=True) -> PrefixView:
+    return PrefixView(namespace, prompt, done, trimmable, snapshot_at, can_lead)
+
+
+SHARED = list(range(1000, 1000 + 2 * MIN_SHARED_PREFILL))
+
+
+def test_the_first_joiner_still_prefilling_the_shared_prefix_leads():
+    me = view(SHARED + [1, 2, 3])
+    leaders = [view([5] * 300), view(SHARED + [7, 8], can_lead=False), view(SHARED + [9, 9, 9]),
+               view(SHARED + [4, 4])]
+    choice = choose_leader(me, leaders)
+    assert choice.leader == 2 and choice.wait_until == len(SHARED) + 2  # its whole prompt[:-1] state
+
+
+def test_no_leader_for_a_short_share_another_namespace_or_a_leader_already_past_it():
+    short = view(SHARED[: MIN_SHARED_PREFILL - 1] + [1, 2])
+    assert choose_leader(short, [view(SHARED[: MIN_SHARED_PREFILL - 1] + [3, 4])]) is None
+    assert choose_leader(view(SHARED + [1]), [view(SHARED + [2, 3], namespace="other")]) is None
+    done = view(SHARED + [2, 3], done=len(SHARED) + 2)
+    assert choose_leader(view(SHARED + [1]), [done]) is None
+    # A joiner that has the shared part already (from the prompt cache) follows nobody.
+    assert choose_leader(view(SHARED + [1], done=len(SHARED)), [view(SHARED + [2, 3])]) is None
+
+
+def test_rings_and_recurrent_state_follow_only_to_the_leaders_system_prompt_snapshot():
+    at = len(SHARED)
+    leader = view(SHARED + [2] * 50, trimmable=False, snapshot_at=at)
+    choice = choose_leader(view(SHARED + [1] * 50, trimmable=False, snapshot_at=at), [leader])
+    assert choice.wait_until == at
+    assert choose_leader(view(SHARED + [1]), [view(SHARED + [2] * 50, trimmable=False)]) is None
+
+
+# --- who gives way: eviction and preemption order ---------------------------------------
+def test_the_newest_rows_are_shed_first_and_one_always_runs():
+    limit = 100 * ROW
+    assert rows_that_fit(active=50 * ROW, limit=limit, rows=8, kv_now=8 * ROW, kv_growth=0, step_per_row=0) == 8
+    kept = rows_that_fit(active=99 * ROW, limit=limit, rows=8, kv_now=8 * ROW, kv_growth=0, step_per_row=0)
+    assert 1 <= kept < 8
+    assert rows_that_fit(active=200 * ROW, limit=limit, rows=8, kv_now=8 * ROW, kv_growth=0, step_per_row=0) == 1
+    plan = plan_decode_preemption([0, 0, 0, 0], row_cap=8)
+    assert plan.resume_first == (0, 1) and plan.held_back == (2, 3)  # the oldest resume first
