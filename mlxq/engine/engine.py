@@ -321,11 +321,17 @@ class Engine:
 
     def _sharing_policy(self):
         """--shared-prefix-attention: which layers of this model can share, probed once at load."""
+        import mlx.core as mx
+
         from mlxq.engine.prefix_sharing import SharingPolicy
         from mlxq.kv.sharing_plan import plan_sharing
 
         mode = self.config.shared_prefix_attention
-        if mode == "off" or self.prompt_cache is None:  # groups come from prompt-cache leases
+        if self.prompt_cache is None:
+            return SharingPolicy(mode, None, unplanned="no prompt cache (groups come from its leases)")
+        if mode == "auto" and not mx.cuda.is_available():  # the model's attention calls stay as they were
+            return SharingPolicy(mode, None, unplanned="auto: sharing measured no gain on this backend (CPU, Metal)")
+        if mode == "off":
             return SharingPolicy(mode, None)
         plan = plan_sharing(self.loaded.model)
         if plan.declined:

@@ -31,8 +31,9 @@ MIN_PREFIX_TOKENS = 32  # ``on``: shorter common prefixes stay per row (the regr
 @dataclass(frozen=True)
 class SharingPolicy:
     mode: str  # auto, on, off
-    plan: SharingPlan | None  # which layers share (None: not planned: ``off``, or no prompt cache)
+    plan: SharingPlan | None  # which layers share (None: not planned, ``unplanned`` says why)
     min_prefix: int = MIN_PREFIX_TOKENS
+    unplanned: str | None = None  # why the model was not probed (``off``, no prompt cache, auto on the CPU)
 
     def wants(self, rows: int, prefix_length: int) -> bool:
         if self.mode == "off" or self.plan is None or not self.plan.can_share:
@@ -45,7 +46,7 @@ class SharingPolicy:
         """Why this server never shares (None when it may)."""
         if self.mode == "off":
             return "--shared-prefix-attention off"
-        return self.plan.declined if self.plan is not None else "no prompt cache (groups come from its leases)"
+        return self.plan.declined if self.plan is not None else self.unplanned
 
 
 @dataclass(frozen=True)

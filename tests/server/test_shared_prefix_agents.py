@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.conftest import ServerProcess
 from tests.server.test_agents_prefix_tree import messages, system_prompt
@@ -115,7 +116,24 @@ def test_auto_on_the_cpu_never_shares_and_a_bad_mode_is_refused(tiny_model_dirs,
     with serve(tiny_model_dirs["llama"], "--batch", "4") as server:
         wave(server.url, system, range(4), 8)
         assert shared_steps(server.url) == 0
-        assert httpx.get(server.url + "/stats").json()["batch"]["shared_prefix"]["mode"] == "auto"
+        stats = httpx.get(server.url + "/stats").json()["batch"]["shared_prefix"]
+    assert stats["mode"] == "auto" and stats["declined"].startswith("auto: sharing measured no gain")
     bad = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--model", str(tiny_model_dirs["llama"]),
                           "--shared-prefix-attention", "always"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--shared-prefix-attention must be auto, on or off" in bad.stderr
+
+
+@pytest.mark.slow  # six servers on three architectures: about 100 s on two cores
+def test_rings_recurrent_layers_and_quantized_kv_follow_the_sharing_plan(tiny_model_dirs, load_tiny):
+    """Sliding-window and recurrent layers stay per row, quantized KV shares its triples (CPU): same tokens."""
+    _, tokenizer = load_tiny("llama")
+    system = system_prompt(tokenizer, 200)
+    for arch, flags in (("gemma3_text", ()), ("qwen3_next", ()), ("llama", ("--kv-quant", "8"))):
+        with serve(tiny_model_dirs[arch], "--batch", "1", *flags) as server:
+            want = [ask(server.url, system, agent, 12) for agent in range(4)]
+        with serve(tiny_model_dirs[arch], "--batch", "4", "--shared-prefix-attention", "on", *flags) as server:
+            ask(server.url, system, 99, 2)  # the system prompt is in the prompt cache before the wave
+            got = wave(server.url, system, range(4), 12)
+            steps = shared_steps(server.url)
+        assert got == want, (arch, flags)
+        assert steps > 0, (arch, flags)
