@@ -127,7 +127,7 @@ class Joining:
         except Exception:  # an optimization: the per-row caches the join left stay in place
             log.warning("shared-prefix group of %d rows not built", group.rows, exc_info=True)
             return
-        self.sharing_stats.groups += 1
+        self.sharing_stats.groups += self.batch.group is not None
 
     def _put(self, row: Row, caches: list) -> None:
         """Store a finished row's prefix as the prefix policy says (store/prefix.py)."""

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlxq.engine.prefix_sharing import Group
 from mlxq.engine.rows import Row
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import SharingPlan, prefix_from_spans, share_prefix
 
 
@@ -104,7 +105,8 @@ class RunningBatch:
         rows = [extract_row(self.caches, i) for i in range(len(self.rows))]
         prefix = prefix_from_spans(group.prefix_lease().layer_spans())
         self.caches = share_prefix(plan, rows, group.prefix_length, prefix, list(group.shares))
-        self.group = group
+        # No layer may share (e.g. quantized KV on a GPU backend): the caches are per row again.
+        self.group = group if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else None
 
     def _unshare(self) -> None:
         """Back to per-row batched caches (each group row's copy of the prefix plus its tail)."""
