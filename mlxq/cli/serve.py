@@ -71,6 +71,11 @@ def serve(
     warmup: Annotated[str, typer.Option(help="Run every generation path once on synthetic prompts before "
                                              "reporting ready (GPU kernels compile on first use): on, off, "
                                              "auto (on for GPU backends).")] = "auto",
+    shared_prefix_attention: Annotated[str, typer.Option(help="Batch rows on one prompt-cache prefix read it "
+                                                              "once per decode step: auto (where measured "
+                                                              "faster: CUDA from 32k rows x prefix tokens, "
+                                                              "never on the CPU), on (any two rows on 32+ "
+                                                              "tokens), off.")] = "auto",
     ssd_cache: Annotated[str | None, typer.Option(help="Directory of the SSD cold tier (.mlxkv files); "
                                                        "prompt-cache entries survive restarts.")] = None,
     ssd_cache_max: Annotated[str | None, typer.Option(help="Byte cap of the SSD tier, e.g. 100GB "
@@ -137,7 +142,8 @@ def serve(
             else flag_bytes("--memory-limit", memory_limit),
             memory_limit_auto=memory_limit.strip().lower() == "auto",
             ssd=ssd, kv_quant=kv_quant.strip().lower(), kv_group_size=kv_group_size,
-            warmup=warmup.strip().lower(), temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+            warmup=warmup.strip().lower(), shared_prefix_attention=shared_prefix_attention.strip().lower(),
+            temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
             max_tokens=max_tokens, chat_template=_chat_template(chat_template),
             chat_template_args=_json_object("--chat-template-args", chat_template_args),
         )

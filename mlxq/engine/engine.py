@@ -53,6 +53,7 @@ class EngineConfig:
     warmup: str = "off"  # on, off, auto (on for GPU backends): engine/warmup.py before ready
     memory_limit_bytes: int | None = None  # MLX's memory limit; None: auto (engine/memory.py) unless off
     memory_limit_auto: bool = True  # False (--memory-limit off): leave MLX's own limits alone
+    shared_prefix_attention: str = "auto"  # auto, on, off: rows on one leased prefix read it once (batch lane)
 
     def __post_init__(self):
         if self.prefill_step_size < 1:
@@ -71,6 +72,8 @@ class EngineConfig:
             raise ValueError("memory_limit must be > 0")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError("warmup must be auto, on or off")
+        if self.shared_prefix_attention not in ("auto", "on", "off"):
+            raise ValueError("shared_prefix_attention must be auto, on or off")
 
 
 def _on_gpu() -> bool:
@@ -313,8 +316,27 @@ class Engine:
                 on_finish=lambda row: self._done(row.output.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
-                grammar_timing=self.grammar_timing,
+                grammar_timing=self.grammar_timing, sharing=self._sharing_policy(),
             )
+
+    def _sharing_policy(self):
+        """--shared-prefix-attention: which layers of this model can share, probed once at load."""
+        import mlx.core as mx
+
+        from mlxq.engine.prefix_sharing import SharingPolicy
+        from mlxq.kv.sharing_plan import plan_sharing
+
+        mode = self.config.shared_prefix_attention
+        if self.prompt_cache is None:
+            return SharingPolicy(mode, None, unplanned="no prompt cache (groups come from its leases)")
+        if mode == "auto" and not mx.cuda.is_available():  # the model's attention calls stay as they were
+            return SharingPolicy(mode, None, unplanned="auto: sharing measured no gain on this backend (CPU, Metal)")
+        if mode == "off":
+            return SharingPolicy(mode, None)
+        plan = plan_sharing(self.loaded.model)
+        if plan.declined:
+            log.info("shared-prefix attention declined: %s", plan.declined)
+        return SharingPolicy(mode, plan)
 
     def _warm_up(self) -> None:
         from mlxq.engine.warmup import warm_up

@@ -9,7 +9,8 @@ the joiners alone is cheaper than a batch step, so token 0 comes from that
 forward before they join (``SchedulerConfig.token0_in_decode``). One-token
 prompts have empty caches, which do not merge: they always take that path.
 Either way the row's math is the serial lane's: the last prompt token fed on
-caches holding the rest of the prompt.
+caches holding the rest of the prompt. After each join the rows on one
+leased prefix may be grouped to read it once (engine/prefix_sharing.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mlx_lm.generate import generation_stream
 
 from mlxq.engine.faults import MemoryFault, is_allocation_failure, release_cached_memory
 from mlxq.engine.joiners import Joiner
+from mlxq.engine.prefix_sharing import choose_group
 from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending
 from mlxq.engine.types import FinishReason
@@ -59,6 +61,7 @@ class Joining:
         lasts = mx.array([j.prompt[-1] for j in joining], dtype=mx.uint32)
         self.batch.join([j.row for j in joining], caches, batched,
                         Pending(lasts, [None] * len(joining), [True] * len(joining)))
+        self._share_prefix()
 
     def _first_tokens(self, ready: list[Joiner]) -> None:
         """Token 0 of ready joiners from one forward of their last prompt tokens, then join.
@@ -109,6 +112,22 @@ class Joining:
             caches, batched = extract_row(caches, 0), False
         self.batch.join([ready[i].row for i in alive], caches, batched,
                         Pending(tokens[mx.array(alive)], [logprobs[i] for i in alive], [True] * len(alive)))
+        self._share_prefix()
+
+    def _share_prefix(self) -> None:
+        """After a join: let the rows on one leased prefix read it once (engine/prefix_sharing.py)."""
+        policy = self.sharing
+        if policy is None or policy.mode == "off" or not self.batch.batched:
+            return
+        group = choose_group([self._leases.get(row.request.request_id) for row in self.batch.rows], policy)
+        if group is None:
+            return
+        try:
+            self.batch.share(group, policy.plan)
+        except Exception:  # an optimization: the per-row caches the join left stay in place
+            log.warning("shared-prefix group of %d rows not built", group.rows, exc_info=True)
+            return
+        self.sharing_stats.groups += self.batch.group is not None
 
     def _put(self, row: Row, caches: list) -> None:
         """Store a finished row's prefix as the prefix policy says (store/prefix.py)."""

@@ -8,7 +8,10 @@ empties it.
 Caches are *solo* (mlx-lm's per-request classes) while one row runs, so the
 B=1 step is the serial lane's graph, and *batched* (``BatchKVCache`` and its
 kin, kv/batch_ops.py) from the second row on; a batch that drops back to one
-row is extracted to solo caches again.
+row is extracted to solo caches again. A batch may hold one shared-prefix
+group (engine/prefix_sharing.py): ``share`` rebuilds its caches so the
+group's rows reference the leased prefix; a join, or the group falling
+under two rows, goes back to per-row batched caches first.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlxq.engine.prefix_sharing import Group
 from mlxq.engine.rows import Row
 from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
+from mlxq.kv.sharing_plan import SharingPlan, prefix_from_spans, share_prefix
 
 
 @dataclass
@@ -43,6 +49,7 @@ class RunningBatch:
     caches: list | None = None  # solo caches when one row runs, batched otherwise
     batched: bool = False
     pending: Pending | None = None
+    group: Group | None = None  # the rows reading one shared prefix (None: every row holds its own)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -61,6 +68,7 @@ class RunningBatch:
             return
         if not self.batched:
             self.caches, self.batched = merge_solo_rows([self.caches]), True
+        self._unshare()
         extend_batch(self.caches, caches if batched else merge_solo_rows([caches]))
         self.pending = self.pending.extend(pending)
         self.rows += rows
@@ -78,11 +86,30 @@ class RunningBatch:
         self.pending = self.pending.take(keep)
         if self.batched:
             keep_rows(self.caches, keep)
+            if self.group is not None:
+                self.group = self.group.keep(keep)
             if len(keep) == 1:
-                self.caches, self.batched = extract_row(self.caches, 0), False
+                self.caches, self.batched, self.group = extract_row(self.caches, 0), False, None
+            elif self.group is not None and self.group.rows < 2:
+                self._unshare()
 
     def clear(self) -> list[Row]:
         """Drop every row's KV and pending state; the rows are returned to be finished or requeued."""
         rows = self.rows
-        self.rows, self.caches, self.batched, self.pending = [], None, False, None
+        self.rows, self.caches, self.batched, self.pending, self.group = [], None, False, None, None
         return rows
+
+    def share(self, group: Group, plan: SharingPlan) -> None:
+        """Rebuild the batched caches so ``group``'s rows hold only their tails past its prefix
+        (read from the node chain) and every other row its whole history."""
+        rows = [extract_row(self.caches, i) for i in range(len(self.rows))]
+        prefix = prefix_from_spans(group.prefix_lease().layer_spans())
+        self.caches = share_prefix(plan, rows, group.prefix_length, prefix, list(group.shares))
+        # No layer may share (e.g. quantized KV on a GPU backend): the caches are per row again.
+        self.group = group if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else None
+
+    def _unshare(self) -> None:
+        """Back to per-row batched caches (each group row's copy of the prefix plus its tail)."""
+        if self.group is not None:
+            self.caches = merge_solo_rows([extract_row(self.caches, i) for i in range(len(self.rows))])
+            self.group = None

@@ -40,6 +40,7 @@ from mlxq.engine.joiners import Joiners
 from mlxq.engine.joining import Joining
 from mlxq.engine.preempt import SHED_AT, LoadCaps
 from mlxq.engine.prefill import Prefilling
+from mlxq.engine.prefix_sharing import SharingPolicy, SharingStats
 from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending, RunningBatch
 from mlxq.engine.shedding import MemoryShedding, resumed_size
@@ -84,8 +85,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
                  scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None,
-                 grammar_timing: GrammarTiming | None = None):
+                 grammar_timing: GrammarTiming | None = None, sharing: SharingPolicy | None = None):
         self.model = model
+        self.sharing = sharing  # --shared-prefix-attention: which running rows read one leased prefix once
+        self.sharing_stats = SharingStats()
         self.scheme = scheme  # KV representation: joiners convert where the serial lane does
         self.prompt_cache = prompt_cache  # store.PromptCache: joiners lease at admission, rows put at finish
         self.tokenizer = tokenizer
@@ -230,6 +233,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
                 if not self._emit(batch.rows[i], drawn[i], next_logprobs[i]):
                     keep.remove(i)
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
+        if batch.group is not None:
+            self.sharing_stats.steps += 1
         if len(keep) < len(batch.rows):
             self._evict(keep)
         self.timing.record(start, built, submitted, waited)

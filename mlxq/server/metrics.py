@@ -12,6 +12,7 @@ vLLM exports ``vllm:<name>``; mlxq exports ``mlxq:<name>`` with the same
   ssd_cache_write_failures_total, ssd_cache_dropped_total (with --ssd-cache),
   decode_steps_total and decode_step_seconds_total{part} (build, submit,
   device_wait, output: where the batch's decode steps spend their time),
+  shared_prefix_decode_steps_total (those run with a shared-prefix group),
   scheduler_phase_seconds_total{phase} (prefill, join, decode);
 - counters: prompt_tokens_total, generation_tokens_total,
   request_success_total{finished_reason} (stop, length, cancelled = vLLM's
@@ -78,6 +79,9 @@ class _EngineGauges:
                                   value=faults.memory_faults)
         if scheduler is not None:
             yield from _decode_step_counters(scheduler.timing)
+            yield CounterMetricFamily(PREFIX + "shared_prefix_decode_steps",
+                                      "batch decode steps run with a shared-prefix group",
+                                      value=scheduler.sharing_stats.steps)
             phases = CounterMetricFamily(PREFIX + "scheduler_phase_seconds",
                                          "batch scheduler wall time by phase", labels=["phase"])
             for phase, value in (("prefill", scheduler.phases.prefill_s), ("join", scheduler.phases.join_s),

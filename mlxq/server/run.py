@@ -71,7 +71,8 @@ def make_state(config: ServerConfig) -> ServerState:
                                  memory_limit_bytes=config.memory_limit_bytes,
                                  memory_limit_auto=config.memory_limit_auto,
                                  kv_quant=config.kv_quant, kv_group_size=config.kv_group_size,
-                                 warmup=config.warmup))
+                                 warmup=config.warmup,
+                                 shared_prefix_attention=config.shared_prefix_attention))
     return ServerState(config=config, engine=engine)
 
 

@@ -1,0 +1,107 @@
+"""Which running rows read one leased prefix once per decode step, decided as plain data.
+
+Rows that started from the same prompt-cache node chain (their ``Lease``)
+begin with the same tokens, and their caches hold the same K/V for them.
+After a join, ``choose_group`` picks at most one group: the node shared by
+the most rows times the prefix length they all hold (the longest common
+leased prefix), and ``RunningBatch.share`` rebuilds the batch's caches
+with kv/sharing_plan.py's ``share_prefix``: the group's rows keep only
+their tails and reference the node chain's spans (``Lease.layer_spans``,
+kept in the tree by the rows' leases); the others ride along as strays.
+
+``--shared-prefix-attention``: ``off`` never groups; ``on`` groups any two
+rows on at least ``MIN_PREFIX_TOKENS`` leased tokens; ``auto`` groups where
+``shared_prefix_decode.worth_sharing`` says the step is faster (CUDA from
+32k group tokens, measured per layer on the H200; never on the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxq.kv.shared_prefix_decode import worth_sharing
+from mlxq.kv.sharing_plan import SharingPlan
+from mlxq.store.lease import Lease
+from mlxq.store.prefix_tree import Node
+
+MODES = ("auto", "on", "off")
+MIN_PREFIX_TOKENS = 32  # ``on``: shorter common prefixes stay per row (the regroup copies cost more)
+
+
+@dataclass(frozen=True)
+class SharingPolicy:
+    mode: str  # auto, on, off
+    plan: SharingPlan | None  # which layers share (None: not planned, ``unplanned`` says why)
+    min_prefix: int = MIN_PREFIX_TOKENS
+    unplanned: str | None = None  # why the model was not probed (``off``, no prompt cache, auto on the CPU)
+
+    def wants(self, rows: int, prefix_length: int) -> bool:
+        if self.mode == "off" or self.plan is None or not self.plan.can_share:
+            return False
+        if rows < 2 or prefix_length < self.min_prefix:
+            return False
+        return self.mode == "on" or worth_sharing(rows, prefix_length)
+
+    def declined(self) -> str | None:
+        """Why this server never shares (None when it may)."""
+        if self.mode == "off":
+            return "--shared-prefix-attention off"
+        return self.plan.declined if self.plan is not None else self.unplanned
+
+
+@dataclass(frozen=True)
+class Group:
+    node: Node  # the deepest node the group's rows all lease through
+    prefix_length: int  # tokens every row of the group holds from the chain
+    shares: tuple[bool, ...]  # per running row: in the group
+
+    @property
+    def rows(self) -> int:
+        return sum(self.shares)
+
+    def prefix_lease(self) -> Lease:
+        """An unpinned view of the chain cut to the group's prefix (the rows' own leases pin it)."""
+        return Lease(self.prefix_length, None, self.node)
+
+    def keep(self, keep: list[int]) -> Group:
+        return Group(self.node, self.prefix_length, tuple(self.shares[i] for i in keep))
+
+
+def choose_group(leases: list[Lease | None], policy: SharingPolicy) -> Group | None:
+    """The group with the most rows x prefix tokens that ``policy`` wants, or None."""
+    members: dict[int, tuple[Node, list[int]]] = {}
+    for row, lease in enumerate(leases):
+        if lease is None or not lease.held:
+            continue
+        for node in lease.chain():
+            if node.tokens and node.depth < lease.cached:
+                members.setdefault(id(node), (node, []))[1].append(row)
+    best: tuple[int, Group] | None = None
+    for node, rows in members.values():
+        length = min(node.end, *(leases[i].cached for i in rows))
+        if not policy.wants(len(rows), length):
+            continue
+        score = len(rows) * length
+        if best is None or score > best[0]:
+            in_group = set(rows)
+            best = score, Group(node, length, tuple(i in in_group for i in range(len(leases))))
+    return None if best is None else best[1]
+
+
+@dataclass
+class SharingStats:
+    """/stats.batch.shared_prefix and /metrics mlxq:shared_prefix_decode_steps."""
+
+    steps: int = 0  # decode steps run with a shared-prefix group
+    groups: int = 0  # times a group was built (each join that regrouped)
+
+    def as_dict(self, policy: SharingPolicy | None, total_steps: int, group: Group | None) -> dict:
+        return {
+            "mode": policy.mode if policy else "off",
+            "declined": policy.declined() if policy else "batch lane off",
+            "steps": self.steps,
+            "share_of_steps": self.steps / total_steps if total_steps else 0.0,
+            "groups_built": self.groups,
+            "group_rows": group.rows if group else 0,
+            "prefix_tokens": group.prefix_length if group else 0,
+        }

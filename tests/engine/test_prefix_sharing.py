@@ -1,0 +1,43 @@
+"""Which running rows form the shared-prefix group, decided from their leases as plain data."""
+
+from __future__ import annotations
+
+from mlxq.engine.prefix_sharing import SharingPolicy, choose_group
+from mlxq.kv.sharing_plan import SharingPlan
+from mlxq.store.lease import Lease
+from mlxq.store.prefix_tree import Node
+
+PLAN = SharingPlan((True,), None)
+
+
+def tree():
+    root = Node((), None, [None])
+    a = Node(tuple(range(40)), root, [None], depth=0)
+    b = Node(tuple(range(60)), a, [None], depth=40)
+    c = Node(tuple(range(30)), a, [None], depth=40)
+    return a, b, c
+
+
+def leases():
+    a, b, c = tree()
+    return [Lease(100, None, b), Lease(80, None, b), Lease(60, None, c), None, Lease(0, None, None)]
+
+
+def test_the_group_is_the_node_with_most_rows_times_common_prefix():
+    group = choose_group(leases(), SharingPolicy("on", PLAN))
+    # a: 3 rows x 40 tokens = 120; b: 2 rows x min(100, 100, 80) = 160
+    assert group.prefix_length == 80 and group.shares == (True, True, False, False, False)
+    assert group.rows == 2 and group.keep([1, 2, 4]).shares == (True, False, False)
+
+
+def test_a_longer_minimum_prefix_or_a_lone_row_means_no_group():
+    assert choose_group(leases(), SharingPolicy("on", PLAN, min_prefix=81)) is None
+    assert choose_group(leases()[:1] + [None], SharingPolicy("on", PLAN)) is None
+
+
+def test_off_auto_on_the_cpu_and_a_declined_model_never_group():
+    assert choose_group(leases(), SharingPolicy("off", None)) is None
+    assert choose_group(leases(), SharingPolicy("auto", PLAN)) is None  # worth_sharing: never on the CPU
+    declined = SharingPlan((False,), "layers [0] compute attention outside mlx-lm's scaled_dot_product_attention")
+    policy = SharingPolicy("on", declined)
+    assert choose_group(leases(), policy) is None and policy.declined() == declined.declined
