@@ -75,7 +75,8 @@ def serve(
                                                               "once per decode step: auto (where measured "
                                                               "faster: CUDA from 32k rows x prefix tokens, "
                                                               "never on the CPU), on (any two rows on 32+ "
-                                                              "tokens), off.")] = "auto",
+                                                              "tokens), off (the default until measured "
+                                                              "end to end).")] = "off",
     ssd_cache: Annotated[str | None, typer.Option(help="Directory of the SSD cold tier (.mlxkv files); "
                                                        "prompt-cache entries survive restarts.")] = None,
     ssd_cache_max: Annotated[str | None, typer.Option(help="Byte cap of the SSD tier, e.g. 100GB "

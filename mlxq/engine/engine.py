@@ -53,7 +53,7 @@ class EngineConfig:
     warmup: str = "off"  # on, off, auto (on for GPU backends): engine/warmup.py before ready
     memory_limit_bytes: int | None = None  # MLX's memory limit; None: auto (engine/memory.py) unless off
     memory_limit_auto: bool = True  # False (--memory-limit off): leave MLX's own limits alone
-    shared_prefix_attention: str = "auto"  # auto, on, off: rows on one leased prefix read it once (batch lane)
+    shared_prefix_attention: str = "off"  # auto, on, off: rows on one leased prefix read it once (batch lane)
 
     def __post_init__(self):
         if self.prefill_step_size < 1:

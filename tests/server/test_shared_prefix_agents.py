@@ -113,7 +113,7 @@ def test_auto_on_the_cpu_never_shares_and_a_bad_mode_is_refused(tiny_model_dirs,
 
     _, tokenizer = load_tiny("llama")
     system = system_prompt(tokenizer, 200)
-    with serve(tiny_model_dirs["llama"], "--batch", "4") as server:
+    with serve(tiny_model_dirs["llama"], "--batch", "4", "--shared-prefix-attention", "auto") as server:
         wave(server.url, system, range(4), 8)
         assert shared_steps(server.url) == 0
         stats = httpx.get(server.url + "/stats").json()["batch"]["shared_prefix"]
