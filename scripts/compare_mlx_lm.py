@@ -66,13 +66,13 @@ def both_servers(model: str, batch: int, max_tokens: int, out: Path, mlxq_args=(
 
 def bench_command(a: str, b: str | None, concurrency: str, num_requests: int, prompt_len: int, max_tokens: int,
                   rounds: int, dataset: str, json_path: Path, plot_path: Path | None,
-                  fresh_prompts: bool = False) -> list[str]:
+                  fresh_prompts: bool = False, dataset_args: tuple[str, ...] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", a,
            *(["--compare", b, "--compare-label", "mlx_lm.server"] if b else []), "--concurrency", concurrency,
            "--num-requests", str(num_requests), "--prompt-len", str(prompt_len),
            "--max-tokens", str(max_tokens), "--rounds", str(rounds), "--dataset", dataset, "--ignore-eos",
            "--warmup", "2", "--label", "mlxq" if b else "server", "--json", str(json_path),
-           "--quiet"]
+           "--quiet", *dataset_args]
     cmd += ["--fresh-prompts" if fresh_prompts else "--repeat-prompts"]
     return cmd + (["--plot", str(plot_path)] if plot_path else [])
 
@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dataset", default="random")
+    ap.add_argument("--num-groups", type=int, default=4, help="shared-prefix: agent groups")
+    ap.add_argument("--question-len", type=int, default=16, help="words of each request's own text")
     ap.add_argument("--fresh-prompts", action="store_true", help="a new prompt set per level and round")
     ap.add_argument("--out", default="bench-out", help="folder for JSON, PNG and logs")
     ap.add_argument("mlxq_args", nargs="*", help="extra `mlxq serve` flags (after --)")
@@ -105,7 +107,8 @@ def main() -> None:
     with both_servers(model, max(levels), args.max_tokens, out, args.mlxq_args) as (a, b):
         cmd = bench_command(a, b, args.concurrency, args.num_requests, args.prompt_len, args.max_tokens,
                             args.rounds, args.dataset, out / "serving-load.json", out / "serving-load.png",
-                            args.fresh_prompts)
+                            args.fresh_prompts,
+                            ("--num-groups", str(args.num_groups), "--question-len", str(args.question_len)))
         result = subprocess.run(cmd, env={**os.environ, "COLUMNS": "160"})
     sys.exit(result.returncode)
 

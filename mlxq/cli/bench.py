@@ -55,6 +55,8 @@ def serving_load(
     max_tokens: Annotated[int, typer.Option(help="max_tokens per request.")] = 64,
     num_groups: Annotated[int, typer.Option(help="shared-prefix: agent groups.")] = 4,
     turns: Annotated[int, typer.Option(help="multi-turn, agents: turns per conversation.")] = 3,
+    question_len: Annotated[int, typer.Option(help="shared-prefix, multi-turn, agents: words of each "
+                                                   "request's own text (its turn after the shared part).")] = 16,
     ignore_eos: Annotated[bool, typer.Option(help="Ask for exactly max_tokens tokens.")] = False,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     warmup: Annotated[int, typer.Option(help="Unrecorded warm-up requests per measurement.")] = 1,
@@ -86,7 +88,7 @@ def serving_load(
                          request_rate=request_rate, burstiness=burstiness, seed=seed, api_key=api_key)
         other = None if compare is None else LoadConfig(**{**cfg.__dict__, "url": compare,
                                                             "model": compare_model or model})
-        work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup, fresh_prompts)
+        work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup, fresh_prompts, question_len)
         if dataset not in ("random", "shared-prefix", "multi-turn", "agents"):
             raise ValueError(f"unknown dataset {dataset!r}; choose random, shared-prefix, multi-turn or agents")
     except ValueError as exc:

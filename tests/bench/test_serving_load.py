@@ -27,8 +27,12 @@ ITL_S = 0.05  # and between chunks
 TOKENS = 6
 
 
+SEEN_MESSAGES: list[list[dict]] = []  # every request's messages, as the synthetic server received them
+
+
 async def fake_chat(request: Request):
     body = await request.json()
+    SEEN_MESSAGES.append(body["messages"])
     if body["messages"][-1]["content"].startswith("FAIL"):
         return JSONResponse({"error": {"message": "nope"}}, status_code=500)
 
@@ -200,3 +204,16 @@ def test_fresh_prompts_do_not_repeat_across_rounds(llama_server, tmp_path):
     fresh = cached_ratios()  # the default
     assert repeated[1] > 0.8  # the second round's prompts were the first round's
     assert max(fresh) < 0.3
+
+
+def test_question_len_sets_each_requests_own_words(synthetic_server):
+    SEEN_MESSAGES.clear()
+    result = CliRunner().invoke(app, [
+        "bench", "serving-load", "--url", synthetic_server, "--concurrency", "1", "--num-requests", "3",
+        "--prompt-len", "30", "--max-tokens", str(TOKENS), "--dataset", "shared-prefix", "--num-groups", "1",
+        "--question-len", "40", "--warmup", "0", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert len(SEEN_MESSAGES) == 3
+    systems = {messages[0]["content"] for messages in SEEN_MESSAGES}
+    assert len(systems) == 1 and len(next(iter(systems)).split()) >= 30  # one shared system prompt
+    assert [len(messages[-1]["content"].split()) for messages in SEEN_MESSAGES] == [40, 40, 40]
