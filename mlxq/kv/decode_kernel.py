@@ -22,11 +22,45 @@ import mlx.core as mx
 HEAD_DIMS = (64, 128, 256)
 _WARPS = 32
 
+# Kernel pieces shared with the shared-prefix kernels (kv/shared_prefix_kernel.py,
+# kv/tail_merge_kernel.py): each lane loads its slice of the scaled query and starts an
+# empty online softmax; after its keys each warp spills (max, total, output) to shared memory.
+LOAD_QUERY = """
+    const float s = scale[0];
+    float qr[E];
+    float o[E];
+    for (int i = 0; i < E; i++) {
+        qr[i] = static_cast<float>(q[i]) * s;
+        o[i] = 0.0f;
+    }
+    float m = NEG_INF;
+    float total = 0.0f;
+"""
+SPILL_WARPS = """
+    __shared__ float warp_max[W];
+    __shared__ float warp_total[W];
+    __shared__ float warp_out[W][D];
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_total[warp] = total;
+    }
+    for (int i = 0; i < E; i++) {
+        warp_out[warp][lane * E + i] = o[i];
+    }
+    __syncthreads();
+"""
+
+
+def splice(source: str) -> str:
+    """``source`` with the LOAD_QUERY and SPILL_WARPS placeholders filled in."""
+    return source.replace("LOAD_QUERY\n", LOAD_QUERY[1:]).replace("SPILL_WARPS\n", SPILL_WARPS[1:])
+
+
 _HEADER = """
 #define NEG_INF __int_as_float(0xff800000)
 """
 
-_SOURCE = """
+_SOURCE = splice("""
     constexpr int E = D / 32;  // head dimensions per lane
     const int b = blockIdx.y;
     const int h = blockIdx.x;
@@ -38,15 +72,7 @@ _SOURCE = """
     const T* q = queries + ((int64_t)b * heads + h) * D + lane * E;
     const T* kb = keys + b * keys_strides[0] + g * keys_strides[1] + lane * E;
     const T* vb = values + b * values_strides[0] + g * values_strides[1] + lane * E;
-    const float s = scale[0];
-    float qr[E];
-    float o[E];
-    for (int i = 0; i < E; i++) {
-        qr[i] = static_cast<float>(q[i]) * s;
-        o[i] = 0.0f;
-    }
-    float m = NEG_INF;
-    float total = 0.0f;
+LOAD_QUERY
     for (int j = starts[b] + warp; j < length; j += W) {
         const T* kj = kb + j * keys_strides[2];
         float score = 0.0f;
@@ -66,17 +92,7 @@ _SOURCE = """
         }
         m = m_new;
     }
-    __shared__ float warp_max[W];
-    __shared__ float warp_total[W];
-    __shared__ float warp_out[W][D];
-    if (lane == 0) {
-        warp_max[warp] = m;
-        warp_total[warp] = total;
-    }
-    for (int i = 0; i < E; i++) {
-        warp_out[warp][lane * E + i] = o[i];
-    }
-    __syncthreads();
+SPILL_WARPS
     const int t = threadIdx.x;
     if (t < D) {
         float mx_all = NEG_INF;
@@ -92,7 +108,7 @@ _SOURCE = """
         }
         out[((int64_t)b * heads + h) * D + t] = static_cast<T>(acc / denom);
     }
-"""
+""")
 
 _kernel = None
 _scales: dict[float, mx.array] = {}  # one device scalar per scale, not one per layer and step

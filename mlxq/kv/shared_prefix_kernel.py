@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxq.kv.decode_kernel import splice
+
 HEAD_DIMS = (64, 128, 256)
 _WARPS = 32
 
@@ -51,7 +53,7 @@ KEY_STEP = """
         }
 """
 
-_SOURCE = """
+_SOURCE = splice("""
     constexpr int E = D / 32;
     const int b = blockIdx.x;
     const int h = blockIdx.y;
@@ -66,15 +68,7 @@ _SOURCE = """
     const T* pv = prefix_values + g * prefix_values_strides[1] + lane * E;
     const T* tk = tail_keys + b * tail_keys_strides[0] + g * tail_keys_strides[1] + lane * E;
     const T* tv = tail_values + b * tail_values_strides[0] + g * tail_values_strides[1] + lane * E;
-    const float s = scale[0];
-    float qr[E];
-    float o[E];
-    for (int i = 0; i < E; i++) {
-        qr[i] = static_cast<float>(q[i]) * s;
-        o[i] = 0.0f;
-    }
-    float m = NEG_INF;
-    float total = 0.0f;
+LOAD_QUERY
     for (int j = warp; j < prefix_len; j += W) {
         const T* kj = pk + j * prefix_keys_strides[2];
         const T* vj = pv + j * prefix_values_strides[2];
@@ -85,17 +79,7 @@ _SOURCE = """
         const T* vj = tv + j * tail_values_strides[2];
         STEP
     }
-    __shared__ float warp_max[W];
-    __shared__ float warp_total[W];
-    __shared__ float warp_out[W][D];
-    if (lane == 0) {
-        warp_max[warp] = m;
-        warp_total[warp] = total;
-    }
-    for (int i = 0; i < E; i++) {
-        warp_out[warp][lane * E + i] = o[i];
-    }
-    __syncthreads();
+SPILL_WARPS
     const int t = threadIdx.x;
     if (t < D) {
         const float sink = HAS_SINKS ? static_cast<float>(sinks[h]) : NEG_INF;
@@ -112,7 +96,7 @@ _SOURCE = """
         }
         out[((int64_t)b * heads + h) * D + t] = static_cast<T>(acc / denom);
     }
-""".replace("STEP", KEY_STEP)
+""".replace("STEP", KEY_STEP))
 
 _kernel = None
 _scales: dict[float, mx.array] = {}

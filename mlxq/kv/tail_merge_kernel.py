@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxq.kv.decode_kernel import splice
 from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
 from mlxq.kv.shared_prefix_kernel import HEADER, KEY_STEP, row_shares
 
 _WARPS = 32
 
-_SOURCE = """
+_SOURCE = splice("""
     constexpr int E = D / 32;
     const int b = blockIdx.x;
     const int h = blockIdx.y;
@@ -36,31 +37,13 @@ _SOURCE = """
     const T* q = queries + ((int64_t)b * heads + h) * D + lane * E;
     const T* tk = tail_keys + b * tail_keys_strides[0] + g * tail_keys_strides[1] + lane * E;
     const T* tv = tail_values + b * tail_values_strides[0] + g * tail_values_strides[1] + lane * E;
-    const float s = scale[0];
-    float qr[E];
-    float o[E];
-    for (int i = 0; i < E; i++) {
-        qr[i] = static_cast<float>(q[i]) * s;
-        o[i] = 0.0f;
-    }
-    float m = NEG_INF;
-    float total = 0.0f;
+LOAD_QUERY
     for (int j = starts[b] + warp; j < tail_len; j += W) {
         const T* kj = tk + j * tail_keys_strides[2];
         const T* vj = tv + j * tail_values_strides[2];
         STEP
     }
-    __shared__ float warp_max[W];
-    __shared__ float warp_total[W];
-    __shared__ float warp_out[W][D];
-    if (lane == 0) {
-        warp_max[warp] = m;
-        warp_total[warp] = total;
-    }
-    for (int i = 0; i < E; i++) {
-        warp_out[warp][lane * E + i] = o[i];
-    }
-    __syncthreads();
+SPILL_WARPS
     const int t = threadIdx.x;
     if (t < D) {
         const float sink = HAS_SINKS ? static_cast<float>(sinks[h]) : NEG_INF;
@@ -79,7 +62,7 @@ _SOURCE = """
         }
         out[((int64_t)b * heads + h) * D + t] = static_cast<T>(acc / denom);
     }
-""".replace("STEP", KEY_STEP)
+""".replace("STEP", KEY_STEP))
 
 # Compiled once per (rows, prefix length, scale): a group's shapes stay put while its tails grow.
 _prefix_stats = mx.compile(stacked_prefix_stats)
