@@ -111,7 +111,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
         self.submitted_rows = 0
         self.shared_prefills = 0  # joiners that waited for another joiner's prefill instead of repeating it
         self.faults = evaluator or Evaluator()  # evaluations retried once on an allocation failure
-        self.caps = LoadCaps(config.max_rows, config.prompt_concurrency)  # lowered by memory faults
+        # Lowered by memory faults. Joiners prefilling prompts of their own are at most the prompt
+        # concurrency already; the group may be as large as the batch so that followers released
+        # together advance their tails in one forward (the step's token budget still bounds it).
+        self.caps = LoadCaps(config.max_rows, config.max_rows)
         self._preempted: list[Row] = []  # rows whose KV was dropped, oldest first: readmitted before new work
         self._times_preempted: dict[str, int] = {}  # request id -> requeues so far
 
@@ -148,7 +151,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
     # --- what the planner sees ------------------------------------------------------
     def _load(self) -> Load:
         running = tuple(Extent(len(r.request.prompt_ids), r.request.max_tokens) for r in self.batch.rows)
-        return Load(running, tuple(j.extent() for j in self.joiners), len(self._preempted))
+        following = sum(j.leader is not None for j in self.joiners)
+        return Load(running, tuple(j.extent() for j in self.joiners), len(self._preempted), following)
 
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes

@@ -6,13 +6,16 @@ and only then touches caches:
 
 - ``can_admit``: may a request join now (row cap, prompt concurrency, the
   prefill transient reserve, memory room while busy, ``--kv-budget``)?
+  A follower waiting for its leader prefills nothing: it takes no
+  prompt-concurrency slot, so every agent of a burst can wait on one leader.
 - ``plan_intake``: which cancelled joiners and preempted rows leave, which
   followers are released (their leader's prefix is stored, or the leader is
   gone), how many preempted rows re-enter (oldest first, under the same
   rules as a new request, ahead of it).
 - ``plan_prefill``: which joiners advance one chunk this step (FIFO, within
   one chunk's worth of tokens, at most the group cap), which read one more
-  tensor from disk, and whether the chunks run as one forward.
+  tensor from disk, and whether the chunks run as one forward. Followers
+  released together advance their own tails together: one forward.
 - ``choose_leader``: agents arriving together with a long shared prefix
   prefill it once; a joiner follows the first one still prefilling it.
 
@@ -65,9 +68,10 @@ class Load:
     running: tuple[Extent, ...]  # decoding rows
     prefilling: tuple[Extent, ...]  # joiners
     preempted: int = 0  # rows waiting to be recomputed: new requests wait behind them
+    following: int = 0  # of the joiners, those waiting for a leader's prefill (they prefill nothing yet)
 
     def with_joiner(self, extent: Extent) -> Load:
-        return Load(self.running, (*self.prefilling, extent), self.preempted)
+        return Load(self.running, (*self.prefilling, extent), self.preempted, self.following)
 
 
 @dataclass(frozen=True)
@@ -101,8 +105,12 @@ def fits_memory(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> b
 
 
 def has_slot(load: Load, limits: Limits) -> bool:
+    """A row is free, and fewer joiners than the prompt concurrency prefill prompts of their own.
+
+    Followers do not count until they are released: a burst of agents on one prompt all
+    wait for its one prefill, instead of the later ones queueing behind the first few."""
     return (len(load.running) + len(load.prefilling) < limits.row_cap
-            and len(load.prefilling) < limits.prompt_concurrency)
+            and len(load.prefilling) - load.following < limits.prompt_concurrency)
 
 
 def can_admit(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> bool:
@@ -154,7 +162,9 @@ def plan_intake(joiners: Sequence[JoinerView], preempted: Sequence[tuple[Extent,
     released = tuple(i for i, j in enumerate(joiners) if j.following and not j.cancelled
                      and (j.leader is None or j.leader in gone or joiners[j.leader].done >= j.wait_until))
     dropped = tuple(i for i, (_, cancelled) in enumerate(preempted) if cancelled)
-    load = Load(tuple(running), tuple(j.extent for i, j in enumerate(joiners) if i not in gone))
+    staying = [i for i in range(len(joiners)) if i not in gone]
+    waiting = sum(joiners[i].following and i not in released for i in staying)
+    load = Load(tuple(running), tuple(joiners[i].extent for i in staying), following=waiting)
     readmit = 0
     for extent, cancelled in preempted:
         if cancelled:

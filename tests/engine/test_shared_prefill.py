@@ -59,6 +59,37 @@ def test_a_burst_of_agents_prefills_the_shared_prompt_once(load_tiny, arch, snap
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
 
 
+def test_a_burst_larger_than_the_prompt_concurrency_waits_on_one_leader_and_its_tails_prefill_together(load_tiny):
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    reqs = [Request(f"agent-{i}", shared + tokenizer.encode(f" Question number {i} of the burst?"), SamplingParams(),
+                    8) for i in range(7)]
+    finished: dict[str, tuple[list[int], int]] = {}
+    scheduler = BatchScheduler(
+        model, tokenizer, measure_footprint(model), SchedulerConfig(8, 2, 2048, None),
+        prompt_cache=PromptCache(1 << 30),
+        on_finish=lambda row: finished.__setitem__(row.request.request_id,
+                                                   (row.output.tokens, row.output.cached_tokens)))
+    admitted = 0
+    for r in reqs:  # the engine's admission loop: the head joins while can_admit says so
+        if not scheduler.can_admit(r):
+            break
+        scheduler.add(r, lambda e: None)
+        admitted += 1
+    assert admitted == len(reqs) and scheduler.shared_prefills == len(reqs) - 1  # followers take no slot
+    prefilling_steps = []
+    while not scheduler.is_idle:
+        before = scheduler.num_prefilling
+        scheduler.step()
+        if scheduler.num_prefilling < before:
+            prefilling_steps.append(before - scheduler.num_prefilling)
+    assert prefilling_steps == [1, len(reqs) - 1]  # the leader, then every tail in one step
+    assert all(finished[r.request_id][1] >= len(shared) for r in reqs[1:])
+    expected = serial_with_cache(model, tokenizer, reqs)
+    for r in reqs:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
 def test_no_waiting_without_a_long_enough_shared_prefix(load_tiny):
     model, tokenizer = load_tiny("llama")
     scheduler = BatchScheduler(model, tokenizer, measure_footprint(model), SchedulerConfig(8, 4, 2048, None),

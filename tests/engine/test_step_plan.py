@@ -57,6 +57,25 @@ def test_admission_respects_row_cap_prompt_concurrency_and_waits_behind_preempte
     assert not can_admit(Load((), (), preempted=1), one, limits(), SIZING)  # FIFO: requeued rows first
 
 
+def test_followers_waiting_on_a_leader_take_no_prompt_concurrency_slot():
+    one = Extent(500, 64)
+    waiting = Load((), (one,) * 6, following=5)  # one leader prefilling, five waiting on it
+    assert can_admit(waiting, one, limits(prompt_concurrency=2), SIZING)
+    assert not can_admit(Load((), (one,) * 6, following=4), one, limits(prompt_concurrency=2), SIZING)
+    assert not can_admit(Load((one,), (one,) * 7, following=7), one, limits(), SIZING)  # the row cap still holds
+    # Released followers prefill their tails: from then on they count again.
+    views = [joiner(500, done=499)] + [joiner(500, leader=0, following=True, wait_until=499)] * 3
+    plan = plan_intake(views, [(one, False)], [], limits(prompt_concurrency=2), SIZING)
+    assert plan.released == (1, 2, 3) and plan.readmit == 0
+
+
+def test_released_tails_advance_together_within_the_step_budget():
+    tails = [joiner(500, done=460) for _ in range(12)]  # 39 tokens each
+    plan = plan_prefill(tails, limits(group_cap=16, prefill_budget=2048))
+    assert plan.advance == tuple(range(12)) and plan.together
+    assert plan_prefill(tails, limits(group_cap=16, prefill_budget=200)).advance == tuple(range(6))
+
+
 def test_memory_room_holds_newcomers_only_while_busy():
     one = Extent(100, 100)
     tight = limits(memory_room=ROW // 2)
