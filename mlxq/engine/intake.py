@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.rows import Row, make_row, resume_row
-from mlxq.engine.step_plan import IntakePlan, choose_leader
+from mlxq.engine.step_plan import IntakePlan, PrefixView, choose_leader
 from mlxq.engine.types import FinishReason, Request
 from mlxq.store.lease import Lease
 
@@ -46,9 +46,19 @@ class Intake:
         choice = choose_leader(joiner.prefix_view(), [j.prefix_view() for j in self.joiners])
         if choice is not None:
             leader = self.joiners[choice.leader]
-            joiner.leader, joiner.wait_until = leader, choice.wait_until
+            joiner.leader, joiner.wait_until, joiner.shared = leader, choice.wait_until, choice.shared
             leader.followers += 1
             self.shared_prefills += 1
+
+    def _own_prefill(self, request: Request) -> int:
+        """Prompt tokens ``request`` would prefill itself if admitted now: what neither the RAM tier
+        holds nor a joiner it would follow is prefilling (``step_plan.can_admit`` asks)."""
+        if self.prompt_cache is None:
+            return len(request.prompt_ids)
+        _, cached = self.prompt_cache.held_path(request.namespace, request.prompt_ids)
+        view = PrefixView(request.namespace, request.prompt_ids, cached, True, request.snapshot_at)
+        choice = choose_leader(view, [j.prefix_view() for j in self.joiners])
+        return len(request.prompt_ids) - 1 - max(cached, choice.shared if choice else 0)
 
     def _release(self, joiner: Joiner) -> None:
         """Its leader's prefix is stored (or the leader is gone): take it from the prompt cache."""

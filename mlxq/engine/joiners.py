@@ -30,6 +30,7 @@ class Joiner:
     done: int = 0  # prompt tokens already prefilled
     leader: Joiner | None = None  # prefilling the prefix this joiner shares: wait for it, then take
     wait_until: int = 0  # the leader's ``done`` at which the shared prefix is in the prompt cache
+    shared: int = 0  # prompt tokens the leader prefills for it
     followers: int = 0  # joiners waiting on this one
     restore: PendingRestore | None = None  # reading a longer prefix from disk
     resumed: bool = False  # a preempted row recomputing its KV: its usage keeps its first cached count
@@ -108,5 +109,5 @@ class Joiners:
         return [JoinerView(j.extent(), j.done, 0 if j.is_prefilled else chunk_len(j),
                            cancelled=j.row.request.cancelled.is_set(), restoring=j.restore is not None,
                            leader=None if j.leader is None else index.get(id(j.leader)),
-                           following=j.leader is not None, wait_until=j.wait_until)
+                           following=j.leader is not None, wait_until=j.wait_until, shared=j.shared)
                 for j in self._items]

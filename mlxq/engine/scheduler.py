@@ -50,6 +50,7 @@ from mlxq.engine.step_plan import (
     Load,
     Sizing,
     can_admit,
+    load_of,
     plan_intake,
     plan_prefill,
 )
@@ -137,7 +138,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
 
     def can_admit(self, request: Request) -> bool:
         return can_admit(self._load(), Extent(len(request.prompt_ids), request.max_tokens), self._limits(),
-                         self.sizing)
+                         self.sizing, self._own_prefill(request))
 
     def projected_bytes(self) -> int:
         """Worst-case KV bytes of every row at prompt + max_tokens, plus the joiners' ring transients."""
@@ -150,9 +151,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
 
     # --- what the planner sees ------------------------------------------------------
     def _load(self) -> Load:
-        running = tuple(Extent(len(r.request.prompt_ids), r.request.max_tokens) for r in self.batch.rows)
-        following = sum(j.leader is not None for j in self.joiners)
-        return Load(running, tuple(j.extent() for j in self.joiners), len(self._preempted), following)
+        running = [Extent(len(r.request.prompt_ids), r.request.max_tokens) for r in self.batch.rows]
+        return load_of(running, self.joiners.views(self._chunk_len), len(self._preempted))
 
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes

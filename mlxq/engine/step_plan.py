@@ -6,8 +6,10 @@ and only then touches caches:
 
 - ``can_admit``: may a request join now (row cap, prompt concurrency, the
   prefill transient reserve, memory room while busy, ``--kv-budget``)?
-  A follower waiting for its leader prefills nothing: it takes no
-  prompt-concurrency slot, so every agent of a burst can wait on one leader.
+  A slot holds back a long prefill: a joiner with at most SHORT_PREFILL
+  prompt tokens of its own to compute (the rest cached, or being prefilled
+  by the leader it follows) takes none, so a burst of agents on one prompt
+  all wait on one leader, or all start from the cached prefix, at once.
 - ``plan_intake``: which cancelled joiners and preempted rows leave, which
   followers are released (their leader's prefix is stored, or the leader is
   gone), how many preempted rows re-enter (oldest first, under the same
@@ -34,6 +36,9 @@ from mlxq.store.prefix import common_prefix
 
 # A joiner waits for another joiner's prefill only when they share at least this many new tokens.
 MIN_SHARED_PREFILL = 64
+# A joiner with at most this many prompt tokens of its own to prefill takes no prompt-concurrency slot:
+# its tail costs a fraction of a step's token budget, which still bounds the step.
+SHORT_PREFILL = 128
 
 
 @dataclass(frozen=True)
@@ -68,10 +73,10 @@ class Load:
     running: tuple[Extent, ...]  # decoding rows
     prefilling: tuple[Extent, ...]  # joiners
     preempted: int = 0  # rows waiting to be recomputed: new requests wait behind them
-    following: int = 0  # of the joiners, those waiting for a leader's prefill (they prefill nothing yet)
+    short: int = 0  # of the joiners, those with a short prefill of their own (SHORT_PREFILL): no slot
 
-    def with_joiner(self, extent: Extent) -> Load:
-        return Load(self.running, (*self.prefilling, extent), self.preempted, self.following)
+    def with_joiner(self, extent: Extent, short: bool = False) -> Load:
+        return Load(self.running, (*self.prefilling, extent), self.preempted, self.short + short)
 
 
 @dataclass(frozen=True)
@@ -104,18 +109,20 @@ def fits_memory(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> b
     return need <= limits.memory_room
 
 
-def has_slot(load: Load, limits: Limits) -> bool:
-    """A row is free, and fewer joiners than the prompt concurrency prefill prompts of their own.
+def has_slot(load: Load, limits: Limits, short: bool = False) -> bool:
+    """A row is free and, for a long prefill, fewer long prefills than the prompt concurrency run.
 
-    Followers do not count until they are released: a burst of agents on one prompt all
-    wait for its one prefill, instead of the later ones queueing behind the first few."""
+    Short ones take no slot: agents on one cached (or leader-prefilled) prompt join together,
+    instead of the later ones queueing behind the first few tails."""
     return (len(load.running) + len(load.prefilling) < limits.row_cap
-            and len(load.prefilling) - load.following < limits.prompt_concurrency)
+            and (short or len(load.prefilling) - load.short < limits.prompt_concurrency))
 
 
-def can_admit(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> bool:
-    """May a new request become a joiner now? (FIFO: the engine asks for the head of its queue only.)"""
-    if load.preempted or not has_slot(load, limits):
+def can_admit(load: Load, extent: Extent, limits: Limits, sizing: Sizing, own_tokens: int | None = None) -> bool:
+    """May a new request become a joiner now? (FIFO: the engine asks for the head of its queue only.)
+
+    ``own_tokens``: prompt tokens it would prefill itself (None: all of them)."""
+    if load.preempted or not has_slot(load, limits, is_short(own_tokens)):
         return False
     if load.prefilling and limits.transient_budget:  # 0: nothing was set aside (engine/memory.py): no cap
         prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
@@ -124,6 +131,10 @@ def can_admit(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> boo
     if not fits_memory(load, extent, limits, sizing):
         return False
     return limits.kv_budget is None or sizing.projected_bytes(load.with_joiner(extent)) <= limits.kv_budget
+
+
+def is_short(own_tokens: int | None) -> bool:
+    return own_tokens is not None and own_tokens <= SHORT_PREFILL
 
 
 @dataclass(frozen=True)
@@ -138,11 +149,24 @@ class JoinerView:
     leader: int | None = None  # index of the joiner it waits for (None: follows nobody, or its leader left)
     following: bool = False  # it was told to wait for a leader (which may have left since)
     wait_until: int = 0  # the leader's ``done`` at which the shared prefix is stored
+    shared: int = 0  # prompt tokens its leader prefills for it
 
     @property
     def is_prefilled(self) -> bool:
         """All but the last prompt token are in the caches: ready for token 0."""
         return self.done >= self.extent.prompt - 1
+
+    @property
+    def own_tokens(self) -> int:
+        """Prompt tokens it prefills itself: what neither the prompt cache nor its leader gives it."""
+        start = max(self.done, self.shared) if self.following else self.done
+        return max(0, self.extent.prompt - 1 - start)
+
+
+def load_of(running: Sequence[Extent], joiners: Sequence[JoinerView], preempted: int = 0) -> Load:
+    """The batch as admission sees it: rows, joiners (the short ones counted apart), requeued rows."""
+    return Load(tuple(running), tuple(j.extent for j in joiners), preempted,
+                sum(is_short(j.own_tokens) for j in joiners))
 
 
 @dataclass(frozen=True)
@@ -162,9 +186,7 @@ def plan_intake(joiners: Sequence[JoinerView], preempted: Sequence[tuple[Extent,
     released = tuple(i for i, j in enumerate(joiners) if j.following and not j.cancelled
                      and (j.leader is None or j.leader in gone or joiners[j.leader].done >= j.wait_until))
     dropped = tuple(i for i, (_, cancelled) in enumerate(preempted) if cancelled)
-    staying = [i for i in range(len(joiners)) if i not in gone]
-    waiting = sum(joiners[i].following and i not in released for i in staying)
-    load = Load(tuple(running), tuple(joiners[i].extent for i in staying), following=waiting)
+    load = load_of(running, [j for i, j in enumerate(joiners) if i not in gone])
     readmit = 0
     for extent, cancelled in preempted:
         if cancelled:
@@ -217,6 +239,7 @@ class PrefixView:
 class LeaderChoice:
     leader: int  # index into the candidates
     wait_until: int  # the leader's ``done`` at which the shared prefix is in the prompt cache
+    shared: int  # prompt tokens the follower then takes from the prompt cache
 
 
 def choose_leader(joiner: PrefixView, candidates: Sequence[PrefixView]) -> LeaderChoice | None:
@@ -237,5 +260,5 @@ def choose_leader(joiner: PrefixView, candidates: Sequence[PrefixView]) -> Leade
             split = leader.snapshot_at
             wait_until = shared = split if split is not None and split <= shared else 0
         if shared - joiner.done >= MIN_SHARED_PREFILL and leader.done < wait_until:
-            return LeaderChoice(index, wait_until)
+            return LeaderChoice(index, wait_until, shared)
     return None

@@ -88,6 +88,14 @@ def test_a_burst_larger_than_the_prompt_concurrency_waits_on_one_leader_and_its_
     expected = serial_with_cache(model, tokenizer, reqs)
     for r in reqs:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+    # Once the prefix is cached, a burst's short tails all join at once, beyond the prompt concurrency.
+    again = [Request(f"again-{i}", shared + tokenizer.encode(f" Another question, {i}?"), SamplingParams(), 4)
+             for i in range(6)]
+    for r in again:
+        assert scheduler.can_admit(r)
+        scheduler.add(r, lambda e: None)
+    scheduler.step()
+    assert scheduler.num_prefilling == 0 and scheduler.num_rows == len(again)
 
 
 def test_no_waiting_without_a_long_enough_shared_prefix(load_tiny):

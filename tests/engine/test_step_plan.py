@@ -5,6 +5,7 @@ from __future__ import annotations
 from mlxq.engine.preempt import plan_decode_preemption, rows_that_fit
 from mlxq.engine.step_plan import (
     MIN_SHARED_PREFILL,
+    SHORT_PREFILL,
     Extent,
     JoinerView,
     Limits,
@@ -13,6 +14,7 @@ from mlxq.engine.step_plan import (
     Sizing,
     can_admit,
     choose_leader,
+    load_of,
     plan_intake,
     plan_prefill,
 )
@@ -57,16 +59,28 @@ def test_admission_respects_row_cap_prompt_concurrency_and_waits_behind_preempte
     assert not can_admit(Load((), (), preempted=1), one, limits(), SIZING)  # FIFO: requeued rows first
 
 
-def test_followers_waiting_on_a_leader_take_no_prompt_concurrency_slot():
+def test_short_prefills_take_no_prompt_concurrency_slot():
     one = Extent(500, 64)
-    waiting = Load((), (one,) * 6, following=5)  # one leader prefilling, five waiting on it
-    assert can_admit(waiting, one, limits(prompt_concurrency=2), SIZING)
-    assert not can_admit(Load((), (one,) * 6, following=4), one, limits(prompt_concurrency=2), SIZING)
-    assert not can_admit(Load((one,), (one,) * 7, following=7), one, limits(), SIZING)  # the row cap still holds
-    # Released followers prefill their tails: from then on they count again.
-    views = [joiner(500, done=499)] + [joiner(500, leader=0, following=True, wait_until=499)] * 3
-    plan = plan_intake(views, [(one, False)], [], limits(prompt_concurrency=2), SIZING)
-    assert plan.released == (1, 2, 3) and plan.readmit == 0
+    waiting = Load((), (one,) * 6, short=5)  # one long prefill, five short ones
+    assert can_admit(waiting, one, limits(prompt_concurrency=2), SIZING)  # a second long prefill
+    assert not can_admit(Load((), (one,) * 6, short=4), one, limits(prompt_concurrency=2), SIZING)
+    assert can_admit(Load((), (one,) * 6), one, limits(prompt_concurrency=2), SIZING, own_tokens=SHORT_PREFILL)
+    assert not can_admit(Load((), (one,) * 6), one, limits(prompt_concurrency=2), SIZING,
+                         own_tokens=SHORT_PREFILL + 1)
+    assert not can_admit(Load((one,), (one,) * 7, short=7), one, limits(), SIZING, own_tokens=0)  # the row cap holds
+
+
+def test_a_joiners_own_prefill_is_what_neither_the_cache_nor_its_leader_gives_it():
+    views = [joiner(500),  # a leader, all its own
+             joiner(500, leader=0, following=True, wait_until=499, shared=450),  # waits: 49 of its own
+             joiner(900, leader=0, following=True, wait_until=499, shared=450),  # a long tail after the share
+             joiner(500, done=460),  # a cached prefix
+             joiner(500, done=300)]  # a long prompt most of the way through
+    assert [v.own_tokens for v in views] == [499, 49, 449, 39, 199]
+    assert load_of([], views).short == 2
+    # The leader holds the one slot; its waiting follower takes none: a preempted row waits for the slot.
+    plan = plan_intake(views[:2], [(Extent(500, 64), False)], [], limits(prompt_concurrency=1), SIZING)
+    assert plan.released == () and plan.readmit == 0
 
 
 def test_released_tails_advance_together_within_the_step_budget():
@@ -146,6 +160,7 @@ def test_the_first_joiner_still_prefilling_the_shared_prefix_leads():
                view(SHARED + [4, 4])]
     choice = choose_leader(me, leaders)
     assert choice.leader == 2 and choice.wait_until == len(SHARED) + 2  # its whole prompt[:-1] state
+    assert choice.shared == len(SHARED)  # what the follower then takes
 
 
 def test_no_leader_for_a_short_share_another_namespace_or_a_leader_already_past_it():

@@ -166,7 +166,7 @@ def test_request_log_lines_are_json_without_prompts(tiny_model_dirs):
     assert "HTTP/1.1" not in logs  # no access lines: /health was polled, the request is logged once
     lines = [e for e in every if e["logger"] == "mlxq.requests"]
     assert len(lines) == 1
-    assert {"id", "lane", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_ms", "decode_tok_s",
+    assert {"id", "lane", "prompt_tokens", "cached_tokens", "generated_tokens", "queue_ms", "ttft_ms", "decode_tok_s",
             "finish_reason"} <= set(lines[0])
     assert "SECRET-PROMPT" not in logs
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-prompts") as server:
