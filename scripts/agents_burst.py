@@ -18,7 +18,7 @@ faults), a memory fault preempted it, or it prefilled its own prompt.
 
 Writes ``summary.json`` (per wave: TTFT p50/p95/max, output tok/s, cached
 share, RAM tier entries and bytes, outliers with causes) and ``requests.json``
-(every request's timings; not for git).
+(every request's timings; not for git), after every wave.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -139,25 +140,29 @@ def explain(record: Record, samples: list[Sample], batch: int, prompt_concurrenc
     if not during:
         return "no /stats reading while it waited"
     faults = during[-1].preemptions - during[0].preemptions
-    queued = record.queue_ms is not None and record.queue_ms >= record.ttft_ms / 2
-    if queued or (record.queue_ms is None and max(s.pending for s in during) > 0):
-        low_cap = min(s.row_cap for s in during)
-        if low_cap < batch:
-            held = f"row cap lowered to {low_cap} by memory faults"
-        elif any(s.kv_budget and s.kv_bytes > 0.9 * s.kv_budget for s in during):
-            held = "the KV budget was full"
-        elif max(s.prefilling for s in during) >= prompt_concurrency:
-            held = f"{prompt_concurrency} joiners were prefilling (--prompt-concurrency)"
-        elif max(s.active + s.prefilling for s in during) >= batch:
-            held = f"all {batch} rows were taken"
-        else:
-            held = "the queue's head was held (a serial request or a preempted row first)"
-        waited = f"{record.queue_ms:.0f} ms" if record.queue_ms is not None else "a while"
-        return f"queued {waited} before admission: {held}"
+    if record.queue_ms is not None and record.queue_ms >= record.ttft_ms / 2:
+        admitted = record.sent_s + record.queue_ms / 1000
+        at = ([s for s in during if s.t <= admitted] or during)[-1]  # the last reading before admission
+        return f"queued {record.queue_ms:.0f} ms before admission: {held_by(at, batch, prompt_concurrency)}"
     if faults > 0 or max(s.preempted for s in during) > 0:
         return f"memory faults while it waited: {faults} preemptions (KV dropped and recomputed)"
     uncached = record.prompt_tokens - record.cached_tokens
     return f"prefill after admission: {uncached} uncached prompt tokens, beside {max(s.active for s in during)} rows"
+
+
+def held_by(at: Sample, batch: int, prompt_concurrency: int) -> str:
+    """What kept the queue's head out, as one /stats reading shows it."""
+    if at.row_cap < batch:
+        return f"row cap lowered to {at.row_cap} by memory faults"
+    if at.active + at.prefilling >= at.row_cap:
+        return f"all {at.row_cap} rows were taken"
+    if at.kv_budget and at.kv_bytes > 0.9 * at.kv_budget:
+        return f"the KV budget was full ({at.kv_bytes / 1e9:.2f} of {at.kv_budget / 1e9:.2f} GB)"
+    if at.preempted:
+        return f"{at.preempted} preempted rows go first"
+    if at.prefilling >= prompt_concurrency:
+        return f"{at.prefilling} joiners were prefilling (--prompt-concurrency {prompt_concurrency})"
+    return f"not visible in /stats ({at.pending} waiting, {at.prefilling} prefilling, {at.active} rows)"
 
 
 def mark_outliers(records: list[Record], samples: list[Sample], args) -> None:
@@ -205,16 +210,15 @@ def server_queue_times(log_path: Path | None) -> dict[str, float]:
     return out
 
 
-async def run(url: str, args, log_path: Path | None) -> dict:
+async def run(url: str, args, log_path: Path | None) -> None:
     words = corpus_words()
-    import random
-
     rng = random.Random(args.seed)
-    system = "You are one of many agents working on one task. " + _text(rng, words, args.prefix_words)
     async with httpx.AsyncClient(timeout=args.timeout_s) as client:  # first-use costs: not part of any wave
         await one_request(client, url, "Warm-up.", _text(rng, words, 20), 4, -1, time.perf_counter())
     waves, all_records = [], []
     for wave in range(args.waves):
+        if wave < max(1, args.cold_waves):  # a burst on a prompt nobody sent before
+            system = f"You are one of many agents working on task {wave}. " + _text(rng, words, args.prefix_words)
         questions = [_text(rng, words, args.question_words) for _ in range(args.agents)]
         records, samples, wall = await run_wave(url, wave, system, questions, args)
         await asyncio.sleep(0.3)  # the request log's last lines
@@ -231,7 +235,13 @@ async def run(url: str, args, log_path: Path | None) -> dict:
         for r in sorted(records, key=lambda r: r.sent_s):
             if r.outlier:
                 print(f"  outlier {r.id}: ttft {r.ttft_ms:.0f} ms, queue {r.queue_ms} ms: {r.outlier}", flush=True)
-    return {"waves": waves, "records": [asdict(r) for r in all_records]}
+        write_results(args, waves, all_records)  # after every wave: a cut-short run keeps what it measured
+
+
+def write_results(args, waves: list[dict], records: list[Record]) -> None:
+    out = Path(args.out)
+    (out / "requests.json").write_text(json.dumps([asdict(r) for r in records]))
+    (out / "summary.json").write_text(json.dumps({"config": vars(args), "waves": waves}, indent=1))
 
 
 def main() -> None:
@@ -240,6 +250,7 @@ def main() -> None:
     ap.add_argument("--url")
     ap.add_argument("--agents", type=int, default=64)
     ap.add_argument("--waves", type=int, default=3)
+    ap.add_argument("--cold-waves", type=int, default=1, help="the first waves each get a new system prompt")
     ap.add_argument("--prefix-words", type=int, default=1700)
     ap.add_argument("--question-words", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -256,14 +267,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.url:
-        result = asyncio.run(run(args.url.rstrip("/"), args, None))
+        asyncio.run(run(args.url.rstrip("/"), args, None))
     else:
-        result = serve_and_run(args, out)
-    (out / "requests.json").write_text(json.dumps(result.pop("records")))
-    (out / "summary.json").write_text(json.dumps({"config": vars(args), **result}, indent=1))
+        serve_and_run(args, out)
 
 
-def serve_and_run(args, out: Path) -> dict:
+def serve_and_run(args, out: Path) -> None:
     port, log_path = free_port(), out / "server.log"
     cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", args.model, "--port", str(port),
            "--batch", str(args.batch), "--prompt-concurrency", str(args.prompt_concurrency),
@@ -273,7 +282,7 @@ def serve_and_run(args, out: Path) -> dict:
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc)
-            return asyncio.run(run(url, args, log_path))
+            asyncio.run(run(url, args, log_path))
         finally:
             proc.terminate()
             try:
