@@ -29,6 +29,7 @@ from mlxq.engine.serial_resume import DrawLedger, SerialPreempted, SerialRun
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.capabilities import is_trimmable
 from mlxq.kv.scheme import NATIVE, KvScheme
+from mlxq.store.lease import Lease
 from mlxq.store.prefix import boundary_snapshot, finish_tokens, system_snapshot
 
 log = logging.getLogger("mlxq.serial")
@@ -130,12 +131,26 @@ def _attempt(model, run: SerialRun, evaluator: Evaluator, step: int, on_step, pr
     """One mlx-lm loop over the run's sequence (prompt + tokens handed out), until the request ends.
 
     With a ``prompt_cache`` (store.PromptCache), the prefill starts after the longest cached
-    prefix and the caches are stored again when the request ends. Logits processors
-    (penalties) see the whole sequence either way: mlx-lm's loop only sees the tokens it
-    prefills, so each processor is wrapped to see the cached prefix first (``_with_prefix``).
+    prefix, leased as a batch row leases it: the node chain it came from stays pinned (never
+    evicted under this request) until the attempt ends, however it ends.
+    """
+    request = run.request
+    lease = prompt_cache.lease(request.namespace, run.sequence) if prompt_cache is not None else Lease(0, None)
+    try:
+        _attempt_on(model, run, evaluator, step, on_step, prompt_cache, scheme, lease)
+    finally:
+        lease.release()
+
+
+def _attempt_on(model, run: SerialRun, evaluator: Evaluator, step: int, on_step, prompt_cache, scheme,
+                lease: Lease) -> None:
+    """The attempt on the leased prefix; the caches are stored again when the request ends.
+
+    Logits processors (penalties) see the whole sequence: mlx-lm's loop only sees the tokens
+    it prefills, so each processor is wrapped to see the cached prefix first (``_with_prefix``).
     """
     request, output, prompt = run.request, run.output, run.sequence
-    caches, cached = prompt_cache.take(request.namespace, prompt) if prompt_cache is not None else (None, 0)
+    caches, cached = lease.caches, lease.cached
     caches = caches if caches is not None else make_prompt_cache(model)
     if not run.retrying:
         output.cached_tokens = cached  # a resumed run keeps what the client's prompt found
