@@ -54,7 +54,8 @@ def serve(
                                        help="Rows decoding together (continuous batching); "
                                             "1 = the strict serial lane.")] = 8,
     prompt_concurrency: Annotated[int, typer.Option(
-        help="Batch joiners prefilling long prompts at once (one with at most 128 uncached tokens takes no slot).")] = 4,
+        help="Batch joiners prefilling long prompts at once (one with at most 128 uncached tokens "
+             "takes no slot).")] = 4,
     kv_budget: Annotated[str, typer.Option(help="Cap on projected KV bytes of the batch, e.g. 8GB; over it "
                                                   "requests queue. auto: 70% of the memory the weights and the "
                                                   "prompt cache leave; off: no cap.")] = "auto",
