@@ -54,6 +54,8 @@ class Sample:
     kv_budget: int | None
     preemptions: int
     cache_entries: int
+    active_bytes: int  # MLX's active memory
+    limit_bytes: int  # MLX's memory limit: a newcomer waits while its KV would not fit below 95% of it
 
 
 @dataclass
@@ -98,11 +100,11 @@ async def read_stats(client: httpx.AsyncClient, url: str) -> dict:
 
 
 def sample_of(stats: dict, t: float) -> Sample:
-    batch, cache = stats.get("batch") or {}, stats.get("prompt_cache") or {}
+    batch, cache, memory = stats.get("batch") or {}, stats.get("prompt_cache") or {}, stats.get("memory") or {}
     return Sample(t, batch.get("active_rows", 0), batch.get("prefilling_rows", 0), stats["engine"]["waiting"],
                   batch.get("preempted_rows", 0), batch.get("row_cap", 0), batch.get("kv_bytes", 0),
                   batch.get("kv_budget_bytes"), (batch.get("faults") or {}).get("preemptions", 0),
-                  cache.get("entries", 0))
+                  cache.get("entries", 0), memory.get("mlx_active_bytes", 0), memory.get("mlx_memory_limit_bytes", 0))
 
 
 async def poll(client: httpx.AsyncClient, url: str, t0: float, every_s: float, out: list[Sample],
@@ -160,9 +162,14 @@ def held_by(at: Sample, batch: int, prompt_concurrency: int) -> str:
         return f"the KV budget was full ({at.kv_bytes / 1e9:.2f} of {at.kv_budget / 1e9:.2f} GB)"
     if at.preempted:
         return f"{at.preempted} preempted rows go first"
+    room = 0.95 * at.limit_bytes - at.active_bytes
+    if at.limit_bytes and room < 0.05 * at.limit_bytes:
+        return (f"memory room while busy: {room / 1e9:.2f} GB left under 95% of MLX's "
+                f"{at.limit_bytes / 1e9:.1f} GB limit (the RAM tier and the rows' KV hold the rest)")
     if at.prefilling >= prompt_concurrency:
         return f"{at.prefilling} joiners were prefilling (--prompt-concurrency {prompt_concurrency})"
-    return f"not visible in /stats ({at.pending} waiting, {at.prefilling} prefilling, {at.active} rows)"
+    return (f"not visible in /stats ({at.pending} waiting, {at.prefilling} prefilling, {at.active} rows, "
+            f"{room / 1e9:.2f} GB memory room)")
 
 
 def mark_outliers(records: list[Record], samples: list[Sample], args) -> None:

@@ -156,3 +156,20 @@ def test_bench_structured():
     assert set(rows) == {"free", "grammar", "mixed"}
     assert rows["free"][1] == "1.00x" and int(rows["free"][6]) == 0
     assert int(rows["grammar"][6]) > 0 and int(rows["mixed"][6]) > 0
+
+
+def test_agents_burst_times_every_request_and_names_each_outliers_cause(small_model, tmp_path):
+    # Every request counts as an outlier here (factor 0), so every cause path runs on real readings.
+    run("agents_burst.py", "--model", str(small_model), "--agents", "3", "--waves", "2", "--prefix-words", "80",
+        "--question-words", "8", "--max-tokens", "4", "--batch", "2", "--outlier-factor", "0",
+        "--outlier-min-ms", "0", "--poll-ms", "20", "--out", str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["waves"]) == 2
+    for wave in summary["waves"]:
+        assert wave["requests"] == 3 and wave["ttft_ms"]["p95"] > 0 and wave["ram_tier"]["entries"] >= 1
+        assert len(wave["outliers"]) == 3 and all(o["cause"] for o in wave["outliers"])
+    assert summary["waves"][1]["cached_share"] > 0.5  # the second wave found the system prompt cached
+    records = json.loads((tmp_path / "requests.json").read_text())
+    assert len(records) == 6 and all(r["queue_ms"] is not None for r in records)
+    # Three agents on two rows: one of them queued for a row, and the report says so.
+    assert any("rows were taken" in o["cause"] for w in summary["waves"] for o in w["outliers"])
