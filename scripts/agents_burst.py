@@ -7,14 +7,12 @@ a cold prefix); later waves reuse the system prompt with fresh questions (the
 prefix is cached) and their finished agents pile up in the RAM tier. While a
 wave runs, ``/stats`` is read every ``--poll-ms``; the server's request log
 (JSON lines, when this script starts the server) gives each request's queue
-time. A request whose first token came more than ``--outlier-factor`` times
-the wave's median (and at least ``--outlier-min-ms``) after it was sent is an
-outlier; the report names its cause: admission held it in the queue (and what
-was full: rows, prompt concurrency, the KV budget, a row cap lowered by memory
-faults), a memory fault preempted it, or it prefilled its own prompt.
+time. Outliers (more than ``--outlier-factor`` times the wave's median first-
+token time, and at least ``--outlier-min-ms``) are named with their cause
+(mlxq/bench/burst_causes.py).
 
-    python scripts/agents_burst.py --model /tmp/m8 --agents 64 --prefix-words 1700 --question-words 40 \\
-        --max-tokens 128 --waves 4 --out /tmp/burst -- --batch 128
+    python scripts/agents_burst.py --model /tmp/m8 --agents 64 --prefix-words 1950 --question-words 40 \\
+        --max-tokens 128 --waves 6 --cold-waves 2 --batch 128 --out /tmp/burst
 
 Writes ``summary.json`` (per wave: TTFT p50/p95/max, output tok/s, cached
 share, RAM tier entries and bytes, outliers with causes) and ``requests.json``
@@ -27,49 +25,17 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
+from mlxq.bench.burst_causes import Record, Sample, mark_outliers, overall_summary, sample_of, wave_summary
 from mlxq.bench.datasets import _text, corpus_words
 from mlxq.bench.servers import free_port, wait_healthy
-
-
-@dataclass
-class Sample:
-    """One reading of /stats.batch (and the prompt cache), at ``t`` seconds into the wave."""
-
-    t: float
-    active: int
-    prefilling: int
-    pending: int
-    preempted: int
-    row_cap: int
-    kv_bytes: int
-    kv_budget: int | None
-    preemptions: int
-    cache_entries: int
-    active_bytes: int  # MLX's active memory
-    limit_bytes: int  # MLX's memory limit: a newcomer waits while its KV would not fit below 95% of it
-
-
-@dataclass
-class Record:
-    wave: int
-    id: str
-    sent_s: float  # into the wave
-    ttft_ms: float
-    e2e_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    queue_ms: float | None = None  # the server's: submit -> engine pickup (from its request log)
-    outlier: str | None = None  # the cause, for an outlier
 
 
 async def one_request(client: httpx.AsyncClient, url: str, system: str, question: str, max_tokens: int,
@@ -99,14 +65,6 @@ async def read_stats(client: httpx.AsyncClient, url: str) -> dict:
     return (await client.get(f"{url}/stats")).json()
 
 
-def sample_of(stats: dict, t: float) -> Sample:
-    batch, cache, memory = stats.get("batch") or {}, stats.get("prompt_cache") or {}, stats.get("memory") or {}
-    return Sample(t, batch.get("active_rows", 0), batch.get("prefilling_rows", 0), stats["engine"]["waiting"],
-                  batch.get("preempted_rows", 0), batch.get("row_cap", 0), batch.get("kv_bytes", 0),
-                  batch.get("kv_budget_bytes"), (batch.get("faults") or {}).get("preemptions", 0),
-                  cache.get("entries", 0), memory.get("mlx_active_bytes", 0), memory.get("mlx_memory_limit_bytes", 0))
-
-
 async def poll(client: httpx.AsyncClient, url: str, t0: float, every_s: float, out: list[Sample],
                stop: asyncio.Event) -> None:
     while not stop.is_set():
@@ -134,71 +92,6 @@ async def run_wave(url: str, wave: int, system: str, questions: list[str], args)
         stop.set()
         await poller
     return list(records), samples, wall
-
-
-def explain(record: Record, samples: list[Sample], batch: int, prompt_concurrency: int) -> str:
-    """Why this request's first token came late, from the server's state while it waited."""
-    during = [s for s in samples if record.sent_s <= s.t <= record.sent_s + record.ttft_ms / 1000] or samples[-1:]
-    if not during:
-        return "no /stats reading while it waited"
-    faults = during[-1].preemptions - during[0].preemptions
-    if record.queue_ms is not None and record.queue_ms >= record.ttft_ms / 2:
-        admitted = record.sent_s + record.queue_ms / 1000
-        at = ([s for s in during if s.t <= admitted] or during)[-1]  # the last reading before admission
-        return f"queued {record.queue_ms:.0f} ms before admission: {held_by(at, batch, prompt_concurrency)}"
-    if faults > 0 or max(s.preempted for s in during) > 0:
-        return f"memory faults while it waited: {faults} preemptions (KV dropped and recomputed)"
-    uncached = record.prompt_tokens - record.cached_tokens
-    return f"prefill after admission: {uncached} uncached prompt tokens, beside {max(s.active for s in during)} rows"
-
-
-def held_by(at: Sample, batch: int, prompt_concurrency: int) -> str:
-    """What kept the queue's head out, as one /stats reading shows it."""
-    if at.row_cap < batch:
-        return f"row cap lowered to {at.row_cap} by memory faults"
-    if at.active + at.prefilling >= at.row_cap:
-        return f"all {at.row_cap} rows were taken"
-    if at.kv_budget and at.kv_bytes > 0.9 * at.kv_budget:
-        return f"the KV budget was full ({at.kv_bytes / 1e9:.2f} of {at.kv_budget / 1e9:.2f} GB)"
-    if at.preempted:
-        return f"{at.preempted} preempted rows go first"
-    room = 0.95 * at.limit_bytes - at.active_bytes
-    if at.limit_bytes and room < 0.05 * at.limit_bytes:
-        return (f"memory room while busy: {room / 1e9:.2f} GB left under 95% of MLX's "
-                f"{at.limit_bytes / 1e9:.1f} GB limit (the RAM tier and the rows' KV hold the rest)")
-    if at.prefilling >= prompt_concurrency:
-        return f"{at.prefilling} joiners were prefilling (--prompt-concurrency {prompt_concurrency})"
-    return (f"not visible in /stats ({at.pending} waiting, {at.prefilling} prefilling, {at.active} rows, "
-            f"{room / 1e9:.2f} GB memory room)")
-
-
-def mark_outliers(records: list[Record], samples: list[Sample], args) -> None:
-    median = statistics.median(r.ttft_ms for r in records)
-    for r in records:
-        if r.ttft_ms > max(args.outlier_factor * median, args.outlier_min_ms):
-            r.outlier = explain(r, samples, args.batch, args.prompt_concurrency)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def wave_summary(records: list[Record], samples: list[Sample], wall: float, stats: dict) -> dict:
-    ttfts = [r.ttft_ms for r in records]
-    cache = stats.get("prompt_cache") or {}
-    return {"requests": len(records), "wall_s": round(wall, 3),
-            "ttft_ms": {"p50": round(pct(ttfts, 0.5), 1), "p95": round(pct(ttfts, 0.95), 1),
-                        "max": round(max(ttfts), 1)},
-            "out_tok_s": round(sum(r.completion_tokens for r in records) / wall, 1),
-            "prompt_tokens_mean": round(statistics.mean(r.prompt_tokens for r in records), 1),
-            "cached_share": round(sum(r.cached_tokens for r in records) / max(1, sum(r.prompt_tokens for r in records)),
-                                  3),
-            "ram_tier": {k: cache.get(k) for k in ("entries", "nodes", "bytes", "max_bytes", "evictions", "puts")},
-            "shared_prefills": (stats.get("batch") or {}).get("shared_prefills"),
-            "preemptions": (stats.get("batch") or {}).get("faults", {}).get("preemptions"),
-            "max_pending": max((s.pending for s in samples), default=0),
-            "outliers": [{"id": r.id, "ttft_ms": round(r.ttft_ms), "cause": r.outlier} for r in records if r.outlier]}
 
 
 def server_queue_times(log_path: Path | None) -> dict[str, float]:
@@ -232,7 +125,7 @@ async def run(url: str, args, log_path: Path | None) -> None:
         queue = server_queue_times(log_path)
         for r in records:
             r.queue_ms = queue.get(r.id)
-        mark_outliers(records, samples, args)
+        mark_outliers(records, samples, args.outlier_factor, args.outlier_min_ms, args.batch, args.prompt_concurrency)
         async with httpx.AsyncClient(timeout=30) as client:
             stats = await read_stats(client, url)
         summary = wave_summary(records, samples, wall, stats)
@@ -248,7 +141,8 @@ async def run(url: str, args, log_path: Path | None) -> None:
 def write_results(args, waves: list[dict], records: list[Record]) -> None:
     out = Path(args.out)
     (out / "requests.json").write_text(json.dumps([asdict(r) for r in records]))
-    (out / "summary.json").write_text(json.dumps({"config": vars(args), "waves": waves}, indent=1))
+    overall = overall_summary(records, waves, args.cold_waves)
+    (out / "summary.json").write_text(json.dumps({"config": vars(args), "overall": overall, "waves": waves}, indent=1))
 
 
 def main() -> None:

@@ -164,7 +164,7 @@ def test_agents_burst_times_every_request_and_names_each_outliers_cause(small_mo
         "--question-words", "8", "--max-tokens", "4", "--batch", "2", "--outlier-factor", "0",
         "--outlier-min-ms", "0", "--poll-ms", "20", "--out", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["waves"]) == 2
+    assert len(summary["waves"]) == 2 and summary["overall"]["cached_ttft_ms"]["p95"] > 0
     for wave in summary["waves"]:
         assert wave["requests"] == 3 and wave["ttft_ms"]["p95"] > 0 and wave["ram_tier"]["entries"] >= 1
         assert len(wave["outliers"]) == 3 and all(o["cause"] for o in wave["outliers"])
