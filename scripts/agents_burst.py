@@ -149,6 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="start `mlxq serve` on this model (else --url)")
     ap.add_argument("--url")
+    ap.add_argument("--server-log", help="with --url: the server's request log (--log-format json) for queue times")
     ap.add_argument("--agents", type=int, default=64)
     ap.add_argument("--waves", type=int, default=3)
     ap.add_argument("--cold-waves", type=int, default=1, help="the first waves each get a new system prompt")
@@ -168,7 +169,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.url:
-        asyncio.run(run(args.url.rstrip("/"), args, None))
+        asyncio.run(run(args.url.rstrip("/"), args, Path(args.server_log) if args.server_log else None))
     else:
         serve_and_run(args, out)
 
