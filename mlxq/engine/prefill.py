@@ -155,9 +155,10 @@ class Prefilling:
 
     def _snapshot(self, joiner: Joiner) -> None:
         """At the prompt boundary (all but the last token), store what the prefix policy asks for:
-        rings and recurrent state always, full attention only when joiners wait on this prompt now."""
+        rings and recurrent state always, full attention when the prompt is likely shared."""
         if self.prompt_cache is None:
             return
-        boundary = boundary_snapshot(len(joiner.prompt), is_trimmable(joiner.caches), joiner.followers > 0)
+        shared = joiner.followers > 0 or joiner.row.request.snapshot_at is not None
+        boundary = boundary_snapshot(len(joiner.prompt), is_trimmable(joiner.caches), shared)
         if boundary is not None:
             self.prompt_cache.put(joiner.row.request.namespace, joiner.prompt[:boundary], joiner.caches)

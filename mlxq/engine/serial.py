@@ -155,7 +155,8 @@ def _attempt_on(model, run: SerialRun, evaluator: Evaluator, step: int, on_step,
     if not run.retrying:
         output.cached_tokens = cached  # a resumed run keeps what the client's prompt found
     check = evaluator.injector.check
-    snapshot = prompt_cache is not None and not is_trimmable(caches)
+    snapshot_boundary = None if prompt_cache is None else boundary_snapshot(
+        len(prompt), is_trimmable(caches), shared=request.snapshot_at is not None)
     try:
         start = _to_snapshot(model, caches, cached, prompt, request, prompt_cache, step, on_step, scheme, check)
     except _Cancelled:
@@ -169,7 +170,7 @@ def _attempt_on(model, run: SerialRun, evaluator: Evaluator, step: int, on_step,
         if 0 < done < total:
             check("prefill")
         boundary = start + done
-        if done and total - done == 1 and boundary == boundary_snapshot(len(prompt), trimmable=not snapshot):
+        if snapshot_boundary and done and total - done == 1 and boundary == snapshot_boundary:
             # All but the last prompt token are in: the state the next turn starts from.
             prompt_cache.put(request.namespace, prompt[:boundary], caches)
 

@@ -6,7 +6,9 @@
   at the end of a shared system prompt (``system_snapshot``: the prefill
   stops a chunk exactly there, so other agents start from it) and at the
   prompt boundary, all but the last token (``boundary_snapshot``: where the
-  next turn of the same conversation starts).
+  next turn of the same conversation starts). Full attention snapshots the
+  boundary too when the prompt is likely shared (a system prompt, or
+  joiners waiting on it): agents arriving during its prefill start there.
 - **Store at the end**: full-attention state, cut to every token fed
   (prompt, then generated), when the request ends (``finish_tokens``).
 
@@ -50,13 +52,15 @@ def system_snapshot(prompt_len: int, snapshot_at: int | None, done: int, trimmab
     return snapshot_at if done < snapshot_at < prompt_len - 1 else None
 
 
-def boundary_snapshot(prompt_len: int, trimmable: bool, followers: bool = False) -> int | None:
+def boundary_snapshot(prompt_len: int, trimmable: bool, shared: bool = False) -> int | None:
     """The token count to store once all but the last prompt token are in, or None.
 
     Untrimmable caches always do (their state exists only there); full-attention caches
-    only when other joiners wait to take this prompt's prefix now (else they store at the end)."""
+    when the prompt is likely shared (``shared``: other joiners wait to take its prefix now,
+    or it starts with a system prompt other agents send too): agents that arrive while it
+    prefills then start from it, not from nothing. Others store when the request ends."""
     boundary = prompt_len - 1
-    if boundary < MIN_SNAPSHOT_TOKENS or (trimmable and not followers):
+    if boundary < MIN_SNAPSHOT_TOKENS or (trimmable and not shared):
         return None
     return boundary
 

@@ -98,6 +98,30 @@ def test_a_burst_larger_than_the_prompt_concurrency_waits_on_one_leader_and_its_
     assert scheduler.num_prefilling == 0 and scheduler.num_rows == len(again)
 
 
+def test_agents_arriving_after_the_first_one_prefilled_start_from_its_prompt(load_tiny):
+    model, tokenizer = load_tiny("llama")
+    reqs = requests(tokenizer, snapshot=True)  # the server marks where the system prompt ends
+    finished: dict[str, tuple[list[int], int]] = {}
+    scheduler = BatchScheduler(
+        model, tokenizer, measure_footprint(model), SchedulerConfig(8, 4, 2048, None),
+        prompt_cache=PromptCache(1 << 30),
+        on_finish=lambda row: finished.__setitem__(row.request.request_id,
+                                                   (row.output.tokens, row.output.cached_tokens)))
+    scheduler.add(reqs[0], lambda e: None)
+    scheduler.step()  # its whole prompt in one chunk, nobody waiting on it: it decodes now
+    assert scheduler.num_prefilling == 0 and scheduler.num_rows == 1
+    for r in reqs[1:]:  # they arrive during its prefill: the engine admits them after that step
+        scheduler.add(r, lambda e: None)
+    assert scheduler.shared_prefills == 0  # nothing to wait for: its prompt is stored already
+    while not scheduler.is_idle:
+        scheduler.step()
+    shared = reqs[0].snapshot_at
+    assert all(finished[r.request_id][1] >= shared for r in reqs[1:])
+    expected = serial_with_cache(model, tokenizer, reqs)
+    for r in reqs:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
 def test_no_waiting_without_a_long_enough_shared_prefix(load_tiny):
     model, tokenizer = load_tiny("llama")
     scheduler = BatchScheduler(model, tokenizer, measure_footprint(model), SchedulerConfig(8, 4, 2048, None),
