@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -117,9 +118,20 @@ def serve(
     chat_template_args: Annotated[str, typer.Option(help="JSON object of template variables for every chat "
                                                          "request, e.g. '{\"enable_thinking\": false}'; a "
                                                          "request's chat_template_kwargs win.")] = "{}",
+    tensor_parallel: Annotated[int, typer.Option(help="Shard the model over N ranks (mlx-lm's shard()): mlxq "
+                                                      "starts N local processes (ring on the CPU, NCCL with one "
+                                                      "GPU each on CUDA); under mlx.launch, pass the world size. "
+                                                      "docs/distributed.md.")] = 1,
+    pipeline_parallel: Annotated[int, typer.Option(help="Split the model's layers over N ranks: not available "
+                                                        "yet (1 only).")] = 1,
+    distributed_backend: Annotated[str, typer.Option(help="mx.distributed backend of the ranks: auto (nccl on "
+                                                          "CUDA, ring on the CPU; any under mlx.launch), ring, "
+                                                          "nccl, jaccl, mpi.")] = "auto",
 ) -> None:
     """Serve a model over OpenAI- and Anthropic-compatible HTTP APIs."""
     from mlxq.cli.units import flag_bytes
+    from mlxq.distributed.launch import run_local_ranks
+    from mlxq.distributed.world import launched_as_rank
     from mlxq.models.loader import ModelNotFoundError
     from mlxq.server.config import ServerConfig
     from mlxq.server.run import serve as run_server
@@ -147,11 +159,23 @@ def serve(
             temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
             max_tokens=max_tokens, chat_template=_chat_template(chat_template),
             chat_template_args=_json_object("--chat-template-args", chat_template_args),
+            tensor_parallel=tensor_parallel, distributed_backend=distributed_backend.strip().lower(),
         )
+        _refuse_pipeline(pipeline_parallel)
+        if config.tensor_parallel > 1 and not launched_as_rank():
+            raise typer.Exit(run_local_ranks(sys.argv[1:], config.tensor_parallel, config.distributed_backend))
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def _refuse_pipeline(size: int) -> None:
+    if size < 1:
+        raise ValueError(f"--pipeline-parallel must be >= 1; got {size}")
+    if size > 1:
+        raise ValueError("--pipeline-parallel is not available yet; models with mlx-lm's shard() (llama, qwen2/3, "
+                         "mistral, deepseek...) run with --tensor-parallel N (docs/distributed.md)")
 
 
 def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demote_idle: float):

@@ -50,6 +50,8 @@ class ServerConfig:
     max_tokens: int | None = None
     chat_template: str | None = None  # Jinja text replacing the model's chat template (--chat-template)
     chat_template_args: dict = field(default_factory=dict)  # template variables every chat request gets
+    tensor_parallel: int = 1  # ranks sharing the model (mlxq/distributed/); > 1: this process is one of them
+    distributed_backend: str = "auto"  # mx.distributed backend of those ranks (world.BACKENDS)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -86,10 +88,23 @@ class ServerConfig:
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be >= 1024")
         self._check_request_defaults()
+        self._check_distributed()
         for name in ("max_tokens_limit", "max_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+
+    def _check_distributed(self) -> None:
+        from mlxq.distributed.world import BACKENDS
+
+        if self.tensor_parallel < 1:
+            raise ValueError(f"--tensor-parallel must be >= 1; got {self.tensor_parallel}")
+        if self.distributed_backend not in BACKENDS:
+            raise ValueError(f"--distributed-backend must be one of {', '.join(BACKENDS)}; "
+                             f"got {self.distributed_backend!r}")
+        if self.tensor_parallel > 1 and self.ssd is not None:
+            raise ValueError("--ssd-cache is not available with --tensor-parallel yet (each rank would need "
+                             "its own shard of every .mlxkv entry); the RAM prompt cache works")
 
     def _check_request_defaults(self) -> None:
         for flag, value, lo, hi in (("--temp", self.temp, 0, 100), ("--top-p", self.top_p, 0, 1),

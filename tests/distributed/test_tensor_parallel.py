@@ -1,0 +1,129 @@
+"""`mlxq serve --tensor-parallel 2` on the CPU (ring over loopback): the same greedy tokens as one
+process, a lost rank failing its clients and the server, and ranks that disagree refused."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxq.bench.servers import free_port
+from mlxq.models.tiny import build_tiny_model
+from tests.conftest import ServerProcess
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a land", "1 2 3 4 5 6", "Tensor parallel serving is"]
+SERVE = ("--log-level", "warning", "--warmup", "off")
+
+
+@pytest.fixture(scope="module")
+def shardable(tmp_path_factory) -> dict[str, Path]:
+    """The "default" size: 4 heads and 2 KV heads, which split in two (the "tiny" size has one KV head)."""
+    root = tmp_path_factory.mktemp("tp-models")
+    return {arch: build_tiny_model(arch, root / arch, preset="default") for arch in ("llama", "qwen3")}
+
+
+def _complete(url: str, prompt: str) -> dict:
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 1}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def _run_c4(url: str) -> list[dict]:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda p: _complete(url, p), PROMPTS))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_two_ranks_generate_what_one_process_does(shardable, arch):
+    model = str(shardable[arch])
+    with ServerProcess("--model", model, *SERVE) as one:
+        alone = _run_c4(one.url)
+    with ServerProcess("--model", model, "--tensor-parallel", "2", *SERVE) as two:
+        sharded = _run_c4(two.url)
+        again = _complete(two.url, PROMPTS[0])  # the prompt cache, one shard per rank
+        stats = httpx.get(f"{two.url}/stats", timeout=10).json()["distributed"]
+    for a, b in zip(alone, sharded, strict=True):
+        assert b["text"] == a["text"]
+        assert b["logprobs"]["tokens"] == a["logprobs"]["tokens"]
+    gap = max(abs(x - y) for a, b in zip(alone, sharded, strict=True)
+              for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"], strict=True))
+    print(f"{arch}: largest chosen-token logprob difference, 2 ranks vs 1 process: {gap:.3g}")
+    assert gap < 1e-4  # float32: only the order of the all_sum's additions differs
+    assert again["text"] == alone[0]["text"]
+    assert stats["world_size"] == 2 and stats["backend"] == "ring"
+    assert [r["rank"] for r in stats["ranks"]] == [0, 1]
+    assert all(r["mlx_active_bytes"] > 0 for r in stats["ranks"])
+
+
+def _stream_until_cut(url: str, started: list) -> tuple[int, str]:
+    """Tokens seen and the stream's error event, reading until the server ends it."""
+    body = {"prompt": "count", "max_tokens": 5000, "temperature": 0, "stream": True, "ignore_eos": True}
+    seen, error = 0, ""
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line.removeprefix("data: "))
+                    if "error" in event:
+                        error = event["error"]["message"]
+                    seen += 1
+                    started.append(seen)
+    except httpx.HTTPError as exc:
+        error = f"transport error: {exc}"
+    return seen, error
+
+
+def test_killed_rank_fails_clients_and_the_server(shardable):
+    server = ServerProcess("--model", str(shardable["llama"]), "--tensor-parallel", "2", "--stall-timeout", "20",
+                           *SERVE)
+    with server:
+        rank1 = httpx.get(f"{server.url}/stats", timeout=10).json()["distributed"]["ranks"][1]["pid"]
+        started: list = []
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream_until_cut, server.url, started)
+            while len(started) < 3:
+                time.sleep(0.05)
+            os.kill(rank1, 9)
+            killed_at = time.monotonic()
+            reasons = []
+            while server.proc.poll() is None and time.monotonic() - killed_at < 30:
+                try:
+                    health = httpx.get(f"{server.url}/health", timeout=2)
+                    reasons.append((health.status_code, health.json()["reason"]))
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
+            seen, error = stream.result(timeout=30)
+        code = server.proc.wait(timeout=30)
+        exited_after = time.monotonic() - killed_at
+        output = server.proc.stdout.read()
+    assert code != 0
+    assert exited_after < 20
+    assert error, "the stream ended without an error"
+    print(f"the client was told: {error}")
+    assert seen < 5000
+    assert any(status == 503 and "rank 1" in reason for status, reason in reasons), reasons
+    assert f"rank 1 (pid {rank1}) exited with signal 9" in output
+
+
+def test_ranks_started_differently_are_refused(shardable, tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    procs = []
+    for rank, quant in ((0, "off"), (1, "8")):
+        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+        cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", str(shardable["llama"]), "--port",
+               str(free_port()), "--tensor-parallel", "2", "--kv-quant", quant, *SERVE]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert all(proc.returncode != 0 for proc in procs), outputs
+    assert all("rank 1 was started differently from rank 0 (engine.kv_quant: rank 0 'off', rank 1 '8')" in out
+               for out in outputs), outputs
