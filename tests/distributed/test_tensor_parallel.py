@@ -127,3 +127,39 @@ def test_ranks_started_differently_are_refused(shardable, tmp_path):
     assert all(proc.returncode != 0 for proc in procs), outputs
     assert all("rank 1 was started differently from rank 0 (engine.kv_quant: rank 0 'off', rank 1 '8')" in out
                for out in outputs), outputs
+
+
+def test_under_mlx_launch_and_stopped_by_rank_0(shardable):
+    """Ranks started by mlx.launch (its ring hostfile) serve as one; SIGTERM to rank 0 stops both."""
+    port = free_port()
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    cmd = [str(launcher), "--backend", "ring", "-n", "2", "--", sys.executable, "-m", "mlxq.cli.main", "serve",
+           "--model", str(shardable["qwen3"]), "--port", str(port), "--tensor-parallel", "2", *SERVE]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        from tests.conftest import wait_healthy
+
+        wait_healthy(url, timeout=120, proc=proc)
+        assert _complete(url, PROMPTS[1])["logprobs"]["tokens"]
+        ranks = httpx.get(f"{url}/stats", timeout=10).json()["distributed"]["ranks"]
+        os.kill(ranks[0]["pid"], 15)
+        assert proc.wait(timeout=30) == 0  # both ranks ended cleanly (rank 0 told rank 1 to stop)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--tensor-parallel", "2", "--ssd-cache", "DIR"), "--ssd-cache is not available with --tensor-parallel"),
+    (("--pipeline-parallel", "2",), "--pipeline-parallel is not available yet"),
+    (("--tensor-parallel", "0",), "--tensor-parallel must be >= 1"),
+    (("--tensor-parallel", "2", "--distributed-backend", "tcp"), "--distributed-backend must be one of"),
+])
+def test_unsupported_combinations_are_refused(tmp_path, flags, message):
+    flags = tuple(str(tmp_path) if f == "DIR" else f for f in flags)
+    done = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(free_port()), *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr
