@@ -36,7 +36,8 @@ from mlxq.engine.types import FinishReason, Request, TokenEvent
 
 log = logging.getLogger("mlxq.engine")
 
-DIGEST_NAMES = ("waiting", "rows", "prefilling", "generated_tokens")
+DIGEST_NAMES = ("waiting", "rows", "prefilling", "generated_tokens", "token checksum")
+_CHECKSUM_MOD = (1 << 61) - 1  # a prime: every token id and its position move the checksum
 _NOT_SHARED = ("cancelled", "submitted_at")  # a flag set here, and a time on this rank's clock
 
 
@@ -74,6 +75,7 @@ class Lockstep:
         self.rank_memory: list[tuple[int, int]] = []  # (active, peak) bytes per rank, as of the last iteration
         self.failure: str | None = None  # why serving stopped (a rank lost), for /health
         self.iterations = 0
+        self._token_checksum = 0  # every token this rank handed out, in order: ranks that sampled apart differ
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
 
@@ -126,6 +128,8 @@ class Lockstep:
 
     def _once(self, request_id: str, emit: EmitFn) -> EmitFn:
         def emit_until_finished(event: TokenEvent) -> None:
+            if event.token_id is not None:  # the engine thread: in the same order on every rank
+                self._token_checksum = (self._token_checksum * 1_000_003 + event.token_id + 1) % _CHECKSUM_MOD
             with self._lock:
                 if request_id not in self._open:
                     return  # finished already, or failed by fail_open
@@ -146,11 +150,13 @@ class Lockstep:
 
     # --- the engine thread, every rank, once per loop iteration ---------------------------
     def exchange(self, taken: list[Request], stop: bool, digest: list[int]) -> Arrivals:
-        """Share rank 0's arrivals, cancellations and stop; check every rank's ``digest`` matches."""
+        """Share rank 0's arrivals, cancellations and stop; check every rank's ``digest`` (and the
+        checksum of the tokens it handed out) matches rank 0's."""
         import mlx.core as mx
 
         self.iterations += 1
         payload = self._payload(taken, stop) if self.world.is_leader else b""
+        digest = [*digest, self._token_checksum]
         rows = gather_ints(self.world.group, [len(payload), *digest, mx.get_active_memory(), mx.get_peak_memory()])
         self.rank_memory = [(row[-2], row[-1]) for row in rows]
         self._check_digests(rows)

@@ -49,6 +49,8 @@ def test_two_ranks_generate_what_one_process_does(shardable, arch):
     with ServerProcess("--model", model, "--tensor-parallel", "2", *SERVE) as two:
         sharded = _run_c4(two.url)
         again = _complete(two.url, PROMPTS[0])  # the prompt cache, one shard per rank
+        cancelled = _leave_midway(two.url)
+        after = _complete(two.url, PROMPTS[2])  # every rank dropped the cancelled row alike
         stats = httpx.get(f"{two.url}/stats", timeout=10).json()["distributed"]
     for a, b in zip(alone, sharded, strict=True):
         assert b["text"] == a["text"]
@@ -58,9 +60,27 @@ def test_two_ranks_generate_what_one_process_does(shardable, arch):
     print(f"{arch}: largest chosen-token logprob difference, 2 ranks vs 1 process: {gap:.3g}")
     assert gap < 1e-4  # float32: only the order of the all_sum's additions differs
     assert again["text"] == alone[0]["text"]
+    assert cancelled == 1
+    assert after["text"] == alone[2]["text"]
     assert stats["world_size"] == 2 and stats["backend"] == "ring"
     assert [r["rank"] for r in stats["ranks"]] == [0, 1]
     assert all(r["mlx_active_bytes"] > 0 for r in stats["ranks"])
+
+
+def _leave_midway(url: str) -> int:
+    """Read a few tokens of a long stream, hang up; the engine's count of cancelled requests after."""
+    body = {"prompt": "count", "max_tokens": 2000, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        for n, _ in enumerate(response.iter_lines()):
+            if n >= 6:
+                break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        cancelled = httpx.get(f"{url}/stats", timeout=10).json()["engine"]["requests_cancelled"]
+        if cancelled:
+            return cancelled
+        time.sleep(0.1)
+    return 0
 
 
 def _stream_until_cut(url: str, started: list) -> tuple[int, str]:
