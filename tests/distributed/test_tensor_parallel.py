@@ -41,13 +41,24 @@ def _run_c4(url: str) -> list[dict]:
         return list(pool.map(lambda p: _complete(url, p), PROMPTS))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_two_ranks_generate_what_one_process_does(shardable, arch):
+def _structured(url: str) -> str:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"messages": [{"role": "user", "content": "json please"}], "max_tokens": 32, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(("arch", "flags"), [("llama", ()), ("qwen3", ("--kv-quant", "8"))])
+def test_two_ranks_generate_what_one_process_does(shardable, arch, flags):
     model = str(shardable[arch])
-    with ServerProcess("--model", model, *SERVE) as one:
+    with ServerProcess("--model", model, *flags, *SERVE) as one:
         alone = _run_c4(one.url)
-    with ServerProcess("--model", model, "--tensor-parallel", "2", *SERVE) as two:
+        constrained = _structured(one.url)
+    with ServerProcess("--model", model, *flags, "--tensor-parallel", "2", *SERVE) as two:
         sharded = _run_c4(two.url)
+        assert _structured(two.url) == constrained
         again = _complete(two.url, PROMPTS[0])  # the prompt cache, one shard per rank
         cancelled = _leave_midway(two.url)
         after = _complete(two.url, PROMPTS[2])  # every rank dropped the cancelled row alike
@@ -58,7 +69,10 @@ def test_two_ranks_generate_what_one_process_does(shardable, arch):
     gap = max(abs(x - y) for a, b in zip(alone, sharded, strict=True)
               for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"], strict=True))
     print(f"{arch}: largest chosen-token logprob difference, 2 ranks vs 1 process: {gap:.3g}")
-    assert gap < 1e-4  # float32: only the order of the all_sum's additions differs
+    # float32 KV: only the order of the all_sum's additions differs (measured up to 2.6e-6). 8-bit KV
+    # rounds each value to one of 256 levels, and a value on a rounding boundary moves a level on
+    # a last-bit difference in its input (measured 2.3e-4).
+    assert gap < (1e-3 if "--kv-quant" in flags else 1e-4)
     assert again["text"] == alone[0]["text"]
     assert cancelled == 1
     assert after["text"] == alone[2]["text"]
