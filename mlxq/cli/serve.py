@@ -134,6 +134,7 @@ def serve(
     from mlxq.distributed.world import launched_as_rank
     from mlxq.models.loader import ModelNotFoundError
     from mlxq.server.config import ServerConfig
+    from mlxq.server.run import bind_listener
     from mlxq.server.run import serve as run_server
 
     try:
@@ -163,6 +164,7 @@ def serve(
         )
         _refuse_pipeline(pipeline_parallel)
         if config.tensor_parallel > 1 and not launched_as_rank():
+            bind_listener(config.host, config.port).close()  # a taken port fails now, before N ranks load
             raise typer.Exit(run_local_ranks(sys.argv[1:], config.tensor_parallel, config.distributed_backend))
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:

@@ -197,3 +197,15 @@ def test_unsupported_combinations_are_refused(tmp_path, flags, message):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_a_taken_port_is_refused_before_ranks_start():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--tensor-parallel", "2", "--port",
+                               str(port)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"port {port} is in use" in done.stderr
