@@ -122,8 +122,10 @@ def serve(
                                                       "starts N local processes (ring on the CPU, NCCL with one "
                                                       "GPU each on CUDA); under mlx.launch, pass the world size. "
                                                       "docs/distributed.md.")] = 1,
-    pipeline_parallel: Annotated[int, typer.Option(help="Split the model's layers over N ranks: not available "
-                                                        "yet (1 only).")] = 1,
+    pipeline_parallel: Annotated[int, typer.Option(help="Split the model's layers over N ranks (mlx-lm's "
+                                                        "pipeline(), for models without shard()); started like "
+                                                        "--tensor-parallel; the prompt cache is off with it.")]
+    = 1,
     distributed_backend: Annotated[str, typer.Option(help="mx.distributed backend of the ranks: auto (nccl on "
                                                           "CUDA, ring on the CPU; any under mlx.launch), ring, "
                                                           "nccl, jaccl, mpi.")] = "auto",
@@ -151,7 +153,8 @@ def serve(
             kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none")
             else flag_bytes("--kv-budget", kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
-            prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
+            prompt_cache_bytes=0 if pipeline_parallel > 1 and prompt_cache.strip().lower() == "auto"
+            else _prompt_cache_bytes(prompt_cache),
             memory_limit_bytes=None if memory_limit.strip().lower() in ("auto", "off")
             else flag_bytes("--memory-limit", memory_limit),
             memory_limit_auto=memory_limit.strip().lower() == "auto",
@@ -160,24 +163,16 @@ def serve(
             temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
             max_tokens=max_tokens, chat_template=_chat_template(chat_template),
             chat_template_args=_json_object("--chat-template-args", chat_template_args),
-            tensor_parallel=tensor_parallel, distributed_backend=distributed_backend.strip().lower(),
+            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+            distributed_backend=distributed_backend.strip().lower(),
         )
-        _refuse_pipeline(pipeline_parallel)
-        if config.tensor_parallel > 1 and not launched_as_rank():
+        if config.world_size > 1 and not launched_as_rank():
             bind_listener(config.host, config.port).close()  # a taken port fails now, before N ranks load
-            raise typer.Exit(run_local_ranks(sys.argv[1:], config.tensor_parallel, config.distributed_backend))
+            raise typer.Exit(run_local_ranks(sys.argv[1:], config.world_size, config.distributed_backend))
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-
-
-def _refuse_pipeline(size: int) -> None:
-    if size < 1:
-        raise ValueError(f"--pipeline-parallel must be >= 1; got {size}")
-    if size > 1:
-        raise ValueError("--pipeline-parallel is not available yet; models with mlx-lm's shard() (llama, qwen2/3, "
-                         "mistral, deepseek...) run with --tensor-parallel N (docs/distributed.md)")
 
 
 def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demote_idle: float):

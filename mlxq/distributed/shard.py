@@ -1,4 +1,4 @@
-"""Split a loaded model across the tensor-parallel group with mlx-lm's own ``shard()``."""
+"""Split a loaded model across the group with mlx-lm's own ``shard()`` (tensor) or ``pipeline()``."""
 
 from __future__ import annotations
 
@@ -27,3 +27,18 @@ def shard_model(model: Any, group: Any) -> None:
     """Shard ``model`` in place (weights still lazy: each rank then reads only its slices)."""
     check_shardable(model, group.size())
     model.shard(group)
+
+
+def pipeline_model(model: Any, group: Any) -> None:
+    """Keep only this rank's layers (mlx-lm's ``pipeline()``: rank 0 runs the last ones; every rank keeps
+    the embeddings, the final norm and the head, and ends each forward with the last hidden state)."""
+    inner = getattr(model, "model", None)
+    kind = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    if not hasattr(inner, "pipeline"):
+        raise NotShardableError(f"--pipeline-parallel: mlx-lm has no pipeline() for model type {kind!r}"
+                                + (" (it has shard(): use --tensor-parallel)" if hasattr(model, "shard") else ""))
+    if len(inner.layers) < group.size():
+        raise NotShardableError(f"--pipeline-parallel {group.size()}: the model has {len(inner.layers)} layers")
+    inner.pipeline(group)
+
+

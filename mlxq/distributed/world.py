@@ -33,6 +33,7 @@ class World:
     size: int
     backend: str
     group: Any  # mx.distributed.Group
+    mode: str = "tensor"  # tensor: every layer split over the ranks; pipeline: each rank runs some layers
 
     @property
     def is_leader(self) -> bool:
@@ -53,8 +54,8 @@ def launched_as_rank() -> bool:
     return "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
 
 
-def join_world(tensor_parallel: int, backend: str) -> World:
-    """Join the group; refuse a world whose size is not ``tensor_parallel``."""
+def join_world(size: int, backend: str, mode: str = "tensor") -> World:
+    """Join the group; refuse a world whose size is not ``size`` (--tensor-parallel / --pipeline-parallel)."""
     import mlx.core as mx
 
     chosen = os.environ.get(BACKEND_ENV) or ("any" if backend == "auto" else backend)
@@ -62,7 +63,7 @@ def join_world(tensor_parallel: int, backend: str) -> World:
         group = mx.distributed.init(strict=True, backend=chosen)
     except Exception as exc:  # mlx raises RuntimeError / ValueError with its own reason
         raise ValueError(f"cannot join the distributed group (backend {chosen}): {exc}") from None
-    if group.size() != tensor_parallel:
-        raise ValueError(f"--tensor-parallel {tensor_parallel} but the launcher started {group.size()} ranks; "
+    if group.size() != size:
+        raise ValueError(f"--{mode}-parallel {size} but the launcher started {group.size()} ranks; "
                          "pass the same number to both")
-    return World(group.rank(), group.size(), chosen, group)
+    return World(group.rank(), group.size(), chosen, group, mode)

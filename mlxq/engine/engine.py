@@ -302,6 +302,8 @@ class Engine:
         try:
             model_cache_kinds(probe)
             self.footprint = measure_footprint(self.loaded.model, self.config.prefill_step_size, self.scheme, probe)
+            if self.lockstep is not None:  # ranks holding other layers (pipeline) must still project alike
+                self.footprint = self.lockstep.from_leader(self.footprint)
         except UnknownCacheKind as exc:
             reason = str(exc)
             log.warning("continuous batching unavailable for this model: %s; every request runs serially", exc)
@@ -376,9 +378,10 @@ class Engine:
 
             self.device_memory = read_device_memory()
             usable = self.config.memory_limit_bytes or usable_bytes(self.device_memory)
-            if self.lockstep is not None:  # every rank plans within the smallest: their decisions must match
-                usable = self.lockstep.agree_min(usable)
-            self._memory_seen = (usable, weight_bytes(self.loaded.model))
+            weights = weight_bytes(self.loaded.model)
+            if self.lockstep is not None:  # every rank plans alike: within the smallest memory, rank 0's weights
+                usable, weights = self.lockstep.agree_min(usable), self.lockstep.from_leader(weights)
+            self._memory_seen = (usable, weights)
             self.usable_memory = usable
         return self._memory_seen
 

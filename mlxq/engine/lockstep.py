@@ -118,6 +118,11 @@ class Lockstep:
     def agree_min(self, value: int | None) -> int | None:
         return agree_min(self.world.group, value)
 
+    def from_leader(self, value):
+        """Rank 0's ``value`` on every rank: sizes every rank must plan alike (under pipeline parallelism
+        each rank holds other layers; rank 0 holds the most, so its sizes are the safe ones)."""
+        return pickle.loads(share_bytes(self.world.group, pickle.dumps(value)))
+
     # --- rank 0, any thread -----------------------------------------------------------
     def track(self, request: Request, emit: EmitFn) -> tuple[Request, EmitFn]:
         """The engine's copy of ``request`` and an ``emit`` that stops after the request's last event."""
@@ -211,7 +216,7 @@ class Lockstep:
             "world_size": self.world.size,
             "rank": self.world.rank,
             "backend": self.world.backend,
-            "mode": "tensor",
+            "mode": self.world.mode,
             "iterations": self.iterations,
             "failure": self.failure,
             "ranks": [{**dataclasses.asdict(info),

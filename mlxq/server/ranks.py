@@ -18,7 +18,7 @@ import threading
 import time
 
 from mlxq import __version__
-from mlxq.distributed.shard import shard_model
+from mlxq.distributed.shard import pipeline_model, shard_model
 from mlxq.distributed.world import SUPERVISOR_FD_ENV, join_world
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.engine.lockstep import Lockstep
@@ -31,8 +31,8 @@ FLUSH_ERRORS_S = 2.0  # after failing the open requests: time for their last eve
 
 
 def join_ranks(config: ServerConfig) -> Lockstep:
-    world = join_world(config.tensor_parallel, config.distributed_backend)
-    log.info("tensor parallel: rank %d of %d (backend %s)", world.rank, world.size, world.backend)
+    world = join_world(config.world_size, config.distributed_backend, config.parallel_mode)
+    log.info("%s parallel: rank %d of %d (backend %s)", world.mode, world.rank, world.size, world.backend)
     return Lockstep(world)
 
 
@@ -47,18 +47,20 @@ def rank_identity(config: ServerConfig, spec: str, engine_config: EngineConfig, 
         model.update(file.name.encode())
         model.update(file.read_bytes() if file.suffix == ".json" else str(file.stat().st_size).encode())
     flags = {f"engine.{k}": v for k, v in dataclasses.asdict(engine_config).items()}
-    return {"mlxq": __version__, "world_size": world_size, "model files": model.hexdigest(), **flags}
+    return {"mlxq": __version__, "world_size": world_size, "mode": config.parallel_mode,
+            "model files": model.hexdigest(), **flags}
 
 
 def rank_engine(config: ServerConfig, spec: str, lockstep: Lockstep, engine_config: EngineConfig) -> Engine:
     """An engine whose load agrees with the other ranks, then loads this rank's shard."""
     identity = rank_identity(config, spec, engine_config, lockstep.world.size)
+    split = pipeline_model if lockstep.world.mode == "pipeline" else shard_model
 
     def load() -> LoadedModel:
         lockstep.one_stream()
         lockstep.agree(identity)
         loaded = load_model(spec, name=config.served_model_name, chat_template=config.chat_template,
-                            shard=lambda model: shard_model(model, lockstep.world.group))
+                            shard=lambda model: split(model, lockstep.world.group))
         lockstep.after_load()
         return loaded
 
@@ -121,7 +123,7 @@ def _watch(state, lockstep: Lockstep, fd: int | None) -> None:
             continue
         if notice is None and fd is not None:  # the launcher may yet say which rank it was
             reason = _read_notice(fd, 1.0) or reason
-        failed = lockstep.fail_open(f"tensor parallel: {reason}")
-        log.critical("tensor parallel: %s; %d open requests failed; exiting", reason, failed)
+        failed = lockstep.fail_open(f"{lockstep.world.mode} parallel: {reason}")
+        log.critical("%s parallel: %s; %d open requests failed; exiting", lockstep.world.mode, reason, failed)
         time.sleep(FLUSH_ERRORS_S)
         os._exit(1)

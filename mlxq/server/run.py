@@ -100,7 +100,7 @@ def serve(config: ServerConfig) -> None:
     if not config.is_loopback and config.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the model "
                     "and read /stats; set --api-key (or MLXQ_API_KEY) or bind to 127.0.0.1", config.host)
-    lockstep = join_ranks(config) if config.tensor_parallel > 1 else None
+    lockstep = join_ranks(config) if config.world_size > 1 else None
     if lockstep is not None and not lockstep.world.is_leader:
         run_follower(rank_engine(config, model_spec(config), lockstep, engine_config(config)))  # never returns
     listener = bind_listener(config.host, config.port)

@@ -1,5 +1,6 @@
-"""`mlxq serve --tensor-parallel 2` on the CPU (ring over loopback): the same greedy tokens as one
-process, a lost rank failing its clients and the server, and ranks that disagree refused."""
+"""`mlxq serve --tensor-parallel 2` (and `--pipeline-parallel 2`) on the CPU, ring over loopback: the
+same greedy tokens as one process, a lost rank failing its clients and the server, and ranks that
+disagree refused."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ SERVE = ("--log-level", "warning", "--warmup", "off")
 
 @pytest.fixture(scope="module")
 def shardable(tmp_path_factory) -> dict[str, Path]:
-    """The "default" size: 4 heads and 2 KV heads, which split in two (the "tiny" size has one KV head)."""
+    """The "default" size: 4 heads and 2 KV heads, which split in two (the "tiny" size has one KV head);
+    qwen3_next has no shard() in mlx-lm, only pipeline()."""
     root = tmp_path_factory.mktemp("tp-models")
-    return {arch: build_tiny_model(arch, root / arch, preset="default") for arch in ("llama", "qwen3")}
+    return {arch: build_tiny_model(arch, root / arch, preset="default") for arch in ("llama", "qwen3", "qwen3_next")}
 
 
 def _complete(url: str, prompt: str) -> dict:
@@ -79,6 +81,17 @@ def test_two_ranks_generate_what_one_process_does(shardable, arch, flags):
     assert stats["world_size"] == 2 and stats["backend"] == "ring"
     assert [r["rank"] for r in stats["ranks"]] == [0, 1]
     assert all(r["mlx_active_bytes"] > 0 for r in stats["ranks"])
+
+
+def test_pipeline_ranks_generate_what_one_process_does(shardable):
+    model = str(shardable["qwen3_next"])
+    with ServerProcess("--model", model, "--prompt-cache", "0", *SERVE) as one:
+        alone = _run_c4(one.url)
+    with ServerProcess("--model", model, "--pipeline-parallel", "2", *SERVE) as two:
+        staged = _run_c4(two.url)
+        stats = httpx.get(f"{two.url}/stats", timeout=10).json()
+    assert [b["logprobs"]["tokens"] for b in staged] == [a["logprobs"]["tokens"] for a in alone]
+    assert stats["distributed"]["mode"] == "pipeline" and not stats["prompt_cache"]["enabled"]
 
 
 def _leave_midway(url: str) -> int:
@@ -187,8 +200,9 @@ def test_under_mlx_launch_and_stopped_by_rank_0(shardable):
 
 @pytest.mark.parametrize(("flags", "message"), [
     (("--tensor-parallel", "2", "--ssd-cache", "DIR"), "--ssd-cache is not available with --tensor-parallel"),
-    (("--pipeline-parallel", "2",), "--pipeline-parallel is not available yet"),
-    (("--tensor-parallel", "0",), "--tensor-parallel must be >= 1"),
+    (("--tensor-parallel", "2", "--pipeline-parallel", "2"), "together are not available yet"),
+    (("--pipeline-parallel", "2", "--prompt-cache", "1GB"), "--prompt-cache is not available with --pipeline"),
+    (("--tensor-parallel", "0",), "--tensor-parallel and --pipeline-parallel must be >= 1"),
     (("--tensor-parallel", "2", "--distributed-backend", "tcp"), "--distributed-backend must be one of"),
 ])
 def test_unsupported_combinations_are_refused(tmp_path, flags, message):
