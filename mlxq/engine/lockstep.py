@@ -27,6 +27,7 @@ import logging
 import pickle
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 
 from mlxq.distributed.channel import agree_min, gather_ints, share_bytes, share_sized
@@ -75,6 +76,7 @@ class Lockstep:
         self.rank_memory: list[tuple[int, int]] = []  # (active, peak) bytes per rank, as of the last iteration
         self.failure: str | None = None  # why serving stopped (a rank lost), for /health
         self.iterations = 0
+        self.exchange_s = 0.0  # wall time in exchange(): the collectives, and the wait for the step in flight
         self._token_checksum = 0  # every token this rank handed out, in order: ranks that sampled apart differ
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
@@ -157,9 +159,17 @@ class Lockstep:
     def exchange(self, taken: list[Request], stop: bool, digest: list[int]) -> Arrivals:
         """Share rank 0's arrivals, cancellations and stop; check every rank's ``digest`` (and the
         checksum of the tokens it handed out) matches rank 0's."""
-        import mlx.core as mx
 
         self.iterations += 1
+        started = time.perf_counter()
+        try:
+            return self._exchange(taken, stop, digest)
+        finally:
+            self.exchange_s += time.perf_counter() - started
+
+    def _exchange(self, taken: list[Request], stop: bool, digest: list[int]) -> Arrivals:
+        import mlx.core as mx
+
         payload = self._payload(taken, stop) if self.world.is_leader else b""
         digest = [*digest, self._token_checksum]
         rows = gather_ints(self.world.group, [len(payload), *digest, mx.get_active_memory(), mx.get_peak_memory()])
@@ -218,6 +228,9 @@ class Lockstep:
             "backend": self.world.backend,
             "mode": self.world.mode,
             "iterations": self.iterations,
+            # per iteration: the exchange's collectives plus the wait for the decode step in flight,
+            # which the exchange's read must wait out (one stream)
+            "exchange_ms_per_iteration": round(1e3 * self.exchange_s / self.iterations, 3) if self.iterations else 0,
             "failure": self.failure,
             "ranks": [{**dataclasses.asdict(info),
                        "mlx_active_bytes": self.rank_memory[info.rank][0] if self.rank_memory else None,

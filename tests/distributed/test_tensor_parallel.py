@@ -61,7 +61,8 @@ def test_two_ranks_generate_what_one_process_does(shardable, arch, flags):
     with ServerProcess("--model", model, *flags, "--tensor-parallel", "2", *SERVE) as two:
         sharded = _run_c4(two.url)
         assert _structured(two.url) == constrained
-        again = _complete(two.url, PROMPTS[0])  # the prompt cache, one shard per rank
+        solo = [_complete(two.url, p) for p in PROMPTS]  # each row alone, from the prompt cache on both ranks
+        again = solo[0]
         cancelled = _leave_midway(two.url)
         after = _complete(two.url, PROMPTS[2])  # every rank dropped the cancelled row alike
         stats = httpx.get(f"{two.url}/stats", timeout=10).json()["distributed"]
@@ -75,7 +76,9 @@ def test_two_ranks_generate_what_one_process_does(shardable, arch, flags):
     # rounds each value to one of 256 levels, and a value on a rounding boundary moves a level on
     # a last-bit difference in its input (measured 2.3e-4).
     assert gap < (1e-3 if "--kv-quant" in flags else 1e-4)
+    assert [r["text"] for r in solo] == [a["text"] for a in alone]
     assert again["text"] == alone[0]["text"]
+    assert stats["exchange_ms_per_iteration"] > 0
     assert cancelled == 1
     assert after["text"] == alone[2]["text"]
     assert stats["world_size"] == 2 and stats["backend"] == "ring"
