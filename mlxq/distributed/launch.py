@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from mlxq.distributed.world import BACKEND_ENV, SUPERVISOR_FD_ENV
 
 FOLLOWERS_GRACE_S = 15.0  # after rank 0 exits: how long the others get to stop before they are killed
+FAILED_GRACE_S = 2.0  # the same after rank 0 failed
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,8 @@ def _supervise(procs: list[subprocess.Popen], notice_write: int) -> int:
                 except OSError:  # rank 0 already gone
                     pass
         time.sleep(0.1)
-    deadline = time.monotonic() + FOLLOWERS_GRACE_S
+    # After a clean stop rank 0 has told the others to stop; after a failure they cannot finish anything.
+    deadline = time.monotonic() + (FOLLOWERS_GRACE_S if procs[0].returncode == 0 else FAILED_GRACE_S)
     for proc in procs[1:]:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))

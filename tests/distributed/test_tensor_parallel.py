@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -162,6 +163,25 @@ def test_killed_rank_fails_clients_and_the_server(shardable):
     assert seen < 5000
     assert any(status == 503 and "rank 1" in reason for status, reason in reasons), reasons
     assert f"rank 1 (pid {rank1}) exited with signal 9" in output
+
+
+def test_a_hung_rank_ends_the_server_after_the_stall_timeout(shardable):
+    server = ServerProcess("--model", str(shardable["llama"]), "--tensor-parallel", "2", "--stall-timeout", "4",
+                           *SERVE)
+    with server:
+        rank1 = httpx.get(f"{server.url}/stats", timeout=10).json()["distributed"]["ranks"][1]["pid"]
+        os.kill(rank1, signal.SIGSTOP)  # alive but not answering: every collective waits
+        stopped_at = time.monotonic()
+        try:
+            response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=60)
+            code = server.proc.wait(timeout=60)
+        finally:
+            if server.proc.poll() is None:
+                os.kill(rank1, signal.SIGKILL)
+    assert response.status_code == 500
+    assert "a rank is not answering" in response.json()["error"]["message"]
+    assert code != 0
+    assert time.monotonic() - stopped_at < 40  # 4 s of stall, 2 s for the errors, then the ranks are ended
 
 
 def test_ranks_started_differently_are_refused(shardable, tmp_path):
