@@ -125,7 +125,7 @@ class Engine:
 
     def __init__(self, load: Callable[[], LoadedModel], config: EngineConfig, lockstep: Lockstep | None = None):
         self._load = load
-        self.lockstep = lockstep  # tensor parallel: the ranks' shared loop (engine/lockstep.py); None alone
+        self.lockstep = lockstep  # several ranks (tensor/pipeline parallel): their shared loop; None alone
         self.loaded: LoadedModel | None = None
         self.ready = threading.Event()
         self.config = config
@@ -330,7 +330,7 @@ class Engine:
             )
 
     def _shedding_limit(self) -> int | None:
-        """The memory limit rows are shed against. Not under tensor parallel: shedding reads this rank's
+        """The memory limit rows are shed against. Not with several ranks: shedding reads this rank's
         allocator, and ranks must decide alike (the KV budget, a projection, still bounds admission)."""
         if self.memory_limits is None or self.lockstep is not None:
             return None
@@ -501,7 +501,7 @@ class Engine:
             return taken
 
     def _intake_lockstep(self, block: bool) -> bool:
-        """Tensor parallel: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike."""
+        """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike."""
         taken = self._drain_inbox(block) if self.lockstep.world.is_leader else []
         works = [work for work in taken if isinstance(work, _Work)]  # no _Flush: no SSD tier here
         scheduler = self.scheduler

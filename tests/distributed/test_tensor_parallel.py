@@ -221,19 +221,26 @@ def test_under_mlx_launch_and_stopped_by_rank_0(shardable):
             proc.wait()
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (("--tensor-parallel", "2", "--ssd-cache", "DIR"), "--ssd-cache is not available with --tensor-parallel"),
-    (("--tensor-parallel", "2", "--pipeline-parallel", "2"), "together are not available yet"),
-    (("--pipeline-parallel", "2", "--prompt-cache", "1GB"), "--prompt-cache is not available with --pipeline"),
-    (("--tensor-parallel", "0",), "--tensor-parallel and --pipeline-parallel must be >= 1"),
-    (("--tensor-parallel", "2", "--distributed-backend", "tcp"), "--distributed-backend must be one of"),
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"tensor_parallel": 2, "pipeline_parallel": 2}, "together are not available yet"),
+    ({"pipeline_parallel": 2, "prompt_cache_bytes": 10**9}, "--prompt-cache is not available with --pipeline"),
+    ({"pipeline_parallel": 2, "prompt_cache_bytes": 0, "kv_quant": "config"}, "--kv-quant config is not available"),
+    ({"tensor_parallel": 0}, "--tensor-parallel and --pipeline-parallel must be >= 1"),
+    ({"tensor_parallel": 2, "distributed_backend": "tcp"}, "--distributed-backend must be one of"),
 ])
-def test_unsupported_combinations_are_refused(tmp_path, flags, message):
-    flags = tuple(str(tmp_path) if f == "DIR" else f for f in flags)
-    done = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(free_port()), *flags],
+def test_unsupported_combinations_are_refused(settings, message):
+    from mlxq.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**settings)
+
+
+def test_the_ssd_tier_is_refused_at_the_command_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(free_port()),
+                           "--tensor-parallel", "2", "--ssd-cache", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert message in done.stderr
+    assert "--ssd-cache is not available with --tensor-parallel" in done.stderr
 
 
 def test_a_taken_port_is_refused_before_ranks_start():
