@@ -106,7 +106,7 @@ def lost_rank(state, notice: str | None) -> str | None:
     if notice:
         return notice
     if engine.fatal_error:
-        return f"a rank was lost: {engine.fatal_error}"
+        return f"the engine stopped: {engine.fatal_error}"
     if not engine.is_alive:  # not started yet, or stopping on purpose
         return None
     idle = time.monotonic() - engine.last_progress_at
