@@ -6,6 +6,7 @@ both, then runs `mlxq bench serving-load --compare` at each concurrency (alterna
 servers), printing each table as it comes and writing the summaries under --out.
 
     python scripts/bench_tensor_parallel.py --model /tmp/m8 --out $OUT --levels 1:4,64:128
+    python scripts/bench_tensor_parallel.py --model /tmp/m70 --out $OUT --tp-only --levels 1:4,8:16,32:64,64:128
 """
 
 from __future__ import annotations
@@ -45,33 +46,43 @@ def main() -> None:
     parser.add_argument("--serve-args", default="--batch 64 --memory-limit 60GB --warmup off")
     parser.add_argument("--level-timeout", type=float, default=120)
     parser.add_argument("--ready-timeout", type=float, default=240)
+    parser.add_argument("--tp-only", action="store_true",
+                        help="only the --tensor-parallel 2 server (a model that does not fit one GPU)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     serve = args.serve_args.split()
     started = time.monotonic()
-    one = start(args.model, args.out, "one", serve, {"CUDA_VISIBLE_DEVICES": "0"})
-    two = start(args.model, args.out, "tp2", [*serve, "--tensor-parallel", "2"], {})
+    servers = {} if args.tp_only else {"1 GPU": start(args.model, args.out, "one", serve,
+                                                       {"CUDA_VISIBLE_DEVICES": "0"})}
+    servers["tensor-parallel 2"] = start(args.model, args.out, "tp2", [*serve, "--tensor-parallel", "2"], {})
     try:
-        for url, proc in (one, two):
+        for url, proc in servers.values():
             wait_healthy(url, proc, timeout_s=args.ready_timeout)
-        log(f"both servers ready in {time.monotonic() - started:.0f}s")
+        log(f"servers ready in {time.monotonic() - started:.0f}s")
         for level in args.levels.split(","):
             concurrency, num = level.split(":")
-            cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load",
-                   "--url", one[0], "--compare", two[0], "--label", "1 GPU", "--compare-label", "tensor-parallel 2",
-                   "--endpoint", "completions", "--concurrency", concurrency, "--num-requests", num,
-                   "--max-tokens", str(args.max_tokens), "--ignore-eos", "--prompt-len", str(args.prompt_len),
-                   "--warmup", "2", "--json", str(args.out / f"c{concurrency}.json")]
             log(f"c={concurrency}: {num} requests per server")
-            subprocess.run(cmd, timeout=args.level_timeout, check=False)
+            subprocess.run(load_command(servers, args, concurrency, num), timeout=args.level_timeout, check=False)
     finally:
-        for _, proc in (one, two):
+        for _, proc in servers.values():
             proc.terminate()
-        for _, proc in (one, two):
+        for _, proc in servers.values():
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def load_command(servers: dict, args, concurrency: str, num: str) -> list[str]:
+    """`mlxq bench serving-load` on the first server, alternating with the second when there is one."""
+    (label, (url, _)), *rest = servers.items()
+    cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", url, "--label", label,
+           "--endpoint", "completions", "--concurrency", concurrency, "--num-requests", num,
+           "--max-tokens", str(args.max_tokens), "--ignore-eos", "--prompt-len", str(args.prompt_len),
+           "--warmup", "2", "--json", str(args.out / f"c{concurrency}.json")]
+    for label, (url, _) in rest:
+        cmd += ["--compare", url, "--compare-label", label]
+    return cmd
 
 
 if __name__ == "__main__":
