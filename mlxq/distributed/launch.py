@@ -76,9 +76,10 @@ def plan_ranks(size: int, backend: str, hostfile_dir: str) -> list[RankLaunch]:
     else:
         raise ValueError(f"--distributed-backend {backend}: mlxq starts local ranks over ring or nccl; "
                          "start other backends with mlx.launch")
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = _visible_gpus() if backend == "nccl" else []
     if backend == "nccl" and visible and len(visible) < size:
-        raise ValueError(f"--tensor-parallel {size} needs {size} GPUs; CUDA_VISIBLE_DEVICES lists {len(visible)}")
+        raise ValueError(f"{size} ranks need {size} GPUs, one each; {len(visible)} visible "
+                         "(CUDA_VISIBLE_DEVICES, nvidia-smi -L)")
     launches = []
     for rank in range(size):
         env = {**common, "MLX_RANK": str(rank)}
@@ -86,6 +87,18 @@ def plan_ranks(size: int, backend: str, hostfile_dir: str) -> list[RankLaunch]:
             env["CUDA_VISIBLE_DEVICES"] = visible[rank] if visible else str(rank)
         launches.append(RankLaunch(rank, env))
     return launches
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs the ranks may take: CUDA_VISIBLE_DEVICES when set, else those nvidia-smi lists ([] unknown)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    try:
+        found = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(found.splitlines()) if line.startswith("GPU ")]
 
 
 def _die_with_parent() -> None:

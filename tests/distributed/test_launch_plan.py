@@ -25,7 +25,7 @@ def test_nccl_ranks_get_one_gpu_each(tmp_path, monkeypatch):
     ranks = plan_ranks(3, "nccl", str(tmp_path))
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in ranks] == ["2", "3", "5"]
     assert len({r.env["NCCL_PORT"] for r in ranks}) == 1
-    with pytest.raises(ValueError, match="needs 4 GPUs"):
+    with pytest.raises(ValueError, match="4 ranks need 4 GPUs, one each; 3 visible"):
         plan_ranks(4, "nccl", str(tmp_path))
     with pytest.raises(ValueError, match="start other backends with mlx.launch"):
         plan_ranks(2, "jaccl", str(tmp_path))
