@@ -8,6 +8,10 @@ leased prefix), and ``RunningBatch.share`` rebuilds the batch's caches
 with kv/sharing_plan.py's ``share_prefix``: the group's rows keep only
 their tails and reference the node chain's spans (``Lease.layer_spans``,
 kept in the tree by the rows' leases); the others ride along as strays.
+Once a group runs, ``join_in_place`` decides for each burst of joiners:
+those whose leases cover the group's prefix join it by reference (their
+tails appended, the prefix never copied, the running rows untouched), the
+rest join as strays; only a better group elsewhere rebuilds.
 
 ``--shared-prefix-attention``: ``off`` never groups; ``on`` groups any two
 rows on at least ``MIN_PREFIX_TOKENS`` leased tokens; ``auto`` groups where
@@ -88,12 +92,42 @@ def choose_group(leases: list[Lease | None], policy: SharingPolicy) -> Group | N
     return None if best is None else best[1]
 
 
+def node_at(lease: Lease, position: int) -> Node | None:
+    """The node of ``lease``'s chain holding token ``position`` (None: the lease does not reach it)."""
+    if not lease.held or lease.cached <= position:
+        return None
+    return next((node for node in lease.chain() if node.depth <= position < node.end), None)
+
+
+def join_in_place(group: Group | None, running: list[Lease | None], joining: list[Lease | None],
+                  policy: SharingPolicy) -> tuple[bool, ...] | None:
+    """Per joiner, whether it joins the running ``group`` by reference (False: as a stray);
+    None when there is no group to keep or another group would score higher (rebuild).
+
+    A joiner belongs when its lease holds the node that holds the group's last prefix token
+    for a running group row: the tree has one node per token path, so it took the same K/V."""
+    if group is None:
+        return None
+    last = group.prefix_length - 1
+    anchor = next((node_at(lease, last) for lease, s in zip(running, group.shares, strict=True)
+                   if s and lease is not None), None)
+    if anchor is None:
+        return None
+    into = tuple(lease is not None and node_at(lease, last) is anchor for lease in joining)
+    best = choose_group(running + joining, policy)
+    kept = (group.rows + sum(into)) * group.prefix_length
+    if best is not None and best.rows * best.prefix_length > kept:
+        return None
+    return into
+
+
 @dataclass
 class SharingStats:
     """/stats.batch.shared_prefix and /metrics mlxq:shared_prefix_decode_steps."""
 
     steps: int = 0  # decode steps run with a shared-prefix group
     groups: int = 0  # times a group was built (each join that regrouped)
+    rows_joined: int = 0  # joiners added to a running group by reference (no rebuild)
 
     def as_dict(self, policy: SharingPolicy | None, total_steps: int, group: Group | None) -> dict:
         return {
@@ -102,6 +136,7 @@ class SharingStats:
             "steps": self.steps,
             "share_of_steps": self.steps / total_steps if total_steps else 0.0,
             "groups_built": self.groups,
+            "rows_joined_in_place": self.rows_joined,
             "group_rows": group.rows if group else 0,
             "prefix_tokens": group.prefix_length if group else 0,
         }

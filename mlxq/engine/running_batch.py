@@ -10,8 +10,10 @@ B=1 step is the serial lane's graph, and *batched* (``BatchKVCache`` and its
 kin, kv/batch_ops.py) from the second row on; a batch that drops back to one
 row is extracted to solo caches again. A batch may hold one shared-prefix
 group (engine/prefix_sharing.py): ``share`` rebuilds its caches so the
-group's rows reference the leased prefix; a join, or the group falling
-under two rows, goes back to per-row batched caches first.
+group's rows reference the leased prefix; ``join_group`` appends joiners
+to a running group (their tails only, the prefix referenced); any other
+join, or the group falling under two rows, goes back to per-row batched
+caches first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import mlx.core as mx
 
 from mlxq.engine.prefix_sharing import Group
 from mlxq.engine.rows import Row
-from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
+from mlxq.kv.batch_ops import check_extendable, extend_batch, extract_row, keep_rows, merge_solo_rows
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import SharingPlan, prefix_from_spans, share_prefix
 
@@ -72,6 +74,22 @@ class RunningBatch:
         extend_batch(self.caches, caches if batched else merge_solo_rows([caches]))
         self.pending = self.pending.extend(pending)
         self.rows += rows
+
+    def join_group(self, rows: list[Row], solo_caches: list[list], into: tuple[bool, ...], pending: Pending,
+                   plan: SharingPlan) -> None:
+        """Add rows (each a solo cache list holding everything before its ``pending`` token) to the
+        running group: those ``into`` it keep only their tails past the group's prefix and reference
+        its arrays, the others join as strays; the running rows' caches are extended, not rebuilt.
+        Everything that can fail runs before the batch changes."""
+        group = self.group
+        prefix = [(c.prefix_keys, c.prefix_values) if isinstance(c, SharedPrefixBatchCache) else None
+                  for c in self.caches]
+        joining = share_prefix(plan, solo_caches, group.prefix_length, prefix, list(into))
+        check_extendable(self.caches, joining)
+        extend_batch(self.caches, joining)
+        self.pending = self.pending.extend(pending)
+        self.rows += rows
+        self.group = Group(group.node, group.prefix_length, group.shares + tuple(into))
 
     def row_caches(self, index: int) -> list:
         """Row ``index``'s caches as solo caches: a copy out of a batch, the caches themselves when alone."""

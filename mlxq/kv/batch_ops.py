@@ -29,11 +29,17 @@ def merge_solo_rows(rows: list[list]) -> list:
     return merged
 
 
-def extend_batch(batch: list, joiners: list) -> list:
-    """``batch`` extended in place with the rows of another batched cache list (right-aligned)."""
+def check_extendable(batch: list, joiners: list) -> None:
+    """Raise before anything changes when ``joiners`` cannot extend ``batch`` (layer by layer)."""
     for layer, (running, joining) in enumerate(zip(batch, joiners, strict=True)):
         if type(running) is not type(joining):
             raise TypeError(f"layer {layer}: cannot join {type(joining).__name__} to {type(running).__name__}")
+
+
+def extend_batch(batch: list, joiners: list) -> list:
+    """``batch`` extended in place with the rows of another batched cache list (right-aligned)."""
+    check_extendable(batch, joiners)
+    for running, joining in zip(batch, joiners, strict=True):
         running.extend(joining)
     return batch
 

@@ -88,9 +88,9 @@ def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
     if prefix_length <= 0:
         raise ValueError("a shared prefix has at least one token")
     shares = [True] * len(rows) if shares is None else list(shares)
-    if len(shares) != len(rows) or not any(shares):
-        raise ValueError("shares names one flag per row, and at least one row shares")
-    donor = shares.index(True)
+    if len(shares) != len(rows) or not (any(shares) or prefix is not None):
+        raise ValueError("shares names one flag per row, and at least one row shares (or the prefix is given)")
+    donor = shares.index(True) if any(shares) else None
     out = []
     for layer in range(len(rows[0])):
         column = [row[layer] for row in rows]
@@ -99,8 +99,10 @@ def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
             continue
         if any(c.offset < prefix_length for c, s in zip(column, shares, strict=True) if s):
             raise ValueError(f"layer {layer}: a sharing row holds fewer than {prefix_length} tokens")
-        keys, values = (prefix[layer] if prefix is not None and prefix[layer] is not None else
-                        (_head(column[donor].keys, prefix_length), _head(column[donor].values, prefix_length)))
+        given = prefix[layer] if prefix is not None else None
+        if given is None and donor is None:
+            raise ValueError(f"layer {layer}: shares but no prefix was given for it and no row shares")
+        keys, values = given or (_head(column[donor].keys, prefix_length), _head(column[donor].values, prefix_length))
         tails = [_tail(c, prefix_length if s else 0) for c, s in zip(column, shares, strict=True)]
         out.append(SharedPrefixBatchCache.from_tails(keys, values, tails, shares))
     return out

@@ -3,8 +3,9 @@
 A real batch server groups the rows that lease the same prompt-cache node
 chain (engine/prefix_sharing.py); their greedy outputs equal a --batch 1
 server's (the serial lane, mlx-lm's generate), token for token, also when a
-row is cancelled mid-way and a late agent joins the running group; /metrics
-counts the decode steps that ran shared, and ``off`` runs none.
+row is cancelled mid-way and a late agent joins the running group (in
+place, by reference); /metrics counts the decode steps that ran shared,
+and ``off`` runs none.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def test_twelve_agents_decode_shared_with_the_serial_lanes_output(tiny_model_dir
         stats = httpx.get(server.url + "/stats").json()["batch"]["shared_prefix"]
     assert got == want
     assert steps > 0 and stats["steps"] == steps and stats["groups_built"] >= 1, stats
+    # Agents arrive in bursts of --prompt-concurrency: later bursts join the running group in place.
+    assert stats["rows_joined_in_place"] >= 1, stats
     assert stats["mode"] == "on" and stats["declined"] is None and 0 < stats["share_of_steps"] <= 1
 
 
