@@ -16,7 +16,7 @@ rest join as strays; only a better group elsewhere rebuilds.
 ``--shared-prefix-attention``: ``off`` never groups; ``on`` groups any two
 rows on at least ``MIN_PREFIX_TOKENS`` leased tokens; ``auto`` groups where
 ``shared_prefix_decode.worth_sharing`` says the step is faster (CUDA from
-32k group tokens, measured per layer on the H200; never on the CPU).
+128k group tokens, measured on the H200; never on the CPU).
 """
 
 from __future__ import annotations

@@ -16,9 +16,13 @@ length): from 32k on the split path beats one kernel (64 x 512: 0.26 vs
 0.36 ms; 16 x 2k: 0.17 vs 0.18; 8 x 2k: 0.33 vs 0.11), and per-row copies
 through kv/decode_kernel.py beat both below it (8 x 2k: 0.10 ms; 16 x 512:
 0.07) while the split path beats the copies from it on (16 x 2k: 0.17 vs
-0.24 ms; 64 x 16k: 0.83 vs 4.34). ``worth_sharing`` is that gate, for the
-scheduler to call; on the CPU sharing measured at parity with copies
-(the exponentials, not the reads, bound it there), so it says no.
+0.24 ms; 64 x 16k: 0.83 vs 4.34). ``worth_sharing``, the scheduler's
+gate, asks more of a whole server than of one layer: end to end, 16 agents
+on a 2.2k prefix (35k group tokens) decoded slower shared (ITL p50 12.5 vs
+10.7 ms), while whole-model steps were faster from 64 x 2k (131k) on
+(docs/benchmarks.md, "H200: shared-prefix attention end to end"). On the
+CPU sharing measured at parity with copies (the exponentials, not the
+reads, bound it there), so it says no.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from mlxq.kv.shared_prefix_attention import Quant, shared_prefix_attention
 log = logging.getLogger("mlxq.kv")
 
 SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path wins (H200, 8B layer)
+AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
 PATHS = ("ops", "full", "split")
 
 _enabled = False
@@ -53,7 +58,7 @@ def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant 
 def worth_sharing(rows: int, prefix_length: int) -> bool:
     """Whether a decode step of ``rows`` rows on a ``prefix_length``-token prefix is faster shared
     than over per-row copies (measured on the H200; the CPU measured no gain)."""
-    return _enabled and rows * prefix_length >= SPLIT_MIN_GROUP_TOKENS
+    return _enabled and rows * prefix_length >= AUTO_MIN_GROUP_TOKENS
 
 
 def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
