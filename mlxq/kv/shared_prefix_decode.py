@@ -34,7 +34,7 @@ import os
 import mlx.core as mx
 
 from mlxq.kv import shared_prefix_kernel, tail_merge_kernel
-from mlxq.kv.shared_prefix_attention import Quant, shared_prefix_attention
+from mlxq.kv.shared_prefix_attention import Quant, RowGroups, grouped_shared_prefix_attention, shared_prefix_attention
 
 log = logging.getLogger("mlxq.kv")
 
@@ -72,6 +72,15 @@ def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_
     if path == "split":
         return tail_merge_kernel.split_shared_prefix_decode(*args, shares)
     return shared_prefix_attention(*args, quant, shares)
+
+
+def grouped_attention(queries, prefixes, tail_keys, tail_values, tail_starts, scale: float,
+                      sinks: mx.array | None = None, quant: Quant | None = None,
+                      layout: RowGroups | None = None) -> mx.array:
+    """Several groups in one batch (``layout``: which rows read which prefix): plain operations on
+    every backend (the CUDA kernels take one prefix per call; several are not measured)."""
+    return grouped_shared_prefix_attention(queries, prefixes, tail_keys, tail_values, tail_starts, scale, layout,
+                                           sinks, quant)
 
 
 @contextlib.contextmanager
