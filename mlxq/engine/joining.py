@@ -23,7 +23,7 @@ from mlx_lm.generate import generation_stream
 
 from mlxq.engine.faults import MemoryFault, is_allocation_failure, release_cached_memory
 from mlxq.engine.joiners import Joiner
-from mlxq.engine.prefix_sharing import choose_group, join_in_place
+from mlxq.engine.prefix_sharing import choose_groups, join_in_place
 from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending
 from mlxq.engine.types import FinishReason
@@ -122,36 +122,36 @@ class Joining:
         self._share_prefix()
 
     def _join_group(self, rows: list[Row], solo_caches, pending: Pending) -> bool:
-        """Rows join the running shared-prefix group in place (``solo_caches()``: their solo cache
-        lists); False when there is no group to keep, or a better one needs a rebuild."""
-        if self.batch.group is None or self.sharing is None:
+        """Rows join the running shared-prefix groups in place (``solo_caches()``: their solo cache
+        lists); False when there is no group to keep, or better ones need a rebuild."""
+        if not self.batch.groups or self.sharing is None:
             return False
         leases = lambda rs: [self._leases.get(row.request.request_id) for row in rs]  # noqa: E731
-        into = join_in_place(self.batch.group, leases(self.batch.rows), leases(rows), self.sharing)
+        into = join_in_place(self.batch.groups, leases(self.batch.rows), leases(rows), self.sharing)
         if into is None:
             return False
         try:
             self.batch.join_group(rows, solo_caches(), into, pending, self.sharing.plan)
         except Exception:  # nothing changed yet (join_group checks first): join the usual way
-            log.warning("%d row(s) not joined to the shared-prefix group", len(rows), exc_info=True)
+            log.warning("%d row(s) not joined to the shared-prefix groups", len(rows), exc_info=True)
             return False
-        self.sharing_stats.rows_joined += sum(into)
+        self.sharing_stats.rows_joined += sum(g >= 0 for g in into)
         return True
 
     def _share_prefix(self) -> None:
-        """After a join: let the rows on one leased prefix read it once (engine/prefix_sharing.py)."""
+        """After a join: let the rows on a leased prefix read it once (engine/prefix_sharing.py)."""
         policy = self.sharing
         if policy is None or policy.mode == "off" or not self.batch.batched:
             return
-        group = choose_group([self._leases.get(row.request.request_id) for row in self.batch.rows], policy)
-        if group is None:
+        groups = choose_groups([self._leases.get(row.request.request_id) for row in self.batch.rows], policy)
+        if not groups:
             return
         try:
-            self.batch.share(group, policy.plan)
+            self.batch.share(groups, policy.plan)
         except Exception:  # an optimization: the per-row caches the join left stay in place
-            log.warning("shared-prefix group of %d rows not built", group.rows, exc_info=True)
+            log.warning("shared-prefix groups of %d rows not built", sum(g.rows for g in groups), exc_info=True)
             return
-        self.sharing_stats.groups += self.batch.group is not None
+        self.sharing_stats.groups += len(self.batch.groups)
 
     def _put(self, row: Row, caches: list) -> None:
         """Store a finished row's prefix as the prefix policy says (store/prefix.py)."""

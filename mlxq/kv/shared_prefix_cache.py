@@ -85,6 +85,12 @@ class SharedPrefixBatchCache(_BaseCache):
         batch_class = BatchQuantizedKVCache if type(tails[0]) is QuantizedKVCache else BatchKVCache
         return cls(prefix_keys, prefix_values, batch_class.merge(tails), shares)
 
+    @classmethod
+    def grouped_from_tails(cls, prefixes: list[tuple[KV, KV]], tails: list, row_groups: list[int]):
+        """``from_tails`` for several groups (``grouped``'s ``prefixes`` and ``row_groups``)."""
+        batch_class = BatchQuantizedKVCache if type(tails[0]) is QuantizedKVCache else BatchKVCache
+        return cls.grouped(prefixes, batch_class.merge(tails), row_groups)
+
     def _set_groups(self, row_groups: list[int]) -> None:
         """Per row its group (host side: no sync), dropping prefixes no row reads any more."""
         used = sorted({g for g in row_groups if g >= 0})

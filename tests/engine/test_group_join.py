@@ -55,7 +55,7 @@ def test_joiners_and_leavers_keep_the_group_and_equal_solo(load_tiny, arch):
     batch = RunningBatch()
     batch.join(["r0", "r1"], share_prefix(plan, [prefilled(model, p) for p in rows[:2]], prefix_length), True,
                pending(rows[:2]))
-    batch.group = Group(None, prefix_length, (True, True))
+    batch.groups = (Group(None, prefix_length, (True, True)),)
     layers = shared_layers(batch)
     assert layers, "the plan shares at least one layer"
     prefix = [(c.prefix_keys, c.prefix_values) for c in layers]
@@ -66,9 +66,9 @@ def test_joiners_and_leavers_keep_the_group_and_equal_solo(load_tiny, arch):
 
     # Two joiners on the prefix and one stray join the running group in place.
     joiners = [rows[2], stray, rows[3]]
-    batch.join_group(["r2", "s", "r3"], [prefilled(model, p) for p in joiners], (True, False, True),
+    batch.join_group(["r2", "s", "r3"], [prefilled(model, p) for p in joiners], (0, -1, 0),
                      pending(joiners), plan)
-    assert batch.group.shares == (True, True, True, False, True)
+    assert batch.groups[0].shares == (True, True, True, False, True)
     ids = {0: 0, 1: 1, 2: 2, "s": 3, 3: 4}
     out |= {2: [], "s": [], 3: []}
     for _ in range(3):
@@ -88,7 +88,7 @@ def test_joiners_and_leavers_keep_the_group_and_equal_solo(load_tiny, arch):
     for cache, (keys, values) in zip(layers, prefix, strict=True):
         assert cache.prefix_keys is keys and cache.prefix_values is values
         assert cache.tail.size() < prefix_length  # no row's tail holds a copy of the prefix
-    assert batch.group.shares == (True, True, False, True)
+    assert batch.groups[0].shares == (True, True, False, True)
     for row, prompt in ((0, rows[0]), (1, rows[1]), (2, rows[2]), ("s", stray), (3, rows[3])):
         assert out[row] == solo(model, prompt, len(out[row])), row
 
@@ -101,9 +101,49 @@ def test_a_join_that_cannot_extend_changes_nothing(load_tiny):
     batch = RunningBatch()
     batch.join(["r0", "r1"], share_prefix(plan, [prefilled(model, p) for p in rows[:2]], prefix_length), True,
                pending(rows[:2]))
-    batch.group = Group(None, prefix_length, (True, True))
+    batch.groups = (Group(None, prefix_length, (True, True)),)
     short = rows[2][: prefix_length - 3]  # holds fewer tokens than the prefix: cannot share it
     with pytest.raises(ValueError, match="fewer than"):
-        batch.join_group(["r2"], [prefilled(model, short)], (True,), pending([short]), plan)
-    assert len(batch) == 2 and batch.group.shares == (True, True)
+        batch.join_group(["r2"], [prefilled(model, short)], (0,), pending([short]), plan)
+    assert len(batch) == 2 and batch.groups[0].shares == (True, True)
     assert [len(p) - 1 for p in rows[:2]] == shared_layers(batch)[0].offset.tolist()
+
+
+
+def decode(model, batch: RunningBatch, out: dict, steps: int) -> None:
+    """``steps`` greedy steps; each row's token appended under its name (batch.rows holds names)."""
+    for _ in range(steps):
+        for name, token in zip(batch.rows, step(model, batch), strict=True):
+            out.setdefault(name, []).append(token)
+
+
+def test_joiners_reach_each_of_two_groups_and_a_group_can_leave_whole(load_tiny):
+    from mlxq.kv.sharing_plan import PrefixSpec, share_groups
+    from tests.kv.test_shared_prefix_groups import two_groups
+
+    model, tokenizer = load_tiny("llama")
+    lengths, rows, _ = two_groups(tokenizer)  # rows 0, 3 on prefix A; 1, 4 on prefix B; 2 a stray
+    plan = plan_sharing(model)
+    batch, out = RunningBatch(), {}
+    batch.join([0, 1], share_groups(plan, [prefilled(model, rows[i]) for i in (0, 1)],
+                                    [PrefixSpec(n) for n in lengths], [0, 1]), True, pending([rows[0], rows[1]]))
+    batch.groups = (Group(None, lengths[0], (True, False)), Group(None, lengths[1], (False, True)))
+    layers = shared_layers(batch)
+    prefix_b = [c.prefixes[1] for c in layers]
+    decode(model, batch, out, 2)
+
+    joiners = [4, 3, 2]
+    batch.join_group(joiners, [prefilled(model, rows[i]) for i in joiners], (1, 0, -1),
+                     pending([rows[i] for i in joiners]), plan)
+    assert [g.shares for g in batch.groups] == [(True, False, False, True, False), (False, True, True, False, False)]
+    assert all(c.row_groups == [0, 1, 1, 0, -1] for c in layers)
+    decode(model, batch, out, 2)
+
+    batch.keep([1, 2, 4])  # both rows of group A leave: B and the stray go on
+    assert [g.shares for g in batch.groups] == [(True, True, False)]
+    assert shared_layers(batch) == layers
+    for cache, prefix in zip(layers, prefix_b, strict=True):
+        assert cache.prefixes == [prefix] and cache.row_groups == [0, 0, -1]  # B's arrays, by reference
+    decode(model, batch, out, 2)
+    for i, tokens in out.items():
+        assert tokens == solo(model, rows[i], len(tokens)), i
