@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from mlxq.engine.prefix_sharing import Group, row_groups
 from mlxq.engine.rows import Row
-from mlxq.kv.batch_ops import check_extendable, extend_batch, extract_row, keep_rows, merge_solo_rows
+from mlxq.kv.batch_ops import check_extendable, extend_batch, extract_row, keep_rows, merge_solo_rows, view_rows
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import PrefixSpec, SharingPlan, prefix_from_spans, share_groups
 
@@ -119,7 +119,7 @@ class RunningBatch:
     def share(self, groups: tuple[Group, ...], plan: SharingPlan) -> None:
         """Rebuild the batched caches so each group's rows hold only their tails past its prefix
         (read from its node chain) and every other row its whole history."""
-        rows = [extract_row(self.caches, i) for i in range(len(self.rows))]
+        rows = view_rows(self.caches, len(self.rows))
         specs = [PrefixSpec(g.prefix_length, prefix_from_spans(g.prefix_lease().layer_spans())) for g in groups]
         self.caches = share_groups(plan, rows, specs, row_groups(groups, len(self.rows)))
         # No layer may share (e.g. quantized KV on a GPU backend): the caches are per row again.
