@@ -17,7 +17,8 @@ sends REQUESTS requests (default --per-level x CONCURRENCY) per server and
 round (default --rounds). With the 8B preset's tokenizer 2,000 words are
 ~2,200 tokens. Per part it records both servers' throughput, TTFT
 and ITL (medians over --rounds) and the `on` server's shared-prefix
-counters (/stats.batch.shared_prefix) before and after.
+counters (/stats.batch.shared_prefix) before and after, and per server
+what the part left (RAM prompt cache entries, faults, memory peak).
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ def sharing_counters(url: str) -> dict:
         return {"error": repr(e)}
 
 
+def server_snapshot(url: str) -> dict:
+    """What a part left behind on a server: its RAM prompt cache, faults and memory peak."""
+    try:
+        stats = httpx.get(url + "/stats", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        return {"error": repr(e)}
+    cache = stats.get("prompt_cache") or {}
+    return {"prompt_cache": {k: cache.get(k) for k in ("entries", "bytes", "hits", "hit_tokens", "evictions")},
+            "faults": stats.get("batch", {}).get("faults"),
+            "mlx_peak_bytes": stats.get("memory", {}).get("mlx_peak_bytes"),
+            "requests_failed": stats.get("engine", {}).get("requests_failed")}
+
+
 def run_part(part: str, on: str, off: str, args, scratch: Path) -> dict:
     dataset, words, level, *rest = part.split(":")
     requests = rest[0] if rest else str(args.per_level * int(level))
@@ -77,7 +91,8 @@ def run_part(part: str, on: str, off: str, args, scratch: Path) -> dict:
     except subprocess.TimeoutExpired:
         error = f"timed out after {args.part_timeout}s"
     result = {"part": part, "wall_s": round(time.perf_counter() - t, 1), "sharing_before": before,
-              "sharing_after": sharing_counters(on)}
+              "sharing_after": sharing_counters(on), "on_server": server_snapshot(on),
+              "off_server": server_snapshot(off)}
     if error:
         return result | {"error": error}
     doc = json.loads(path.read_text())
@@ -103,9 +118,10 @@ def line(result: dict) -> str:
     p95 = {s: med(s, lambda r: r["ttft_ms"]["p95"]) for s in ("on", "off")}
     steps = result["sharing_after"].get("steps", 0) - result["sharing_before"].get("steps", 0)
     failed = sum(r["failed"] or 0 for s in ("on", "off") for r in result[s])
+    shed = {s: (result[f"{s}_server"].get("faults") or {}).get("preemptions") for s in ("on", "off")}
     return (f"{result['part']}: on {tok['on']:.0f} tok/s vs off {tok['off']:.0f} (x{tok['on'] / tok['off']:.2f}); "
             f"TTFT p95 on {p95['on']:.0f} ms, off {p95['off']:.0f}; shared steps {steps}; failed {failed}; "
-            f"{result['wall_s']}s")
+            f"preemptions so far on {shed['on']}, off {shed['off']}; {result['wall_s']}s")
 
 
 def main() -> None:
