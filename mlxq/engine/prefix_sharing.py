@@ -17,8 +17,8 @@ rest join as strays; only better groups elsewhere rebuild.
 
 ``--shared-prefix-attention``: ``off`` never groups; ``on`` groups any two
 rows on at least ``MIN_PREFIX_TOKENS`` leased tokens, up to ``ON_MAX_GROUPS``
-groups per batch; ``auto`` forms one group per batch (several run the plain
-path, which the CUDA kernels beat), where
+groups per batch; ``auto`` forms one group per batch (several were not
+measured on a device), where
 ``shared_prefix_decode.worth_sharing`` says the step is faster (CUDA from
 128k group tokens, measured on the H200; never on the CPU).
 """

@@ -103,11 +103,13 @@ def prefix_partial(queries: mx.array, keys: KV, values: KV, scale: float, quant:
     """``stacked_prefix_stats`` in the rows' own layout [B, Hq, L, n]."""
     batch, heads, length, _ = queries.shape
     kv_heads = _shape(keys)[1]
+    return Partial(*(_unstack(x, kv_heads, batch, heads, length)
+                     for x in stacked_prefix_stats(queries, keys, values, scale, quant)))
 
-    def unstack(x):  # [Hkv, B*G*L, n] -> [B, Hq, L, n]
-        return x.reshape(kv_heads, batch, -1, x.shape[-1]).swapaxes(0, 1).reshape(batch, heads, length, -1)
 
-    return Partial(*(unstack(x) for x in stacked_prefix_stats(queries, keys, values, scale, quant)))
+def _unstack(x: mx.array, kv_heads: int, batch: int, heads: int, length: int) -> mx.array:
+    """[Hkv, B*G*L, n] -> [B, Hq, L, n]"""
+    return x.reshape(kv_heads, batch, -1, x.shape[-1]).swapaxes(0, 1).reshape(batch, heads, length, -1)
 
 
 def tail_partial(queries: mx.array, keys: KV, values: KV, scale: float, mask: mx.array | None,
@@ -151,6 +153,7 @@ class RowGroups:
     members: tuple[mx.array, ...]  # per group: its rows' indices
     strays: int  # rows in no group
     inverse: mx.array  # rows in group order (members..., strays) -> back to batch order
+    in_group: mx.array  # [B] bool: the row reads a prefix
 
     @classmethod
     def of(cls, row_groups: list[int], groups: int) -> RowGroups:
@@ -160,24 +163,41 @@ class RowGroups:
         inverse = [0] * len(order)
         for position, b in enumerate(order):
             inverse[b] = position
-        return cls(tuple(mx.array(rows) for rows in members), len(strays), mx.array(inverse))
+        return cls(tuple(mx.array(rows) for rows in members), len(strays), mx.array(inverse),
+                   mx.array([g >= 0 for g in row_groups]))
+
+
+def grouped_prefix_stats(queries: mx.array, prefixes: list[tuple[KV, KV]], layout: RowGroups, scale: float,
+                         quant: Quant | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """``stacked_prefix_stats`` for several groups, in the same stacked layout [Hkv, B * group * L, n]:
+    each group's rows against their own prefix (each prefix read once, for its rows only), rows in
+    no group an empty level (weighted 0, peak -inf, total 0: it weighs 0 in the merge)."""
+    batch, heads, length, _ = queries.shape
+    kv_heads = _shape(prefixes[0][0])[1]
+    per_row = heads // kv_heads * length
+    parts = [stacked_prefix_stats(queries[rows], keys, values, scale, quant)
+             for (keys, values), rows in zip(prefixes, layout.members, strict=True) if rows.size]
+    if layout.strays:
+        packed = _shape(prefixes[0][1])[-1]
+        dim = packed * 32 // quant.bits if quant else packed  # quantized values pack 32 // bits per word
+        empty = (kv_heads, layout.strays * per_row)
+        parts.append((mx.zeros((*empty, dim), mx.float32), mx.full((*empty, 1), _NEG_INF, mx.float32),
+                      mx.zeros((*empty, 1), mx.float32)))
+
+    def in_row_order(x):  # group order -> batch order, along the stacked axis
+        x = x.reshape(kv_heads, batch, per_row, x.shape[-1])[:, layout.inverse]
+        return x.reshape(kv_heads, batch * per_row, -1)
+
+    return tuple(in_row_order(mx.concatenate([p[i] for p in parts], axis=1)) for i in range(3))
 
 
 def grouped_prefix_partial(queries: mx.array, prefixes: list[tuple[KV, KV]], layout: RowGroups, scale: float,
                            quant: Quant | None = None) -> Partial:
-    """Each group's rows against their own prefix (each prefix read once, for its rows only); rows in no
-    group get an empty level (peak -inf: it weighs 0 in the merge)."""
-    parts = [prefix_partial(queries[rows], keys, values, scale, quant)
-             for (keys, values), rows in zip(prefixes, layout.members, strict=True) if rows.size]
-    if layout.strays:
-        _, heads, length, _ = queries.shape
-        packed = _shape(prefixes[0][1])[-1]
-        dim = packed * 32 // quant.bits if quant else packed  # quantized values pack 32 // bits per word
-        empty = (layout.strays, heads, length)
-        parts.append(Partial(mx.zeros((*empty, dim), mx.float32), mx.full((*empty, 1), _NEG_INF, mx.float32),
-                             mx.zeros((*empty, 1), mx.float32)))
-    stacked = [mx.concatenate([getattr(p, f) for p in parts]) for f in ("weighted", "peak", "total")]
-    return Partial(*(x[layout.inverse] for x in stacked))
+    """``grouped_prefix_stats`` in the rows' own layout [B, Hq, L, n]."""
+    batch, heads, length, _ = queries.shape
+    kv_heads = _shape(prefixes[0][0])[1]
+    return Partial(*(_unstack(x, kv_heads, batch, heads, length)
+                     for x in grouped_prefix_stats(queries, prefixes, layout, scale, quant)))
 
 
 def tail_mask(starts: mx.array, length: int, span: int) -> mx.array:

@@ -43,6 +43,7 @@ AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-m
 PATHS = ("ops", "full", "split")
 
 _enabled = False
+_grouped_enabled = False  # the split path for several groups per batch (its own self-check)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
 
 
@@ -77,8 +78,14 @@ def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_
 def grouped_attention(queries, prefixes, tail_keys, tail_values, tail_starts, scale: float,
                       sinks: mx.array | None = None, quant: Quant | None = None,
                       layout: RowGroups | None = None) -> mx.array:
-    """Several groups in one batch (``layout``: which rows read which prefix): plain operations on
-    every backend (the CUDA kernels take one prefix per call; several are not measured)."""
+    """Several groups in one batch (``layout``: which rows read which prefix): on CUDA with the
+    kernels on, each group's prefix GEMMs then the split path's one kernel for every row (not
+    measured; ``self_check`` compares it with the plain path before the kernels are enabled);
+    plain operations elsewhere."""
+    if _forced != "ops" and _grouped_enabled and quant is None and all(
+            shared_prefix_kernel.can_run(queries, keys, tail_keys, tail_values) for keys, _ in prefixes):
+        return tail_merge_kernel.split_grouped_decode(queries, prefixes, tail_keys, tail_values, tail_starts, scale,
+                                                      sinks, layout)
     return grouped_shared_prefix_attention(queries, prefixes, tail_keys, tail_values, tail_starts, scale, layout,
                                            sinks, quant)
 
@@ -96,29 +103,45 @@ def forced(path: str):
         _forced = None
 
 
-def self_check(dtype=mx.bfloat16) -> dict[str, float]:
-    """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
-    the group, tails as strided views."""
+def _check_inputs(dtype):
     rows, heads, kv_heads, prefix, own, dim = 6, 8, 2, 333, 40, 128
     q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
     pk, pv = (mx.random.normal((1, kv_heads, prefix, dim)).astype(dtype) for _ in range(2))
     buffer = mx.random.normal((2, rows, kv_heads, own + 24, dim)).astype(dtype)
-    tk, tv = buffer[0, :, :, :own], buffer[1, :, :, :own]
-    starts = mx.array([0, 1, 17, 39, 5, 20])
+    return q, pk, pv, buffer[0, :, :, :own], buffer[1, :, :, :own], mx.array([0, 1, 17, 39, 5, 20]), dim**-0.5
+
+
+def self_check(dtype=mx.bfloat16) -> dict[str, float]:
+    """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
+    the group, tails as strided views."""
+    q, pk, pv, tk, tv, starts, scale = _check_inputs(dtype)
     worst = {"full": 0.0, "split": 0.0}
-    for sinks, shares in ((None, None), (mx.random.normal((heads,)), mx.array([True, False, True, True, False, True]))):
-        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks, None, shares).astype(mx.float32)
+    for sinks, shares in ((None, None), (mx.random.normal((q.shape[1],)),
+                                         mx.array([True, False, True, True, False, True]))):
+        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
         for path in worst:
             with forced(path):
-                got = attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks, None, shares).astype(mx.float32)
+                got = attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
             worst[path] = max(worst[path], mx.abs(got - want).max().item())
     return worst
 
 
+def grouped_self_check(dtype=mx.bfloat16) -> float:
+    """Max |grouped kernel path - plain path| on two groups (the second prefix shorter) and a stray."""
+    q, pk, pv, tk, tv, starts, scale = _check_inputs(dtype)
+    prefixes = [(pk, pv), (pk[:, :, :100], pv[:, :, :100])]
+    layout = RowGroups.of([1, 0, -1, 0, 1, 0], 2)
+    want = grouped_shared_prefix_attention(q, prefixes, tk, tv, starts, scale, layout).astype(mx.float32)
+    got = tail_merge_kernel.split_grouped_decode(q, prefixes, tk, tv, starts, scale, None, layout)
+    return mx.abs(got.astype(mx.float32) - want).max().item()
+
+
 def enable() -> bool:
     """Let the kernels run from now on, if CUDA is here and both self-checks agree with the plain
-    path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path."""
-    global _enabled
+    path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path.
+    The grouped path (several groups per batch) has its own check: failing it keeps only that
+    path on plain operations."""
+    global _enabled, _grouped_enabled
     if not _enabled and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
         try:
             errors = self_check()
@@ -128,6 +151,15 @@ def enable() -> bool:
         _enabled = max(errors.values()) < 2e-2
         if not _enabled:
             log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
+            return False
+        try:
+            error = grouped_self_check()
+        except Exception as exc:
+            log.warning("grouped shared-prefix kernel path unavailable (%s: %s)", type(exc).__name__, exc)
+            return _enabled
+        _grouped_enabled = error < 2e-2
+        if not _grouped_enabled:
+            log.warning("grouped shared-prefix kernel path disagrees with the plain path (max diff %s)", error)
     return _enabled
 
 

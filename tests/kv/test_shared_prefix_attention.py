@@ -135,6 +135,8 @@ def test_the_cuda_kernels_match_the_plain_path():
 
     assert max(shared_prefix_decode.self_check(mx.float32).values()) < 2e-4
     assert max(shared_prefix_decode.self_check(mx.bfloat16).values()) < 2e-2
+    assert shared_prefix_decode.grouped_self_check(mx.float32) < 2e-4  # not run on a device yet
+    assert shared_prefix_decode.grouped_self_check(mx.bfloat16) < 2e-2
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -13,7 +13,12 @@ from mlx_lm.models.cache import KVCache
 
 from mlxq.kv import attention_route
 from mlxq.kv.batch_ops import extend_batch, keep_rows, merge_solo_rows
-from mlxq.kv.shared_prefix_attention import RowGroups, grouped_shared_prefix_attention, shared_prefix_attention
+from mlxq.kv.shared_prefix_attention import (
+    RowGroups,
+    grouped_prefix_stats,
+    grouped_shared_prefix_attention,
+    shared_prefix_attention,
+)
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import plan_sharing, share_prefix
 from mlxq.models.presets import ARCHS
@@ -88,7 +93,12 @@ def test_grouped_attention_equals_one_group_at_a_time():
     tk, tv = (mx.random.normal((5, 2, 9, 16)) for _ in range(2))
     starts = mx.array([0, 3, 8, 1, 5])
     row_groups = [1, -1, 0, 1, 0]
-    got = grouped_shared_prefix_attention(q, prefixes, tk, tv, starts, 0.25, RowGroups.of(row_groups, 2))
+    layout = RowGroups.of(row_groups, 2)
+    assert layout.in_group.tolist() == [True, False, True, True, True] and layout.strays == 1
+    got = grouped_shared_prefix_attention(q, prefixes, tk, tv, starts, 0.25, layout)
+    stats = grouped_prefix_stats(q, prefixes, layout, 0.25)  # what the CUDA split path hands its kernel
+    assert [x.shape for x in stats] == [(2, 20, 16), (2, 20, 1), (2, 20, 1)]
+    assert mx.all(stats[1].reshape(2, 5, 4)[:, 1] == -float("inf")).item()  # the stray: an empty level
     for g, (pk, pv) in enumerate(prefixes):
         want = shared_prefix_attention(q, pk, pv, tk, tv, starts, 0.25, None, None,
                                        mx.array([x == g for x in row_groups]))
