@@ -43,7 +43,7 @@ AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-m
 PATHS = ("ops", "full", "split")
 
 _enabled = False
-_grouped_enabled = False  # the split path for several groups per batch (its own self-check)
+_grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
 
 
@@ -82,7 +82,7 @@ def grouped_attention(queries, prefixes, tail_keys, tail_values, tail_starts, sc
     kernels on, each group's prefix GEMMs then the split path's one kernel for every row (not
     measured; ``self_check`` compares it with the plain path before the kernels are enabled);
     plain operations elsewhere."""
-    if _forced != "ops" and _grouped_enabled and quant is None and all(
+    if _forced != "ops" and quant is None and _grouped_ready() and all(
             shared_prefix_kernel.can_run(queries, keys, tail_keys, tail_values) for keys, _ in prefixes):
         return tail_merge_kernel.split_grouped_decode(queries, prefixes, tail_keys, tail_values, tail_starts, scale,
                                                       sinks, layout)
@@ -138,10 +138,8 @@ def grouped_self_check(dtype=mx.bfloat16) -> float:
 
 def enable() -> bool:
     """Let the kernels run from now on, if CUDA is here and both self-checks agree with the plain
-    path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path.
-    The grouped path (several groups per batch) has its own check: failing it keeps only that
-    path on plain operations."""
-    global _enabled, _grouped_enabled
+    path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path."""
+    global _enabled
     if not _enabled and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
         try:
             errors = self_check()
@@ -151,16 +149,24 @@ def enable() -> bool:
         _enabled = max(errors.values()) < 2e-2
         if not _enabled:
             log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
-            return False
+    return _enabled
+
+
+def _grouped_ready() -> bool:
+    """The grouped kernel path, checked once on its first use (a batch of several groups, which only
+    ``--shared-prefix-attention on`` forms): failing the check keeps just that path on plain
+    operations, and servers that never group twice never run it."""
+    global _grouped_enabled
+    if _grouped_enabled is None and _enabled:
         try:
             error = grouped_self_check()
         except Exception as exc:
             log.warning("grouped shared-prefix kernel path unavailable (%s: %s)", type(exc).__name__, exc)
-            return _enabled
+            error = float("inf")
         _grouped_enabled = error < 2e-2
         if not _grouped_enabled:
             log.warning("grouped shared-prefix kernel path disagrees with the plain path (max diff %s)", error)
-    return _enabled
+    return bool(_grouped_enabled)
 
 
 def is_enabled() -> bool:
