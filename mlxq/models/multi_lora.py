@@ -94,7 +94,14 @@ class MultiLoRALinear(nn.Module):
                                + [mx.zeros((in_dims, rank), dtype)])
         self.lora_b = mx.stack([_padded(p and p.lora_b, (rank, out_dims), dtype) for p in pieces]
                                + [mx.zeros((rank, out_dims), dtype)])
-        self.scales = mx.array(self._scales + [0.0])
+        # Mixed rows: each slot's B carries its scale (one op fewer per layer; the last bits differ
+        # from mlx-lm's scale-after-product, the tokens do not). One adapter alone: mlx-lm's own
+        # arithmetic on per-slot views of the stacks (evaluated slices share the stacks' memory).
+        self.scaled_b = self.lora_b * mx.array(self._scales + [0.0], dtype)[:, None, None]
+        mx.eval(self.lora_a, self.lora_b)
+        self._a = [self.lora_a[i] for i in range(len(pieces))]
+        self._b = [self.lora_b[i] for i in range(len(pieces))]
+        mx.eval(self._a, self._b)
         self.gains = None
         if any(self._dora):
             ones = mx.ones((out_dims,))
@@ -109,13 +116,13 @@ class MultiLoRALinear(nn.Module):
             return self.base(x)
         if self._dora[route.slot]:
             return self._dora_one(x, route.slot)
-        z = (x @ self.lora_a[route.slot]) @ self.lora_b[route.slot]  # LoRALinear.__call__ (dropout off)
+        z = (x @ self._a[route.slot]) @ self._b[route.slot]  # LoRALinear.__call__ (dropout off)
         return self.base(x) + (self._scales[route.slot] * z).astype(x.dtype)
 
     def _dora_one(self, x: mx.array, slot: int) -> mx.array:
         """DoRALinear.__call__ with its magnitude precomputed (models/adapters.py)."""
         y = x @ _dequantized(self.base).T
-        z = (x @ self.lora_a[slot]) @ self.lora_b[slot]
+        z = (x @ self._a[slot]) @ self._b[slot]
         out = self.gains[slot].astype(x.dtype) * (y + (self._scales[slot] * z).astype(x.dtype))
         return out + self.base.bias if "bias" in self.base else out
 
@@ -123,8 +130,8 @@ class MultiLoRALinear(nn.Module):
         if x.ndim != 3 or x.shape[0] != indices.shape[0]:
             raise RuntimeError(f"adapter routing for {indices.shape[0]} rows met an input of shape {x.shape}")
         y = self.base(x)
-        z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=indices), self.lora_b, rhs_indices=indices)
-        delta = (self.scales[indices].astype(z.dtype)[:, None, None] * z).astype(x.dtype)
+        z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=indices), self.scaled_b, rhs_indices=indices)
+        delta = z.astype(x.dtype)
         if self.gains is None:
             return y + delta
         gain = self.gains[indices].astype(x.dtype)[:, None, :]
