@@ -17,7 +17,7 @@ hits each alike:
 Requests: a short prompt, greedy, ignore_eos, ``--max-tokens`` each: decode-bound.
 Throughput is completion tokens / wall time of the loop; decode step ms from /stats.
 
-    python scripts/bench_adapters.py [--model PATH] [--concurrency 8] [--adapters 2] [--rank 16]
+    python scripts/bench_adapters.py [--model PATH] [--concurrency 8[,16...]] [--adapters 2] [--rank 16]
                                      [--rounds 3] [--seconds 20] [--out results.json]
 """
 
@@ -103,13 +103,14 @@ def summary(runs: list[dict], base_runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", default="8", help="comma-separated levels, e.g. 32,64 (one server)")
     parser.add_argument("--adapters", type=int, default=2)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--warmup-seconds", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (after each level)")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `mlxq serve` flag")
     args = parser.parse_args()
     from mlxq.models.default import ensure_default_model
@@ -122,27 +123,35 @@ def main() -> None:
     for i, name in enumerate(names):
         made = make_tiny_adapter(model, work / name, seed=i, rank=args.rank)
         flags += ["--adapter", f"{name}={made}"]
-    c = args.concurrency
-    serve = ["--model", str(model), "--served-model-name", BASE, "--batch", str(c), "--prompt-cache", "0", *flags,
-             *args.serve_arg]
-    results: dict = {"concurrency": c, "adapters": args.adapters, "rank": args.rank, "mixes": {}}
+    levels = [int(c) for c in args.concurrency.split(",")]
+    serve = ["--model", str(model), "--served-model-name", BASE, "--batch", str(max(levels)), "--prompt-cache", "0",
+             *flags, *args.serve_arg]
+    results: dict = {"adapters": args.adapters, "rank": args.rank, "max_tokens": args.max_tokens, "levels": {}}
     with ServeProcess(*serve, timeout_s=900) as server:
-        plan = mixes(c, names)
-        for models in plan.values():  # warm-up: every path once
-            run_round(server.url, models, 1.0, 8)
-        samples: dict[str, list[dict]] = {name: [] for name in plan}
-        for _ in range(args.rounds):
-            for name, models in plan.items():
-                samples[name].append(measured(server.url, server.proc.pid, models, args.seconds, args.max_tokens))
-        print(f"| mix (c={c}, {args.adapters} adapters, rank {args.rank}) | tok/s (median of {args.rounds}) "
-              "| vs base | decode step ms | tok per server CPU s | vs base |", flush=True)
-        print("|---|---|---|---|---|---|", flush=True)
-        for name, runs in samples.items():
-            results["mixes"][name] = row = summary(runs, samples["base"])
-            print(f"| {name} | {row['tok_s']:.1f} | {row['vs_base']:.2f}x | {row['step_ms']:.2f} | "
-                  f"{row.get('tok_per_cpu_s', 0):.1f} | {row.get('cpu_vs_base', 0):.2f}x |", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        for c in levels:
+            results["levels"][c] = run_level(server, c, names, args)
+            if args.out:
+                args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def run_level(server: ServeProcess, c: int, names: list[str], args) -> dict:
+    """Every mix at concurrency ``c``, rounds interleaved; prints the table as it goes."""
+    plan = mixes(c, names)
+    for models in plan.values():  # warm-up: every path once at this batch size
+        run_round(server.url, models, args.warmup_seconds, 8)
+    samples: dict[str, list[dict]] = {name: [] for name in plan}
+    for _ in range(args.rounds):
+        for name, models in plan.items():
+            samples[name].append(measured(server.url, server.proc.pid, models, args.seconds, args.max_tokens))
+    print(f"| mix (c={c}, {args.adapters} adapters, rank {args.rank}) | tok/s (median of {args.rounds}) "
+          "| vs base | decode step ms | tok per server CPU s | vs base |", flush=True)
+    print("|---|---|---|---|---|---|", flush=True)
+    out = {}
+    for name, runs in samples.items():
+        out[name] = row = summary(runs, samples["base"])
+        print(f"| {name} | {row['tok_s']:.1f} | {row['vs_base']:.2f}x | {row['step_ms']:.2f} | "
+              f"{row.get('tok_per_cpu_s', 0):.1f} | {row.get('cpu_vs_base', 0):.2f}x |", flush=True)
+    return out
 
 
 if __name__ == "__main__":
