@@ -95,6 +95,12 @@ def adapter_rows(model, names: Sequence[str]):
     return nullcontext() if routing is None else routing.rows(names)
 
 
+def adapter_names(model) -> list[str]:
+    """The adapters installed on ``model``, in slot order (none: [])."""
+    routing = getattr(model, ROUTING_ATTRIBUTE, None)
+    return [] if routing is None else list(routing.slots)
+
+
 class MultiLoRALinear(nn.Module):
     def __init__(self, base: nn.Module, routing: AdapterRouting, pieces: Sequence[LowRank | None]):
         super().__init__()

@@ -80,7 +80,7 @@ def adapter_server(tiny_model_dirs, adapter_dirs, tmp_path_factory):
     ssd = tmp_path_factory.mktemp("ssd")
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--served-model-name", "base",
                        "--adapter", f"A={lora}", "--adapter", f"B={dora}", "--ssd-cache", str(ssd),
-                       "--log-level", "warning") as server:
+                       "--warmup", "on", "--log-level", "warning") as server:
         server.ssd = ssd
         yield server
 
@@ -123,6 +123,11 @@ def test_models_are_listed_and_selected_by_every_protocol(adapter_server, tiny_m
     ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
     assert ids == ["base", "A", "B"]
     assert httpx.get(url + "/v1/models/A").json()["parent"] == "base"
+    stats = httpx.get(url + "/stats").json()
+    assert stats["engine"]["warmed_up"]  # its steps ran base, mixed and one-adapter rows
+    lora, dora = adapter_dirs["llama"]
+    assert [(a["name"], a["kind"], a["namespace"]) for a in stats["model"]["adapters"]] == [
+        ("A", "lora", adapter_identity(lora)), ("B", "dora", adapter_identity(dora))]
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
     r = httpx.post(url + "/v1/chat/completions", json={**chat, "model": "A"}, timeout=60)
     assert r.status_code == 200 and r.json()["model"] == "A"
