@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,6 +46,12 @@ class Route:
     slot: int | None = None  # every row on this adapter (None with mask None: every row on the base)
     mask: mx.array | None = None  # mixed rows: [rows, 1, R], 1 on each row's own adapter's columns
     indices: mx.array | None = None  # mixed rows: each row's adapter (len(adapters) for the base), for DoRA
+    tiled: dict = field(default_factory=dict, compare=False)  # members -> the mask repeated for sibling layers
+
+    def tiled_mask(self, members: int) -> mx.array:
+        if members not in self.tiled:
+            self.tiled[members] = mx.tile(self.mask, (1, 1, members)) if members > 1 else self.mask
+        return self.tiled[members]
 
 
 BASE = Route()
@@ -101,20 +107,44 @@ def adapter_names(model) -> list[str]:
     return [] if routing is None else list(routing.slots)
 
 
+class SharedShrink:
+    """The shrink ``x @ A`` of sibling layers that read the same input (q/k/v, gate/up), once per input.
+
+    The siblings' A blocks sit side by side (``[members * R, input_dims]``); the first
+    sibling called with an input computes every sibling's columns in one matmul (and, for
+    mixed rows, masks them once), the others slice theirs. A different input object (the
+    attention output reaching o_proj) or another route computes afresh."""
+
+    def __init__(self, a_t: mx.array, members: int):
+        self.a = a_t.T
+        self.members = members
+        mx.eval(self.a)
+        self._key: tuple = (None, None)
+        self._h: mx.array | None = None
+
+    def of(self, x: mx.array, route: Route) -> mx.array:
+        if self._key[0] is not x or self._key[1] is not route:
+            h = x @ self.a
+            if route.mask is not None:
+                h = h * route.tiled_mask(self.members)
+            self._key, self._h = (x, route), h
+        return self._h
+
+
 class MultiLoRALinear(nn.Module):
-    def __init__(self, base: nn.Module, routing: AdapterRouting, pieces: Sequence[LowRank | None]):
+    def __init__(self, base: nn.Module, routing: AdapterRouting, pieces: Sequence[LowRank | None],
+                 shrink: SharedShrink, member: int, lora_a_t: mx.array):
         super().__init__()
         self.base = base
         self._routing = routing
-        present = next(p for p in pieces if p is not None)
-        in_dims, out_dims = present.lora_a.shape[0], present.lora_b.shape[1]
+        self._shrink = shrink
+        self._columns = member * sum(routing.ranks)  # where this layer's columns start in the shrink
+        out_dims = next(p for p in pieces if p is not None).lora_b.shape[1]
         dtype = routing.dtype
         self._adapted = [p is not None for p in pieces]
         self._dora = [p is not None and p.gain is not None for p in pieces]
-        # A is kept as [R, input_dims] so each adapter's block is a run of rows (its view is a copy-free
-        # slice); the scale goes into B (the last bits differ from mlx-lm's scale-after-product).
-        self.lora_a_t = mx.concatenate([(p.lora_a.T if p else mx.zeros((r, in_dims))).astype(dtype)
-                                        for p, r in zip(pieces, routing.ranks, strict=True)])
+        self.lora_a_t = lora_a_t  # a view of the shrink's A: counted here, stored once
+        # The scale goes into B (the last bits differ from mlx-lm's scale-after-product).
         self.lora_b = mx.concatenate([(p.scale * p.lora_b if p else mx.zeros((r, out_dims))).astype(dtype)
                                       for p, r in zip(pieces, routing.ranks, strict=True)])
         self.gains = None
@@ -122,33 +152,29 @@ class MultiLoRALinear(nn.Module):
             ones = mx.ones((out_dims,))
             self.gains = mx.stack([p.gain if p is not None and p.gain is not None else ones for p in pieces]
                                   + [ones]).astype(dtype)
-        mx.eval(self.parameters())
-        blocks = list(zip(routing.offsets, routing.ranks, strict=True))
-        self._a_all = self.lora_a_t.T
-        self._a = [self.lora_a_t[o : o + r].T for o, r in blocks]
-        self._b = [self.lora_b[o : o + r] for o, r in blocks]
-        mx.eval(self._a_all, self._a, self._b)  # views: evaluated slices share the arrays above
+        mx.eval(self.lora_b, self.gains)
+        self._b = [self.lora_b[o : o + r] for o, r in zip(routing.offsets, routing.ranks, strict=True)]
+        mx.eval(self._b)  # views: evaluated slices share lora_b
 
     def __call__(self, x: mx.array) -> mx.array:
         route = self._routing.route
         if route.mask is not None:
             return self._mixed(x, route)
-        if route.slot is None or not self._adapted[route.slot]:
+        slot = route.slot
+        if slot is None or not self._adapted[slot]:
             return self.base(x)
-        if self._dora[route.slot]:
-            return self._dora_one(x, route.slot)
-        return mx.addmm(self.base(x), x @ self._a[route.slot], self._b[route.slot])
-
-    def _dora_one(self, x: mx.array, slot: int) -> mx.array:
-        """DoRALinear.__call__ with its magnitude precomputed (models/adapters.py)."""
-        y = x @ _dequantized(self.base).T
-        out = self.gains[slot] * mx.addmm(y, x @ self._a[slot], self._b[slot])
-        return out + self.base.bias if "bias" in self.base else out
+        start = self._columns + self._routing.offsets[slot]
+        h = self._shrink.of(x, route)[..., start : start + self._routing.ranks[slot]]
+        if self._dora[slot]:  # DoRALinear.__call__, its magnitude precomputed (models/adapters.py)
+            out = self.gains[slot] * mx.addmm(x @ _dequantized(self.base).T, h, self._b[slot])
+            return out + self.base.bias if "bias" in self.base else out
+        return mx.addmm(self.base(x), h, self._b[slot])
 
     def _mixed(self, x: mx.array, route: Route) -> mx.array:
         if x.ndim != 3 or x.shape[0] != route.mask.shape[0]:
             raise RuntimeError(f"adapter routing for {route.mask.shape[0]} rows met an input of shape {x.shape}")
-        out = mx.addmm(self.base(x), (x @ self._a_all) * route.mask, self.lora_b)
+        h = self._shrink.of(x, route)[..., self._columns : self._columns + self.lora_b.shape[0]]
+        out = mx.addmm(self.base(x), h, self.lora_b)
         if self.gains is None:
             return out
         gain = self.gains[route.indices][:, None, :]
@@ -175,12 +201,36 @@ def install_adapters(model: nn.Module, names: Sequence[str], adapters: Sequence[
     paths = sorted({path for pieces in adapters for path in pieces})
     ranks = [next(iter(pieces.values())).lora_a.shape[1] for pieces in adapters]
     routing = AdapterRouting(names, ranks, _compute_dtype(modules[paths[0]]))
-    replaced = [(path, MultiLoRALinear(modules[path], routing, [pieces.get(path) for pieces in adapters]))
-                for path in paths]
+    replaced = []
+    for group in _sibling_groups(paths, adapters):
+        blocks = [_a_block([pieces.get(path) for pieces in adapters], routing) for path in group]
+        a_t = mx.concatenate(blocks)
+        shrink = SharedShrink(a_t, len(group))
+        width = sum(ranks)
+        for member, path in enumerate(group):
+            view = a_t[member * width : (member + 1) * width]
+            replaced.append((path, MultiLoRALinear(modules[path], routing, [pieces.get(path) for pieces in adapters],
+                                                   shrink, member, view)))
     model.update_modules(tree_unflatten(replaced))
     mx.eval(model.parameters())
     setattr(model, ROUTING_ATTRIBUTE, routing)
     return routing
+
+
+def _sibling_groups(paths: list[str], adapters: Sequence[dict[str, LowRank]]) -> list[list[str]]:
+    """Adapted layers under one parent module with one input width: candidates to share a shrink."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for path in paths:
+        piece = next(pieces[path] for pieces in adapters if path in pieces)
+        groups.setdefault((path.rpartition(".")[0], piece.lora_a.shape[0]), []).append(path)
+    return list(groups.values())
+
+
+def _a_block(pieces: Sequence[LowRank | None], routing: AdapterRouting) -> mx.array:
+    """One layer's A for every adapter, ``[R, input_dims]`` (zeros where an adapter leaves the layer)."""
+    in_dims = next(p for p in pieces if p is not None).lora_a.shape[0]
+    return mx.concatenate([(p.lora_a.T if p else mx.zeros((r, in_dims))).astype(routing.dtype)
+                           for p, r in zip(pieces, routing.ranks, strict=True)])
 
 
 def attach_adapters(loaded, specs: Sequence) -> object:

@@ -11,7 +11,7 @@ from mlx_lm.tuner.lora import LoRALinear
 
 from mlxq.models.adapters import AdapterSpec, LowRank
 from mlxq.models.loader import load_model
-from mlxq.models.multi_lora import BASE, AdapterRouting, MultiLoRALinear, adapter_rows, attach_adapters
+from mlxq.models.multi_lora import BASE, AdapterRouting, adapter_rows, attach_adapters, install_adapters
 from mlxq.models.tiny_adapter import make_tiny_adapter
 
 TOLERANCE = 1e-5  # the update's scale is folded into B and added by addmm: last bits, not tokens
@@ -34,30 +34,51 @@ def _pieces(layer, dora: bool) -> LowRank:
     return LowRank(layer.lora_a, layer.lora_b, layer.scale, gain)
 
 
+class Siblings(nn.Module):
+    """Two projections of one input (q/k-like) and one of another (o-like): the shrink is shared or not."""
+
+    def __init__(self, q: nn.Module, k: nn.Module, o: nn.Module):
+        super().__init__()
+        self.q_proj, self.k_proj, self.o_proj = q, k, o
+
+    def __call__(self, x: mx.array, y: mx.array) -> list[mx.array]:
+        return [self.q_proj(x), self.k_proj(x), self.o_proj(y)]
+
+
+def _base(bias: bool, quantized: bool, seed: int) -> nn.Module:
+    mx.random.seed(seed)
+    base = nn.Linear(64, 48, bias=bias)
+    return nn.QuantizedLinear.from_linear(base, group_size=32, bits=8) if quantized else base
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("quantized", [False, True])
 def test_each_row_gets_its_own_adapters_update(bias, quantized):
-    mx.random.seed(0)
-    base = nn.Linear(64, 48, bias=bias)
-    if quantized:
-        base = nn.QuantizedLinear.from_linear(base, group_size=32, bits=8)
-    lora, dora = _mlx_lm_layer(base, False, 1, 4), _mlx_lm_layer(base, True, 2, 8)
-    routing = AdapterRouting(["lora", "dora"], [4, 8], mx.float32)
-    layer = MultiLoRALinear(base, routing, [_pieces(lora, False), _pieces(dora, True)])
-    x = mx.random.normal((6, 3, 64))
+    bases = {name: _base(bias, quantized, seed) for seed, name in enumerate(["q_proj", "k_proj", "o_proj"])}
+    oracles = {"": dict(bases)}
+    oracles["lora"] = {n: _mlx_lm_layer(b, False, 10 + i, 4) for i, (n, b) in enumerate(bases.items())}
+    oracles["dora"] = {n: _mlx_lm_layer(b, True, 20 + i, 8) for i, (n, b) in enumerate(bases.items())}
+    model = Siblings(*bases.values())
+    pieces = [{n: _pieces(layer, kind == "dora") for n, layer in oracles[kind].items()} for kind in ("lora", "dora")]
+    del pieces[1]["k_proj"]  # an adapter may leave a layer alone
+    oracles["dora"]["k_proj"] = bases["k_proj"]
+    install_adapters(model, ["lora", "dora"], pieces)
+    mx.random.seed(5)
+    x, y = mx.random.normal((6, 3, 64)), mx.random.normal((6, 3, 64))
     names = ["lora", "", "dora", "dora", "", "lora"]
-    oracle = {"": base, "lora": lora, "dora": dora}
-    with routing.rows(names):
-        mixed = layer(x)
+    with adapter_rows(model, names):
+        mixed = model(x, y)
     for i, name in enumerate(names):
-        with routing.rows([name]):
-            alone = layer(x[i : i + 1])
-        want = oracle[name](x[i : i + 1])
-        assert mx.abs(alone - want).max().item() < TOLERANCE, name
-        assert mx.abs(mixed[i : i + 1] - want).max().item() < TOLERANCE, (i, name)
-    assert mx.abs(lora(x) - base(x)).max().item() > 0.1  # the adapters change the output
-    with routing.rows([""] * 6):
-        assert mx.array_equal(layer(x), base(x))  # base rows: the base layer, bit for bit
+        want = [oracles[name][n](v[i : i + 1]) for n, v in (("q_proj", x), ("k_proj", x), ("o_proj", y))]
+        with adapter_rows(model, [name]):
+            alone = model(x[i : i + 1], y[i : i + 1])
+        for got_alone, got_mixed, w in zip(alone, mixed, want, strict=True):
+            assert mx.abs(got_alone - w).max().item() < TOLERANCE, name
+            assert mx.abs(got_mixed[i : i + 1] - w).max().item() < TOLERANCE, (i, name)
+    assert mx.abs(oracles["lora"]["q_proj"](x) - bases["q_proj"](x)).max().item() > 0.1  # adapters matter
+    with adapter_rows(model, [""] * 6):
+        assert all(mx.array_equal(a, b) for a, b in zip(model(x, y), [bases["q_proj"](x), bases["k_proj"](x),
+                                                                     bases["o_proj"](y)], strict=True))
 
 
 def test_routing_decides_once_per_composition():
