@@ -85,9 +85,9 @@ def adapter_server(tiny_model_dirs, adapter_dirs, tmp_path_factory):
         yield server
 
 
-def _complete(url: str, model: str, prompt: list[int]) -> dict:
-    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS},
-                   timeout=60)
+def _complete(url: str, model: str, prompt: list[int], **fields) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                  **fields}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -108,6 +108,8 @@ def test_same_prompt_under_another_adapter_is_never_a_cache_hit(adapter_server, 
     assert cached[0] == 0 and cached[1] == 0 and cached[3] == 0, cached
     assert cached[2] > 0, "the adapter's own namespace is reused"
     assert [first_a["model"], first_b["model"], base["model"]] == ["A", "B", "base"]
+    serial = _complete(adapter_server.url, "B", prompt[:50], deterministic=True)  # the serial lane
+    assert serial["choices"][0]["text"] == oracle_text(tiny_model_dirs["llama"], dora, prompt[:50])
 
     # The SSD tier files each entry under its adapter's identity; `mlxq cache ls` shows it.
     assert httpx.post(adapter_server.url + "/admin/cache/flush", timeout=60).status_code == 200
