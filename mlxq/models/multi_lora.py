@@ -25,6 +25,7 @@ call (``adapter_rows``):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -113,21 +114,23 @@ class SharedShrink:
     The siblings' A blocks sit side by side (``[members * R, input_dims]``); the first
     sibling called with an input computes every sibling's columns in one matmul (and, for
     mixed rows, masks them once), the others slice theirs. A different input object (the
-    attention output reaching o_proj) or another route computes afresh."""
+    attention output reaching o_proj) or another route computes afresh. The input is held
+    by a weak reference: a cache that kept it would keep a prefill chunk's activations of
+    every layer alive until the next forward (gigabytes on an 8B model)."""
 
     def __init__(self, a_t: mx.array, members: int):
         self.a = a_t.T
         self.members = members
         mx.eval(self.a)
-        self._key: tuple = (None, None)
-        self._h: mx.array | None = None
+        self._key: tuple = (lambda: None, None)  # (weak reference to the input, route)
+        self._h: mx.array | None = None  # [rows, tokens, members * R]: small
 
     def of(self, x: mx.array, route: Route) -> mx.array:
-        if self._key[0] is not x or self._key[1] is not route:
+        if self._key[0]() is not x or self._key[1] is not route:
             h = x @ self.a
             if route.mask is not None:
                 h = h * route.tiled_mask(self.members)
-            self._key, self._h = (x, route), h
+            self._key, self._h = (weakref.ref(x), route), h
         return self._h
 
 
