@@ -17,10 +17,14 @@ call (``adapter_rows``):
   all rows, every adapter's shrink in one narrow matmul, a per-row mask that
   keeps each row's own adapter's columns (none for base rows), one expand.
   For the 1-4 adapters a server carries, R is a few dozen columns: dense
-  matmuls are cheaper than a gathered (``gather_mm``) product, which measured
-  4x slower than the base step on the H200 (benchmarks.md, "LoRA adapters").
+  matmuls are cheaper than a gathered (``gather_mm``) product, which made a
+  32-row step 4-5x slower than base-only on the H200 (benchmarks.md, "LoRA
+  adapters").
 - DoRA rows also take their magnitude ``gain`` (1 for other rows), so DoRA
   batches like LoRA.
+
+Sibling layers that read one input (q/k/v, gate/up) share one shrink matmul
+(``SharedShrink``): on a GPU each kernel costs host time whatever its size.
 """
 
 from __future__ import annotations
