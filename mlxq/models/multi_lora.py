@@ -42,6 +42,7 @@ from mlx.utils import tree_unflatten
 from mlxq.models.adapters import LowRank
 
 ROUTING_ATTRIBUTE = "mlxq_adapter_routing"  # set on the model object by install_adapters
+RECENT_ROUTES = 16
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,14 @@ class AdapterRouting:
         self.offsets = [int(o) for o in np.cumsum([0, *ranks])[:-1]]
         self.dtype = dtype  # the adapted layers' dtype: the mask must not promote their products
         self.route = BASE
-        self._last: tuple[tuple[str, ...], Route] = ((), BASE)  # decode steps repeat one composition
+        # Recent compositions: decode steps repeat the batch's, joiners' prefills interleave their own,
+        # and a route's masks (tiled per sibling group) are built once.
+        self._recent: dict[tuple[str, ...], Route] = {}
 
     def route_for(self, names: Sequence[str]) -> Route:
         key = tuple(names)
-        if key == self._last[0]:
-            return self._last[1]
+        if key in self._recent:
+            return self._recent[key]
         slots = [self.slots[name] if name else None for name in key]
         if all(s == slots[0] for s in slots):
             route = BASE if slots[0] is None else Route(slot=slots[0])
@@ -88,7 +91,9 @@ class AdapterRouting:
             none = len(self.ranks)
             route = Route(mask=mx.array(mask).astype(self.dtype),
                           indices=mx.array([none if s is None else s for s in slots], dtype=mx.uint32))
-        self._last = (key, route)
+        if len(self._recent) >= RECENT_ROUTES:
+            self._recent.pop(next(iter(self._recent)))
+        self._recent[key] = route
         return route
 
     @contextmanager

@@ -86,7 +86,8 @@ def test_routing_decides_once_per_composition():
     assert routing.route_for(["", ""]) is BASE
     assert routing.route_for(["b", "b"]).slot == 1
     mixed = routing.route_for(["a", "", "b"])
-    assert mixed is routing.route_for(["a", "", "b"])  # a decode step's composition is reused
+    assert routing.route_for(["b", "a"]) is not mixed
+    assert mixed is routing.route_for(["a", "", "b"])  # a decode step's composition is reused between prefills
     assert mixed.mask[:, 0, :].tolist() == [[1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 1, 1, 1]]
     assert mixed.indices.tolist() == [0, 2, 1]
     with routing.rows(["a"]):
