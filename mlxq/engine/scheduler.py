@@ -234,8 +234,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
                 if not self._emit(batch.rows[i], drawn[i], next_logprobs[i]):
                     keep.remove(i)
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
-        if batch.group is not None:
-            self.sharing_stats.steps += 1
+        self.sharing_stats.count_step(batch.groups)
         if len(keep) < len(batch.rows):
             self._evict(keep)
         self.timing.record(start, built, submitted, waited)
