@@ -117,6 +117,10 @@ def serve(
     chat_template_args: Annotated[str, typer.Option(help="JSON object of template variables for every chat "
                                                          "request, e.g. '{\"enable_thinking\": false}'; a "
                                                          "request's chat_template_kwargs win.")] = "{}",
+    adapter: Annotated[list[str] | None, typer.Option(help="NAME=PATH: serve an mlx-lm LoRA/DoRA adapter "
+                                                           "directory as model NAME (repeatable); requests "
+                                                           "select it by 'model', rows of different adapters "
+                                                           "decode in one batch.")] = None,
 ) -> None:
     """Serve a model over OpenAI- and Anthropic-compatible HTTP APIs."""
     from mlxq.cli.units import flag_bytes
@@ -147,6 +151,7 @@ def serve(
             temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
             max_tokens=max_tokens, chat_template=_chat_template(chat_template),
             chat_template_args=_json_object("--chat-template-args", chat_template_args),
+            adapters=_adapters(adapter or []),
         )
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:
@@ -170,6 +175,19 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
         extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
     return SsdConfig(directory, flag_bytes("--ssd-cache-max", max_bytes) if max_bytes else None, verify, demote_idle,
                      write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)
+
+
+def _adapters(flags: list[str]) -> tuple:
+    """--adapter NAME=PATH flags, each directory checked now (files, config), before anything loads."""
+    from mlxq.models.adapters import check_adapter_dir, parse_adapter_flag
+
+    specs = [parse_adapter_flag(flag) for flag in flags]
+    names = [spec.name for spec in specs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--adapter names must be unique; got {', '.join(names)}")
+    for spec in specs:
+        check_adapter_dir(spec)
+    return tuple(specs)
 
 
 def _csv(text: str) -> tuple[str, ...]:

@@ -50,6 +50,7 @@ class ServerConfig:
     max_tokens: int | None = None
     chat_template: str | None = None  # Jinja text replacing the model's chat template (--chat-template)
     chat_template_args: dict = field(default_factory=dict)  # template variables every chat request gets
+    adapters: tuple = ()  # --adapter NAME=PATH, models.adapters.AdapterSpec each, directories already checked
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

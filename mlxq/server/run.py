@@ -25,6 +25,7 @@ from mlxq.blas import active as active_blas
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.models.default import ensure_default_model
 from mlxq.models.loader import load_model, resolve_model_path
+from mlxq.models.multi_lora import attach_adapters
 from mlxq.server.app import build_app
 from mlxq.server.config import ServerConfig
 from mlxq.server.connections import connection_cap, deadline_protocol
@@ -63,7 +64,8 @@ def make_state(config: ServerConfig) -> ServerState:
         log.info("no --model given: serving the embedded default model at %s", spec)
     else:
         spec = str(resolve_model_path(config.model))
-    engine = Engine(lambda: load_model(spec, name=config.served_model_name, chat_template=config.chat_template),
+    engine = Engine(lambda: attach_adapters(load_model(spec, name=config.served_model_name,
+                                                      chat_template=config.chat_template), config.adapters),
                     EngineConfig(prefill_step_size=config.prefill_step_size, max_rows=config.batch,
                                  prompt_concurrency=config.prompt_concurrency,
                                  kv_budget_bytes=config.kv_budget_bytes, kv_budget_auto=config.kv_budget_auto,

@@ -123,6 +123,8 @@ class ServerState:
                 "path": str(self.loaded.path) if self.loaded else None,
                 "description": self.loaded.description if self.loaded else None,
                 "context_length": self.loaded.context_length if self.loaded else None,
+                "adapters": [{"name": a.name, "kind": a.kind, "rank": a.rank, "namespace": a.identity,
+                              "path": str(a.path)} for a in (self.loaded.adapters if self.loaded else {}).values()],
             },
             "engine": {
                 "alive": engine.is_alive,
