@@ -74,10 +74,10 @@ def serve(
                                              "auto (on for GPU backends).")] = "auto",
     shared_prefix_attention: Annotated[str, typer.Option(help="Batch rows on one prompt-cache prefix read it "
                                                               "once per decode step: auto (where measured "
-                                                              "faster: CUDA from 32k rows x prefix tokens, "
+                                                              "faster: CUDA from 128k rows x prefix tokens, "
                                                               "never on the CPU), on (any two rows on 32+ "
-                                                              "tokens), off (the default until measured "
-                                                              "end to end).")] = "off",
+                                                              "tokens), off (the default: end to end on the "
+                                                              "H200 sharing has not won yet).")] = "off",
     ssd_cache: Annotated[str | None, typer.Option(help="Directory of the SSD cold tier (.mlxkv files); "
                                                        "prompt-cache entries survive restarts.")] = None,
     ssd_cache_max: Annotated[str | None, typer.Option(help="Byte cap of the SSD tier, e.g. 100GB "
@@ -118,6 +118,10 @@ def serve(
     chat_template_args: Annotated[str, typer.Option(help="JSON object of template variables for every chat "
                                                          "request, e.g. '{\"enable_thinking\": false}'; a "
                                                          "request's chat_template_kwargs win.")] = "{}",
+    adapter: Annotated[list[str] | None, typer.Option(help="NAME=PATH: serve an mlx-lm LoRA/DoRA adapter "
+                                                           "directory as model NAME (repeatable); requests "
+                                                           "select it by 'model', rows of different adapters "
+                                                           "decode in one batch.")] = None,
     tensor_parallel: Annotated[int, typer.Option(help="Shard the model over N ranks (mlx-lm's shard()): mlxq "
                                                       "starts N local processes (ring on the CPU, NCCL with one "
                                                       "GPU each on CUDA); under mlx.launch, pass the world size. "
@@ -163,6 +167,7 @@ def serve(
             temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
             max_tokens=max_tokens, chat_template=_chat_template(chat_template),
             chat_template_args=_json_object("--chat-template-args", chat_template_args),
+            adapters=_adapters(adapter or []),
             tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
             distributed_backend=distributed_backend.strip().lower(),
         )
@@ -191,6 +196,19 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
         extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
     return SsdConfig(directory, flag_bytes("--ssd-cache-max", max_bytes) if max_bytes else None, verify, demote_idle,
                      write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)
+
+
+def _adapters(flags: list[str]) -> tuple:
+    """--adapter NAME=PATH flags, each directory checked now (files, config), before anything loads."""
+    from mlxq.models.adapters import check_adapter_dir, parse_adapter_flag
+
+    specs = [parse_adapter_flag(flag) for flag in flags]
+    names = [spec.name for spec in specs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--adapter names must be unique; got {', '.join(names)}")
+    for spec in specs:
+        check_adapter_dir(spec)
+    return tuple(specs)
 
 
 def _csv(text: str) -> tuple[str, ...]:

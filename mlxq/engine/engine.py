@@ -32,6 +32,7 @@ from mlxq.engine.output import EmitFn
 from mlxq.engine.serial_resume import SerialPreempted, SerialRun, backing_off
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
+from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.cold_tier import FlushResult
 from mlxq.store.ssd_config import SsdConfig
 
@@ -567,12 +568,13 @@ class Engine:
         request = work.request
         self._serial_running = request
         try:
-            output = run_serial(
-                self.loaded.model, self.loaded.tokenizer, request, work.emit,
-                prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
-                prompt_cache=self.prompt_cache, scheme=self.scheme, grammar_timing=self.grammar_timing,
-                evaluator=self.evaluator, resume=work.resume,
-            )
+            with adapter_rows(self.loaded.model, [request.adapter]):
+                output = run_serial(
+                    self.loaded.model, self.loaded.tokenizer, request, work.emit,
+                    prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
+                    prompt_cache=self.prompt_cache, scheme=self.scheme, grammar_timing=self.grammar_timing,
+                    evaluator=self.evaluator, resume=work.resume,
+                )
             self._done(request, Lane.SERIAL, output.finished, output.usage())
         except SerialPreempted as preempted:  # out of memory twice: first in line again, resumed later
             work.resume = preempted.run

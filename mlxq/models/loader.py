@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ class LoadedModel:
     path: Path  # the directory the weights came from
     name: str  # the id /v1/models reports
     description: str  # one line for logs: what this model is
+    adapters: dict = field(default_factory=dict)  # model id -> models.adapters.AdapterInfo (--adapter)
 
     @property
     def vocab_size(self) -> int:

@@ -50,6 +50,7 @@ class ServerConfig:
     max_tokens: int | None = None
     chat_template: str | None = None  # Jinja text replacing the model's chat template (--chat-template)
     chat_template_args: dict = field(default_factory=dict)  # template variables every chat request gets
+    adapters: tuple = ()  # --adapter NAME=PATH, models.adapters.AdapterSpec each, directories already checked
     tensor_parallel: int = 1  # ranks sharing the model (mlxq/distributed/); > 1: this process is one of them
     pipeline_parallel: int = 1  # ranks each running some of the layers (models without shard())
     distributed_backend: str = "auto"  # mx.distributed backend of those ranks (world.BACKENDS)
@@ -112,6 +113,9 @@ class ServerConfig:
         if self.pipeline_parallel > 1 and self.prompt_cache_bytes != 0:
             raise ValueError("--prompt-cache is not available with --pipeline-parallel yet (each rank caches "
                              "other layers, so their byte caps would evict apart); leave it at auto (off)")
+        if self.world_size > 1 and self.adapters:
+            raise ValueError(f"--adapter is not available with --{self.parallel_mode}-parallel yet (an adapter's "
+                             "weights would need the same split as the model's)")
         if self.pipeline_parallel > 1 and self.kv_quant == "config":
             raise ValueError("--kv-quant config is not available with --pipeline-parallel (its bits are by "
                              "layer number, and each rank numbers only its own layers)")

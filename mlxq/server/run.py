@@ -25,6 +25,7 @@ from mlxq.blas import active as active_blas
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.models.default import ensure_default_model
 from mlxq.models.loader import load_model, resolve_model_path
+from mlxq.models.multi_lora import attach_adapters
 from mlxq.server.app import build_app
 from mlxq.server.config import ServerConfig
 from mlxq.server.connections import connection_cap, deadline_protocol
@@ -82,7 +83,8 @@ def make_state(config: ServerConfig, lockstep=None) -> ServerState:
     spec = model_spec(config)
     if lockstep is not None:
         return ServerState(config=config, engine=rank_engine(config, spec, lockstep, engine_config(config)))
-    engine = Engine(lambda: load_model(spec, name=config.served_model_name, chat_template=config.chat_template),
+    engine = Engine(lambda: attach_adapters(load_model(spec, name=config.served_model_name,
+                                                      chat_template=config.chat_template), config.adapters),
                     engine_config(config))
     return ServerState(config=config, engine=engine)
 

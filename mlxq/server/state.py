@@ -95,7 +95,7 @@ class ServerState:
             "phase_timing": scheduler.phases.as_dict(scheduler.timing) if scheduler else None,
             # rows reading one leased prefix once per decode step (engine/prefix_sharing.py)
             "shared_prefix": scheduler.sharing_stats.as_dict(scheduler.sharing, scheduler.timing.steps,
-                                                             scheduler.batch.group) if scheduler else None,
+                                                             scheduler.batch.groups) if scheduler else None,
         }
 
     def _kv_stats(self) -> dict:
@@ -125,6 +125,8 @@ class ServerState:
                 "path": str(self.loaded.path) if self.loaded else None,
                 "description": self.loaded.description if self.loaded else None,
                 "context_length": self.loaded.context_length if self.loaded else None,
+                "adapters": [{"name": a.name, "kind": a.kind, "rank": a.rank, "namespace": a.identity,
+                              "path": str(a.path)} for a in (self.loaded.adapters if self.loaded else {}).values()],
             },
             "engine": {
                 "alive": engine.is_alive,
