@@ -119,6 +119,17 @@ def test_shared_prefix_step(small_model, tmp_path):
     assert case["shared_ops_logit_diff"] < 1e-4  # float32 on the CPU
 
 
+def test_shared_prefix_serving(small_model, tmp_path):
+    run("shared_prefix_serving.py", "--model", str(small_model), "--parts", "shared:120:2:2:1",
+        "--max-tokens", "4", "--batch", "4", "--memory-limit", "2GB", "--out", str(tmp_path),
+        "--scratch", str(tmp_path / "scratch"))
+    doc = json.loads((tmp_path / "serving.json").read_text())
+    for part in doc["parts"]:
+        assert "error" not in part, part
+        assert [r["completed"] for r in part["on"] + part["off"]] == [2, 2], part
+        assert part["sharing_after"]["mode"] == "on"
+
+
 def test_ssd_restore_measurements(tmp_path):
     run("gpu_bench.py", "--preset", "small", "--phases", "build,restore", "--restore-lengths", "300",
         "--out", str(tmp_path), env={"MLXQ_BENCH_MODELS": str(tmp_path / "models")})
@@ -156,6 +167,21 @@ def test_bench_structured():
     assert set(rows) == {"free", "grammar", "mixed"}
     assert rows["free"][1] == "1.00x" and int(rows["free"][6]) == 0
     assert int(rows["grammar"][6]) > 0 and int(rows["mixed"][6]) > 0
+
+
+def test_profile_adapter_step():
+    """One decode step per routing (base, one adapter, mixed, mixed with base) on the embedded model."""
+    out = output_of("profile_adapter_step.py", "--rows", "2", "--steps", "2", "--rank", "4", "--context", "16")
+    rows = [line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| 2 |")]
+    assert rows == ["base", "one", "mixed", "mixed+base"]
+
+
+def test_bench_adapters(tmp_path):
+    """One short round per mix over HTTP against a server with two adapters; the JSON has every mix."""
+    output_of("bench_adapters.py", "--concurrency", "2", "--rounds", "1", "--seconds", "0.5", "--rank", "4",
+              "--warmup-seconds", "0.2", "--max-tokens", "4", "--out", str(tmp_path / "adapters.json"))
+    mixes = json.loads((tmp_path / "adapters.json").read_text())["levels"]["2"]
+    assert set(mixes) == {"base", "one", "mixed", "mixed+base"} and mixes["base"]["vs_base"] == 1.0
 
 
 def test_agents_burst_times_every_request_and_names_each_outliers_cause(small_model, tmp_path):

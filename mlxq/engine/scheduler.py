@@ -60,6 +60,7 @@ from mlxq.engine.transient import ModelShape
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.projection import KvFootprint
 from mlxq.kv.scheme import NATIVE, KvScheme
+from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.lease import Lease
 
 log = logging.getLogger("mlxq.scheduler")
@@ -213,7 +214,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
         batch = self.batch
         pending = batch.pending
         inputs = pending.tokens
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), adapter_rows(self.model, [row.request.adapter for row in batch.rows]):
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]
             next_tokens, next_logprobs = self._sample(logits, inputs)
         built = time.perf_counter()
@@ -237,8 +238,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
                 if not self._emit(batch.rows[i], drawn[i], next_logprobs[i]):
                     keep.remove(i)
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
-        if batch.group is not None:
-            self.sharing_stats.steps += 1
+        self.sharing_stats.count_step(batch.groups)
         if len(keep) < len(batch.rows):
             self._evict(keep)
         self.timing.record(start, built, submitted, waited)
