@@ -63,8 +63,6 @@ def test_twelve_agents_decode_shared_with_the_serial_lanes_output(tiny_model_dir
         stats = httpx.get(server.url + "/stats").json()["batch"]["shared_prefix"]
     assert got == want
     assert steps > 0 and stats["steps"] == steps and stats["groups_built"] >= 1, stats
-    # Agents arrive in bursts of --prompt-concurrency: later bursts join the running group in place.
-    assert stats["rows_joined_in_place"] >= 1, stats
     assert stats["mode"] == "on" and stats["declined"] is None and 0 < stats["share_of_steps"] <= 1
 
 
@@ -111,8 +109,10 @@ def test_a_cancelled_row_and_a_late_joiner_keep_the_group_exact(tiny_model_dirs,
             got = [f.result() for f in early] + [late.result()]
             canceller.result()
         steps = shared_steps(server.url)
+        stats = httpx.get(server.url + "/stats").json()["batch"]["shared_prefix"]
     assert got == want
     assert steps > 0
+    assert stats["rows_joined_in_place"] >= 1, stats  # the late agent joined the running group in place
 
 
 def test_off_runs_no_shared_step(tiny_model_dirs, load_tiny):
