@@ -67,6 +67,7 @@ def _new_request(spec: GenerationSpec, prefix: str, index: int = 0) -> Request:
         deterministic=spec.deterministic,
         snapshot_at=spec.snapshot_at,
         grammar=spec.grammar,
+        num_choices=spec.n,
     )
 
 

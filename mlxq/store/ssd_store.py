@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxq.store.cold_tier_state import SsdStats
-from mlxq.store.fingerprint import namespace_dir
+from mlxq.store.fingerprint import CHECKPOINT_DIR, namespace_dir
 from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import (
     EntryHeader,
@@ -96,6 +96,8 @@ class SsdStore:
             return
         headers: dict[Path, EntryHeader] = {}
         for path in sorted(self.directory.glob("*/*")):
+            if path.parent.name == CHECKPOINT_DIR:
+                continue  # generation checkpoints: store/checkpoints.py owns them
             if path.name.endswith(".tmp"):
                 self.unlink(path, "a write that never finished")
                 self.stats.reaped_tmp += 1

@@ -1,0 +1,123 @@
+"""Generation checkpoints in the serial lane: publish a running request's state, resume an identical one.
+
+At every ``interval`` tokens handed out, mlx-lm's pipelined loop stands at
+the boundary a checkpoint needs: the caches hold the prompt and every token
+handed out, and the next token (the *pending* one) is already sampled. The
+caches are copied (arrays the writer owns, so the live caches keep updating
+in place) and queued for store/checkpoints.py's writer thread, with the
+pending token and, for seeded rows, MLX's global key before the next draw.
+
+An identical request (same key, engine/checkpoint_key.py) after a restart
+replays the tokens handed out, then the pending one, through the request's
+ordinary output (stop strings, max_tokens, usage), and continues from the
+restored caches by feeding the pending token: the computation the
+uninterrupted run did next. Seeded rows get the global key back by replay
+(serial_resume.DrawLedger), checked against the recorded one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
+from mlxq.engine.types import Request
+from mlxq.kv.capabilities import is_trimmable
+from mlxq.store.checkpoints import CheckpointRecord, CheckpointStore
+from mlxq.store.fingerprint import CHECKPOINT_DIR
+from mlxq.store.mlxkv import encode_layer
+
+log = logging.getLogger("mlxq.checkpoints")
+
+
+@dataclass
+class Checkpointing:
+    """The engine's checkpoint settings: where they go, how often, under which KV scheme."""
+
+    store: CheckpointStore
+    interval: int  # tokens handed out between checkpoints
+    kv_scheme: str
+
+    def key_for(self, request: Request) -> str | None:
+        """The request's key digest, or None when it is not checkpointed."""
+        if not_checkpointed(request) is not None:
+            return None
+        return checkpoint_key(request, self.kv_scheme).digest
+
+    def finished(self, request: Request) -> None:
+        """A request completed (stop, length): its checkpoint goes at once (cancelled ones keep theirs)."""
+        key = self.key_for(request)
+        if key is not None and self.store.find(key) is not None:
+            self.store.retire(key)
+
+
+def open_checkpointing(config, store, kv_scheme: str) -> Checkpointing | None:
+    """Checkpoints beside the SSD tier's node files (same model and KV identity), or None when off."""
+    if config.checkpoint_interval <= 0:
+        return None
+    checkpoints = CheckpointStore(store.directory / CHECKPOINT_DIR, store.identity, store.model_name,
+                                  layout=store.layout, max_bytes=store.max_bytes)
+    try:
+        checkpoints.scan()
+    except OSError as exc:
+        log.warning("checkpoints in %s cannot be read (%s); starting without them", checkpoints.directory, exc)
+    return Checkpointing(checkpoints, config.checkpoint_interval, kv_scheme)
+
+
+def owned_layers(caches: list) -> list:
+    """Each cache's encoded layer, with copies of its arrays (evaluated): the writer's own state."""
+    layers = [encode_layer(cache) for cache in caches]
+    owned = [(kind, meta, [(name, mx.array(a)) for name, a in named]) for kind, meta, named in layers]
+    mx.eval([a for _, _, named in owned for _, a in named])
+    return owned
+
+
+@dataclass
+class SerialCheckpoint:
+    """One serial request's checkpoints: its key, and when it last published."""
+
+    checkpointing: Checkpointing
+    key: str
+    last: int = 0  # tokens handed out at the last checkpoint (or at the restore)
+
+    def after_token(self, run, caches: list) -> None:
+        """After a token is handed out (the request goes on): publish when the interval is reached."""
+        output = run.output
+        if not is_due(output.num_generated, self.checkpointing.interval, self.last) or run.last_draw is None:
+            return
+        self.last = output.num_generated
+        pending = int(run.last_draw.item())
+        rng = tuple(mx.random.state[0].tolist()) if run.draws is not None else None
+        record = CheckpointRecord(self.key, len(run.request.prompt_ids), tuple(output.tokens), pending, rng,
+                                  time.time())
+        self.checkpointing.store.publish(record, run.request.prompt_ids + output.tokens, owned_layers(caches),
+                                         is_trimmable(caches))
+
+
+def restore_serial(run, checkpointing: Checkpointing) -> list | None:
+    """Resume ``run`` from its checkpoint, if one is on disk: replay, then the caches to continue on."""
+    key = checkpointing.key_for(run.request)
+    if key is None:
+        return None
+    run.checkpoint = SerialCheckpoint(checkpointing, key)
+    loaded = checkpointing.store.load(key)
+    if loaded is None:
+        return None
+    record, caches = loaded
+    output = run.output
+    output.cached_tokens = record.prompt_tokens
+    for token in (*record.emitted, record.pending):
+        output.checkpoint_tokens += 1
+        if output.add_token(token):
+            break
+    run.checkpoint.last = len(record.emitted)
+    if run.draws is not None and record.rng_key is not None:
+        run.draws.replay(output.num_generated, mx.array(record.rng_key, dtype=mx.uint32))
+        run.draws.first = output.num_generated
+    checkpointing.store.note_restored(output.checkpoint_tokens)
+    log.info("request %s resumed from its checkpoint after %d tokens", run.request.request_id,
+             output.checkpoint_tokens)
+    return caches

@@ -1,0 +1,162 @@
+"""Generation checkpoints through real servers: kill -9 and SIGTERM mid-generation, then the same request."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess
+
+PROMPT = "Write a very long story about a lighthouse keeper and the sea."
+GREEDY = {"temperature": 0}
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
+MAX_TOKENS = 800  # long enough that a flush after INTERRUPT_AT tokens lands mid-generation on a busy CPU
+INTERRUPT_AT = 200
+INTERVAL = 16
+
+
+def body(sampling: dict, max_tokens: int = MAX_TOKENS) -> dict:
+    return {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, **sampling}
+
+
+def complete(url: str, payload: dict) -> dict:
+    r = httpx.post(url + "/v1/completions", json=payload, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def serve(model, cache, *extra: str, limit_file_bytes: int | None = None) -> ServerProcess:
+    args = ("--model", str(model), "--batch", "1", "--ssd-cache", str(cache), "--checkpoint-interval",
+            str(INTERVAL), "--log-level", "warning", *extra)
+    env = {"MLXQ_SSE_COALESCE": "0"}  # one chunk per token: the client counts where the generation is
+    if limit_file_bytes is None:
+        return ServerProcess(*args, env=env)
+    # Through `ulimit -f` (KiB): files beyond it fail to grow as on a full disk (Python ignores SIGXFSZ).
+    ulimit = f'ulimit -f {limit_file_bytes // 1024}; exec "$@"'
+    return ServerProcess(*args, env=env, wrap=("bash", "-c", ulimit, "serve"))
+
+
+def stream_until(url: str, payload: dict, tokens: int) -> threading.Event:
+    """Stream ``payload`` in a thread; the event is set once ``tokens`` chunks have arrived."""
+    reached = threading.Event()
+
+    def run() -> None:
+        seen = 0
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json={**payload, "stream": True},
+                              timeout=300) as r:
+                for line in r.iter_lines():
+                    seen += line.startswith("data: {")
+                    if seen >= tokens:
+                        reached.set()
+        except httpx.HTTPError:
+            pass  # the server goes away under it
+        reached.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return reached
+
+
+def flush(url: str) -> dict:
+    r = httpx.post(url + "/admin/cache/flush", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def interrupt(model, cache, payload: dict, how: str) -> dict:
+    """Run ``payload`` past half its tokens, flush, stop the server (kill -9 or SIGTERM): the flush result."""
+    with serve(model, cache, "--shutdown-timeout", "0.2") as server:
+        assert stream_until(server.url, payload, INTERRUPT_AT).wait(120)
+        flushed = flush(server.url)
+        server.proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGTERM)
+        server.proc.wait(60)
+    return flushed
+
+
+@pytest.mark.parametrize("arch, sampling, how", [
+    ("llama", GREEDY, "kill"), ("llama", SEEDED, "term"), ("gemma3_text", SEEDED, "kill"),
+    ("qwen3_next", SEEDED, "term"),
+])
+def test_an_interrupted_generation_resumes_to_the_uninterrupted_text(tiny_model_dirs, tmp_path, arch, sampling,
+                                                                       how):
+    model, payload = tiny_model_dirs[arch], body(sampling)
+    with serve(model, tmp_path / "reference", "--checkpoint-interval", "0") as server:
+        reference = complete(server.url, payload)
+    flushed = interrupt(model, tmp_path / "cache", payload, how)
+    assert flushed["durable"] and flushed["checkpoints"]["files"] == 1, flushed
+    with serve(model, tmp_path / "cache") as server:
+        started = time.monotonic()
+        resumed = complete(server.url, payload)
+        took = time.monotonic() - started
+        stats = httpx.get(server.url + "/stats").json()["checkpoints"]
+        metrics = httpx.get(server.url + "/metrics").text
+    assert resumed["choices"][0]["text"] == reference["choices"][0]["text"]
+    restored = resumed["usage"]["completion_tokens_details"]["checkpoint_tokens"]
+    assert INTERRUPT_AT - INTERVAL <= restored < MAX_TOKENS
+    assert resumed["usage"]["completion_tokens"] == MAX_TOKENS
+    assert stats["restored"] == 1 and stats["restored_tokens"] == restored
+    assert stats["files"] == 0 and stats["deleted"] == 1  # completion removed it
+    assert "mlxq:checkpoints_restored_total 1.0" in metrics
+    assert took > 0  # (speed is measured in scripts/bench_checkpoints.py, never asserted here)
+
+
+def test_a_changed_sampling_field_never_resumes_another_checkpoint(tiny_model_dirs, tmp_path):
+    model = tiny_model_dirs["llama"]
+    interrupt(model, tmp_path, body(SEEDED), "kill")
+    changed = [body({**SEEDED, "seed": 8}), body({**SEEDED, "top_p": 0.9}), body(SEEDED, MAX_TOKENS - 1),
+               {**body(SEEDED), "stop": ["zzz"]}, body(GREEDY)]
+    with serve(model, tmp_path) as server:
+        for payload in changed:
+            usage = complete(server.url, payload)["usage"]
+            assert "completion_tokens_details" not in usage, payload
+        stats = httpx.get(server.url + "/stats").json()["checkpoints"]
+    assert stats["restored"] == 0 and stats["files"] == 1  # the interrupted request's own is still there
+
+
+def test_cancelled_keeps_completed_drops_and_logprobs_are_never_checkpointed(tiny_model_dirs, tmp_path):
+    model = tiny_model_dirs["llama"]
+    with serve(model, tmp_path) as server:
+        assert stream_until(server.url, body(GREEDY), 60).wait(120)  # the client leaves: cancelled
+        time.sleep(0.5)
+        assert flush(server.url)["checkpoints"]["files"] == 1
+        complete(server.url, {**body(GREEDY, 64), "logprobs": 1})
+        complete(server.url, {**body(GREEDY, 64), "n": 2})
+        assert flush(server.url)["checkpoints"]["files"] == 1
+        resumed = complete(server.url, body(GREEDY))
+        assert resumed["usage"]["completion_tokens_details"]["checkpoint_tokens"] >= 48
+        flushed = flush(server.url)
+    assert flushed["checkpoints"]["files"] == 0
+    assert not list(tmp_path.rglob("checkpoints/*.mlxkv"))
+
+
+def test_kill_during_checkpoint_writes_never_restores_wrong_output(tiny_model_dirs, tmp_path):
+    """Checkpoints every 4 tokens are being written all the time: kill -9 at several points, never a flush."""
+    model, payload = tiny_model_dirs["gemma3_text"], body(SEEDED, 160)
+    with serve(model, tmp_path / "reference", "--checkpoint-interval", "0") as server:
+        reference = complete(server.url, payload)["choices"][0]["text"]
+    for tokens in (9, 37, 80):
+        with serve(model, tmp_path / "cache", "--checkpoint-interval", "4") as server:
+            assert stream_until(server.url, payload, tokens).wait(120)
+            server.proc.send_signal(signal.SIGKILL)
+            server.proc.wait(60)
+        with serve(model, tmp_path / "cache", "--checkpoint-interval", "0") as server:
+            assert complete(server.url, payload)["choices"][0]["text"] == reference
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_full_disk_drops_checkpoints_not_requests(tiny_model_dirs, tmp_path):
+    """Files over 64 KiB fail as on a full disk (RLIMIT_FSIZE: EFBIG; Python ignores SIGXFSZ)."""
+    model, payload = tiny_model_dirs["llama"], body(GREEDY, 120)
+    with serve(model, tmp_path / "reference", "--checkpoint-interval", "0") as server:
+        reference = complete(server.url, payload)["choices"][0]["text"]
+    with serve(model, tmp_path / "cache", limit_file_bytes=64 * 1024) as server:
+        assert complete(server.url, payload)["choices"][0]["text"] == reference
+        stats = httpx.get(server.url + "/stats").json()["checkpoints"]
+        flushed = httpx.post(server.url + "/admin/cache/flush", timeout=60).json()
+    assert stats["dropped"] >= 1 and stats["written"] == 0
+    assert flushed["durable"] is False and json.dumps(flushed)
