@@ -41,8 +41,9 @@ def serve(model, cache, *extra: str, limit_file_bytes: int | None = None) -> Ser
     return ServerProcess(*args, env=env, wrap=("bash", "-c", ulimit, "serve"))
 
 
-def stream_until(url: str, payload: dict, tokens: int) -> threading.Event:
-    """Stream ``payload`` in a thread; the event is set once ``tokens`` chunks have arrived."""
+def stream_until(url: str, payload: dict, tokens: int, *, leave: bool = False) -> threading.Event:
+    """Stream ``payload`` in a thread; the event is set once ``tokens`` chunks have arrived (``leave``: and
+    the client disconnects there)."""
     reached = threading.Event()
 
     def run() -> None:
@@ -54,6 +55,8 @@ def stream_until(url: str, payload: dict, tokens: int) -> threading.Event:
                     seen += line.startswith("data: {")
                     if seen >= tokens:
                         reached.set()
+                        if leave:
+                            break
         except httpx.HTTPError:
             pass  # the server goes away under it
         reached.set()
@@ -121,7 +124,7 @@ def test_a_changed_sampling_field_never_resumes_another_checkpoint(tiny_model_di
 def test_cancelled_keeps_completed_drops_and_logprobs_are_never_checkpointed(tiny_model_dirs, tmp_path):
     model = tiny_model_dirs["llama"]
     with serve(model, tmp_path) as server:
-        assert stream_until(server.url, body(GREEDY), 60).wait(120)  # the client leaves: cancelled
+        assert stream_until(server.url, body(GREEDY), 60, leave=True).wait(120)  # cancelled by the client
         time.sleep(0.5)
         assert flush(server.url)["checkpoints"]["files"] == 1
         complete(server.url, {**body(GREEDY, 64), "logprobs": 1})
@@ -139,14 +142,17 @@ def test_kill_during_checkpoint_writes_never_restores_wrong_output(tiny_model_di
     model, payload = tiny_model_dirs["gemma3_text"], body(SEEDED, 160)
     with serve(model, tmp_path / "reference", "--checkpoint-interval", "0") as server:
         reference = complete(server.url, payload)["choices"][0]["text"]
+    restored = 0
     for tokens in (9, 37, 80):
         with serve(model, tmp_path / "cache", "--checkpoint-interval", "4") as server:
             assert stream_until(server.url, payload, tokens).wait(120)
             server.proc.send_signal(signal.SIGKILL)
             server.proc.wait(60)
-        with serve(model, tmp_path / "cache", "--checkpoint-interval", "0") as server:
+        with serve(model, tmp_path / "cache", "--checkpoint-interval", "4") as server:
             assert complete(server.url, payload)["choices"][0]["text"] == reference
-    assert not list(tmp_path.rglob("*.tmp"))
+            restored += httpx.get(server.url + "/stats").json()["checkpoints"]["restored"]
+            assert not list(tmp_path.rglob("*.tmp"))  # a cut write is reaped at start-up
+    assert restored >= 1
 
 
 def test_a_full_disk_drops_checkpoints_not_requests(tiny_model_dirs, tmp_path):
