@@ -27,8 +27,8 @@ from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
 from mlxq.engine.types import Request
 from mlxq.kv.capabilities import is_trimmable
 from mlxq.store.checkpoints import CheckpointRecord, CheckpointStore
-from mlxq.store.fingerprint import CHECKPOINT_DIR
 from mlxq.store.mlxkv import encode_layer
+from mlxq.store.ssd_config import CHECKPOINT_DIR
 
 log = logging.getLogger("mlxq.checkpoints")
 
@@ -50,7 +50,7 @@ class Checkpointing:
     def finished(self, request: Request) -> None:
         """A request completed (stop, length): its checkpoint goes at once (cancelled ones keep theirs)."""
         key = self.key_for(request)
-        if key is not None and self.store.find(key) is not None:
+        if key is not None:
             self.store.retire(key)
 
 

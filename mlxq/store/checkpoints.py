@@ -110,6 +110,7 @@ class CheckpointStore:
         self._retired: set[str] = set()  # completed: never restored, removal queued
         self._queue: deque[_Job] = deque()
         self._busy = False
+        self._current: str | None = None  # the key being written or removed
         self._dropped_since_flush = 0
         self._cond = threading.Condition()
         self._writer: threading.Thread | None = None
@@ -172,8 +173,11 @@ class CheckpointStore:
         return True
 
     def retire(self, key: str) -> None:
-        """The request completed: its checkpoint is never restored again, and its file goes."""
+        """The request completed: its checkpoint is never restored again, and its file goes (behind any
+        write of it queued or in progress)."""
         with self._cond:
+            if key not in self._files and key != self._current and all(j.key != key for j in self._queue):
+                return  # never published: nothing to remove
             self._retired.add(key)
             for job in [j for j in self._queue if j.key == key]:
                 self._queue.remove(job)
@@ -238,12 +242,12 @@ class CheckpointStore:
                 while not self._queue:
                     self._cond.wait()
                 job = self._queue.popleft()
-                self._busy = True
+                self._busy, self._current = True, job.key
             try:
                 self._run(job)
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy, self._current = False, None
                     self._cond.notify_all()
                 del job  # the arrays are released here, as soon as they are on disk
 
@@ -252,6 +256,7 @@ class CheckpointStore:
         if job.layers is None:
             path.unlink(missing_ok=True)
             with self._cond:
+                self._retired.discard(job.key)
                 if self._files.pop(job.key, None) is not None:
                     self.counters.deleted += 1
             return

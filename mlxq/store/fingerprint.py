@@ -110,9 +110,6 @@ def model_fingerprint(model_dir: Path, memo_path: Path | None = None) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-CHECKPOINT_DIR = "checkpoints"  # beside the namespace directories: generation checkpoints, one file per request key
-
-
 def namespace_dir(namespace: str) -> str:
     """Directory name of a namespace (any string, so hashed)."""
     return hashlib.sha256(namespace.encode()).hexdigest()[:16]

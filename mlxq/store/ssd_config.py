@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CHECKPOINT_DIR = "checkpoints"  # beside the namespace directories: generation checkpoints, one file per request key
+
 
 @dataclass(frozen=True)
 class SsdConfig:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxq.store.cold_tier_state import SsdStats
-from mlxq.store.fingerprint import CHECKPOINT_DIR, namespace_dir
+from mlxq.store.fingerprint import namespace_dir
 from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import (
     EntryHeader,
@@ -44,6 +44,7 @@ from mlxq.store.mlxkv import (
     read_header,
     verify_file,
 )
+from mlxq.store.ssd_config import CHECKPOINT_DIR
 from mlxq.store.ssd_tree import (
     ChainMatch,
     FileNode,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -65,6 +67,11 @@ def stream_until(url: str, payload: dict, tokens: int, *, leave: bool = False) -
     return reached
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlxq.cli.main", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
 def flush(url: str) -> dict:
     r = httpx.post(url + "/admin/cache/flush", timeout=60)
     assert r.status_code == 200, r.text
@@ -96,6 +103,7 @@ def test_an_interrupted_generation_resumes_to_the_uninterrupted_text(tiny_model_
         started = time.monotonic()
         resumed = complete(server.url, payload)
         took = time.monotonic() - started
+        flush(server.url)
         stats = httpx.get(server.url + "/stats").json()["checkpoints"]
         metrics = httpx.get(server.url + "/metrics").text
     assert resumed["choices"][0]["text"] == reference["choices"][0]["text"]
@@ -117,8 +125,17 @@ def test_a_changed_sampling_field_never_resumes_another_checkpoint(tiny_model_di
         for payload in changed:
             usage = complete(server.url, payload)["usage"]
             assert "completion_tokens_details" not in usage, payload
+        flush(server.url)  # completed requests' own checkpoints are removed by then
         stats = httpx.get(server.url + "/stats").json()["checkpoints"]
     assert stats["restored"] == 0 and stats["files"] == 1  # the interrupted request's own is still there
+    rows = json.loads(cli("cache", "ls", str(tmp_path), "--json").stdout)
+    [checkpoint] = [r for r in rows if r["kind"] == "checkpoint"]
+    assert checkpoint["checkpoint"]["emitted_tokens"] >= INTERRUPT_AT - INTERVAL and checkpoint["durable"]
+    assert "generation checkpoints: 1 files" in cli("cache", "ls", str(tmp_path)).stdout
+    assert cli("cache", "verify", str(tmp_path)).returncode == 0
+    pruned = cli("cache", "prune", str(tmp_path), "--checkpoints")
+    assert pruned.stdout.count("removed") == 1 and not list(tmp_path.rglob("checkpoints/*.mlxkv"))
+    assert [r for r in json.loads(cli("cache", "ls", str(tmp_path), "--json").stdout) if r["kind"] == "node"]
 
 
 def test_cancelled_keeps_completed_drops_and_logprobs_are_never_checkpointed(tiny_model_dirs, tmp_path):
