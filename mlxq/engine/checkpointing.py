@@ -76,48 +76,72 @@ def owned_layers(caches: list) -> list:
 
 
 @dataclass
-class SerialCheckpoint:
-    """One serial request's checkpoints: its key, and when it last published."""
+class RowCheckpoint:
+    """One request's checkpoints (either lane): its key, and when it last published."""
 
     checkpointing: Checkpointing
     key: str
     last: int = 0  # tokens handed out at the last checkpoint (or at the restore)
 
-    def after_token(self, run, caches: list) -> None:
-        """After a token is handed out (the request goes on): publish when the interval is reached."""
-        output = run.output
-        if not is_due(output.num_generated, self.checkpointing.interval, self.last) or run.last_draw is None:
-            return
+    def is_due(self, output) -> bool:
+        return is_due(output.num_generated, self.checkpointing.interval, self.last)
+
+    def publish(self, output, pending: int, rng_key: tuple[int, ...] | None, caches: list) -> None:
+        """Queue the state after ``output``'s tokens: ``caches`` hold the prompt and every one of them."""
         self.last = output.num_generated
-        pending = int(run.last_draw.item())
-        rng = tuple(mx.random.state[0].tolist()) if run.draws is not None else None
-        record = CheckpointRecord(self.key, len(run.request.prompt_ids), tuple(output.tokens), pending, rng,
+        request = output.request
+        record = CheckpointRecord(self.key, len(request.prompt_ids), tuple(output.tokens), pending, rng_key,
                                   time.time())
-        self.checkpointing.store.publish(record, run.request.prompt_ids + output.tokens, owned_layers(caches),
+        self.checkpointing.store.publish(record, request.prompt_ids + output.tokens, owned_layers(caches),
                                          is_trimmable(caches))
 
+    def after_serial_token(self, run, caches: list) -> None:
+        """The serial lane handed a token out and goes on: mlx-lm's loop already drew the next one."""
+        if not self.is_due(run.output) or run.last_draw is None:
+            return
+        rng = tuple(mx.random.state[0].tolist()) if run.draws is not None else None  # the key before the next draw
+        self.publish(run.output, int(run.last_draw.item()), rng, caches)
 
-def restore_serial(run, checkpointing: Checkpointing) -> list | None:
-    """Resume ``run`` from its checkpoint, if one is on disk: replay, then the caches to continue on."""
-    key = checkpointing.key_for(run.request)
+
+@dataclass(frozen=True)
+class Restored:
+    """A checkpoint replayed into a request's output: the caches to continue on, the row's key."""
+
+    caches: list  # every token but the pending one (the last handed out)
+    rng_key: mx.array | None  # the PRNG key before the next draw (seeded rows)
+
+
+def restore_output(output, checkpointing: Checkpointing) -> tuple[RowCheckpoint | None, Restored | None]:
+    """The request's checkpointing (None: not checkpointed) and, when its checkpoint is on disk, the
+    restored state: its tokens and then its pending one are replayed through ``output`` first."""
+    request = output.request
+    key = checkpointing.key_for(request)
     if key is None:
-        return None
-    run.checkpoint = SerialCheckpoint(checkpointing, key)
+        return None, None
+    checkpoint = RowCheckpoint(checkpointing, key)
     loaded = checkpointing.store.load(key)
     if loaded is None:
-        return None
+        return checkpoint, None
     record, caches = loaded
-    output = run.output
     output.cached_tokens = record.prompt_tokens
     for token in (*record.emitted, record.pending):
         output.checkpoint_tokens += 1
         if output.add_token(token):
             break
-    run.checkpoint.last = len(record.emitted)
-    if run.draws is not None and record.rng_key is not None:
-        run.draws.replay(output.num_generated, mx.array(record.rng_key, dtype=mx.uint32))
-        run.draws.first = output.num_generated
+    checkpoint.last = len(record.emitted)
     checkpointing.store.note_restored(output.checkpoint_tokens)
-    log.info("request %s resumed from its checkpoint after %d tokens", run.request.request_id,
-             output.checkpoint_tokens)
-    return caches
+    log.info("request %s resumed from its checkpoint after %d tokens", request.request_id, output.checkpoint_tokens)
+    rng = None if record.rng_key is None else mx.array(record.rng_key, dtype=mx.uint32)
+    return checkpoint, Restored(caches, rng)
+
+
+def restore_serial(run, checkpointing: Checkpointing) -> list | None:
+    """Resume ``run`` from its checkpoint, if one is on disk: replay, then the caches to continue on."""
+    run.checkpoint, restored = restore_output(run.output, checkpointing)
+    if restored is None:
+        return None
+    if run.draws is not None and restored.rng_key is not None:  # MLX's global key, replayed and checked
+        n = run.output.num_generated
+        run.draws.replay(n, restored.rng_key)
+        run.draws.first = n
+    return restored.caches

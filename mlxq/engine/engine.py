@@ -325,7 +325,7 @@ class Engine:
                 on_finish=lambda row: self._done(row.output.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
-                grammar_timing=self.grammar_timing, sharing=self._sharing_policy(),
+                grammar_timing=self.grammar_timing, sharing=self._sharing_policy(), checkpoints=self.checkpoints,
             )
 
     def _sharing_policy(self):

@@ -243,7 +243,7 @@ def _hand_out(run: SerialRun, steps, evaluator: Evaluator, on_step, caches) -> N
             if finished:
                 break
             if run.checkpoint is not None:
-                run.checkpoint.after_token(run, caches)
+                run.checkpoint.after_serial_token(run, caches)
     except _Cancelled:
         output.finish(FinishReason.CANCELLED)
     finally:

@@ -183,3 +183,31 @@ def test_a_full_disk_drops_checkpoints_not_requests(tiny_model_dirs, tmp_path):
         flushed = httpx.post(server.url + "/admin/cache/flush", timeout=60).json()
     assert stats["dropped"] >= 1 and stats["written"] == 0
     assert flushed["durable"] is False and json.dumps(flushed)
+
+
+@pytest.mark.parametrize("arch, sampling", [("llama", GREEDY), ("qwen3_next", SEEDED)])
+def test_rows_of_a_batch_publish_and_a_restored_row_joins_a_batch(tiny_model_dirs, tmp_path, arch, sampling):
+    """A batch of 4 with other rows joining and leaving, killed mid-generation; the restart resumes the row
+    next to other rows and returns the text of the request run alone."""
+    model, payload = tiny_model_dirs[arch], body(sampling)
+    others = [{"prompt": f"Tell me about the number {n}.", "max_tokens": 40 + 60 * n, "ignore_eos": True,
+               "temperature": 0} for n in range(1, 4)]
+    with serve(model, tmp_path / "reference", "--checkpoint-interval", "0") as server:
+        reference = complete(server.url, payload)["choices"][0]["text"]
+    with serve(model, tmp_path / "cache", "--batch", "4") as server:
+        for other in others[:2]:
+            stream_until(server.url, other, 1)
+        reached = stream_until(server.url, payload, INTERRUPT_AT)
+        stream_until(server.url, others[2], 1)  # joins while the others run
+        assert reached.wait(120)
+        assert flush(server.url)["checkpoints"]["files"] >= 1
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(60)
+    with serve(model, tmp_path / "cache", "--batch", "4") as server:
+        alongside = [stream_until(server.url, other, 10**6) for other in others[:2]]
+        resumed = complete(server.url, payload)
+        assert all(done.wait(120) for done in alongside)
+        lanes = httpx.get(server.url + "/stats").json()["engine"]["lanes"]
+    assert resumed["choices"][0]["text"] == reference
+    assert resumed["usage"]["completion_tokens_details"]["checkpoint_tokens"] >= INTERRUPT_AT - INTERVAL
+    assert lanes["continuous"] == 3
