@@ -1,0 +1,98 @@
+"""The cost of generation checkpoints on decode throughput: on vs off, side by side, same load.
+
+    python scripts/bench_checkpoints.py --preset small --tokens 2048 --rounds 5 --out docs/results/checkpoints-cpu
+
+Two servers on the same model and flags, one with ``--checkpoint-interval``
+(default 256) and one with 0, both with ``--ssd-cache`` (each its own
+directory). Each round sends the same load to both, the order alternating:
+``--rows`` concurrent streamed greedy requests of ``--tokens`` tokens
+(``ignore_eos``), distinct prompts per round so no checkpoint is ever
+restored. Decode tok/s per request is measured at the client from the first
+to the last token; the summary is the median per server and the on/off
+ratio, and how many checkpoints the "on" server wrote (from /stats).
+``--batch 1`` runs the serial lane; a larger ``--batch`` the batch lane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from mlxq.bench.servers import ServeProcess
+from mlxq.models.tiny import build_tiny_model
+
+
+def stream_tok_s(url: str, prompt: str, tokens: int, out: list) -> None:
+    """Decode tok/s of one streamed request, first token to last (appended to ``out``)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    first = last = None
+    seen = 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                last = time.perf_counter()
+                first = first or last
+    if seen > 1 and last > first:
+        out.append((seen - 1) / (last - first))
+
+
+def one_round(url: str, rows: int, tokens: int, tag: str) -> list[float]:
+    rates: list[float] = []
+    threads = [threading.Thread(target=stream_tok_s, args=(url, f"Round {tag}, story {i}:", tokens, rates))
+               for i in range(rows)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="a model directory (default: build --preset)")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--interval", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = Path(args.model) if args.model else build_tiny_model("llama", tmp / "model", preset=args.preset)
+        common = ("--model", str(model), "--batch", args.batch, "--ssd-cache-max", "100GB")
+        env = {"MLXQ_SSE_COALESCE": "0"}  # one chunk per token, so the client's count is the token count
+        rates: dict[str, list[float]] = {"on": [], "off": []}
+        with ServeProcess(*common, "--ssd-cache", str(tmp / "on"), "--checkpoint-interval", str(args.interval),
+                          env=env) as on, \
+                ServeProcess(*common, "--ssd-cache", str(tmp / "off"), "--checkpoint-interval", "0", env=env) as off:
+            servers = {"on": on, "off": off}
+            one_round(on.url, 1, 16, "warm")  # first-request costs out of the measured rounds
+            one_round(off.url, 1, 16, "warm")
+            for r in range(args.rounds):
+                for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                    rates[name] += one_round(servers[name].url, args.rows, args.tokens, f"{r}-{name}")
+                    print(f"round {r} {name}: {statistics.median(rates[name]):.1f} tok/s so far", flush=True)
+            written = httpx.get(on.url + "/stats").json()["checkpoints"]
+    median = {name: round(statistics.median(v), 2) for name, v in rates.items()}
+    summary = {"model": str(args.model or f"tiny llama {args.preset}"), "tokens": args.tokens, "rows": args.rows,
+               "batch": args.batch, "interval": args.interval, "rounds": args.rounds,
+               "decode_tok_s_median": median, "on_over_off": round(median["on"] / median["off"], 4),
+               "checkpoints_written": written["written"], "checkpoint_bytes_written": written["written_bytes"],
+               "checkpoints_dropped": written["dropped"]}
+    (args.out / f"checkpoints-b{args.batch}-r{args.rows}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
