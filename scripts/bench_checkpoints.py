@@ -11,6 +11,8 @@ restored. Decode tok/s per request is measured at the client from the first
 to the last token; the summary is the median per server and the on/off
 ratio, and how many checkpoints the "on" server wrote (from /stats).
 ``--batch 1`` runs the serial lane; a larger ``--batch`` the batch lane.
+``--together`` loads both servers at once in each round instead (on a
+shared, busy machine both then see the same background load).
 """
 
 from __future__ import annotations
@@ -55,6 +57,25 @@ def one_round(url: str, rows: int, tokens: int, tag: str) -> list[float]:
     return rates
 
 
+def measure(servers: dict, args) -> dict[str, list[float]]:
+    """Per-request decode tok/s of each server over the rounds."""
+    rates: dict[str, list[float]] = {name: [] for name in servers}
+    for r in range(args.rounds):
+        order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+        if args.together:
+            loads = [threading.Thread(target=lambda n=name, tag=f"{r}-{name}": rates[n].extend(
+                one_round(servers[n].url, args.rows, args.tokens, tag))) for name in order]
+            for t in loads:
+                t.start()
+            for t in loads:
+                t.join()
+        else:
+            for name in order:
+                rates[name] += one_round(servers[name].url, args.rows, args.tokens, f"{r}-{name}")
+        print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in rates.items()), flush=True)
+    return rates
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="a model directory (default: build --preset)")
@@ -64,6 +85,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1")
     ap.add_argument("--interval", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--together", action="store_true",
+                    help="each round loads both servers at once: both see the same background load")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -72,25 +95,23 @@ def main() -> None:
         model = Path(args.model) if args.model else build_tiny_model("llama", tmp / "model", preset=args.preset)
         common = ("--model", str(model), "--batch", args.batch, "--ssd-cache-max", "100GB")
         env = {"MLXQ_SSE_COALESCE": "0"}  # one chunk per token, so the client's count is the token count
-        rates: dict[str, list[float]] = {"on": [], "off": []}
-        with ServeProcess(*common, "--ssd-cache", str(tmp / "on"), "--checkpoint-interval", str(args.interval),
-                          env=env) as on, \
-                ServeProcess(*common, "--ssd-cache", str(tmp / "off"), "--checkpoint-interval", "0", env=env) as off:
+        on_args = (*common, "--ssd-cache", str(tmp / "on"), "--checkpoint-interval", str(args.interval))
+        off_args = (*common, "--ssd-cache", str(tmp / "off"), "--checkpoint-interval", "0")
+        with ServeProcess(*on_args, env=env) as on, ServeProcess(*off_args, env=env) as off:
             servers = {"on": on, "off": off}
-            one_round(on.url, 1, 16, "warm")  # first-request costs out of the measured rounds
-            one_round(off.url, 1, 16, "warm")
-            for r in range(args.rounds):
-                for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                    rates[name] += one_round(servers[name].url, args.rows, args.tokens, f"{r}-{name}")
-                    print(f"round {r} {name}: {statistics.median(rates[name]):.1f} tok/s so far", flush=True)
+            for server in servers.values():
+                one_round(server.url, 1, 16, "warm")  # first-request costs out of the measured rounds
+            rates = measure(servers, args)
             written = httpx.get(on.url + "/stats").json()["checkpoints"]
     median = {name: round(statistics.median(v), 2) for name, v in rates.items()}
     summary = {"model": str(args.model or f"tiny llama {args.preset}"), "tokens": args.tokens, "rows": args.rows,
-               "batch": args.batch, "interval": args.interval, "rounds": args.rounds,
+               "batch": args.batch, "together": args.together, "interval": args.interval, "rounds": args.rounds,
+               "per_request_tok_s": {n: [round(x, 2) for x in v] for n, v in rates.items()},
                "decode_tok_s_median": median, "on_over_off": round(median["on"] / median["off"], 4),
                "checkpoints_written": written["written"], "checkpoint_bytes_written": written["written_bytes"],
                "checkpoints_dropped": written["dropped"]}
-    (args.out / f"checkpoints-b{args.batch}-r{args.rows}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    name = f"checkpoints-b{args.batch}-r{args.rows}{'-together' if args.together else ''}.json"
+    (args.out / name).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 
 
