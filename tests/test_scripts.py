@@ -156,3 +156,10 @@ def test_bench_structured():
     assert set(rows) == {"free", "grammar", "mixed"}
     assert rows["free"][1] == "1.00x" and int(rows["free"][6]) == 0
     assert int(rows["grammar"][6]) > 0 and int(rows["mixed"][6]) > 0
+
+
+def test_bench_checkpoints(small_model, tmp_path):
+    run("bench_checkpoints.py", "--model", str(small_model), "--tokens", "24", "--interval", "8", "--rounds", "1",
+        "--together", "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "checkpoints-b1-r1-together.json").read_text())
+    assert set(doc["decode_tok_s_median"]) == {"on", "off"} and doc["checkpoints_written"] >= 1
