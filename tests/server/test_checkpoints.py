@@ -78,10 +78,10 @@ def flush(url: str) -> dict:
     return r.json()
 
 
-def interrupt(model, cache, payload: dict, how: str, *, reference: bool = True) -> tuple[str | None, dict]:
+def interrupt(model, cache, payload: dict, how: str, *extra: str, reference: bool = True) -> tuple[str | None, dict]:
     """The uninterrupted text of ``payload`` (``reference``); then ``payload`` again, run past INTERRUPT_AT
     tokens, a flush, and the server stopped under it (kill -9 or SIGTERM): (text, the flush's result)."""
-    with serve(model, cache, "--shutdown-timeout", "0.2") as server:
+    with serve(model, cache, "--shutdown-timeout", "0.2", *extra) as server:
         text = complete(server.url, payload)["choices"][0]["text"] if reference else None  # completion removes
         # its checkpoint
         assert stream_until(server.url, payload, INTERRUPT_AT).wait(120)
@@ -91,19 +91,17 @@ def interrupt(model, cache, payload: dict, how: str, *, reference: bool = True) 
     return text, flushed
 
 
-@pytest.mark.parametrize("arch, sampling, how", [
-    ("llama", GREEDY, "kill"), ("llama", SEEDED, "term"), ("gemma3_text", SEEDED, "kill"),
-    ("qwen3_next", SEEDED, "term"),
+@pytest.mark.parametrize("arch, sampling, how, kv_quant", [
+    ("llama", GREEDY, "kill", "off"), ("llama", SEEDED, "term", "off"), ("gemma3_text", SEEDED, "kill", "off"),
+    ("qwen3_next", SEEDED, "term", "off"), ("gemma3_text", SEEDED, "kill", "8"),
 ])
 def test_an_interrupted_generation_resumes_to_the_uninterrupted_text(tiny_model_dirs, tmp_path, arch, sampling,
-                                                                       how):
+                                                                       how, kv_quant):
     model, payload = tiny_model_dirs[arch], body(sampling)
-    reference, flushed = interrupt(model, tmp_path, payload, how)
+    reference, flushed = interrupt(model, tmp_path, payload, how, "--kv-quant", kv_quant)
     assert flushed["durable"] and flushed["checkpoints"]["files"] == 1, flushed
-    with serve(model, tmp_path) as server:
-        started = time.monotonic()
+    with serve(model, tmp_path, "--kv-quant", kv_quant) as server:
         resumed = complete(server.url, payload)
-        took = time.monotonic() - started
         flush(server.url)
         stats = httpx.get(server.url + "/stats").json()["checkpoints"]
         metrics = httpx.get(server.url + "/metrics").text
@@ -114,7 +112,6 @@ def test_an_interrupted_generation_resumes_to_the_uninterrupted_text(tiny_model_
     assert stats["restored"] == 1 and stats["restored_tokens"] == restored
     assert stats["files"] == 0 and stats["deleted"] == 1  # completion removed it
     assert "mlxq:checkpoints_restored_total 1.0" in metrics
-    assert took > 0  # (speed is measured in scripts/bench_checkpoints.py, never asserted here)
 
 
 def test_a_changed_sampling_field_never_resumes_another_checkpoint(tiny_model_dirs, tmp_path):
