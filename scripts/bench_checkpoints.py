@@ -13,12 +13,18 @@ ratio, and how many checkpoints the "on" server wrote (from /stats).
 ``--batch 1`` runs the serial lane; a larger ``--batch`` the batch lane.
 ``--together`` loads both servers at once in each round instead (on a
 shared, busy machine both then see the same background load).
+
+``--resume N``: instead, the time a resumed request takes: one greedy
+request of ``--tokens`` run to the end (wall time), then the same request
+again, interrupted after N streamed tokens by a flush and ``kill -9``, and
+sent once more to a new server, which resumes it from its checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import tempfile
 import threading
@@ -76,6 +82,38 @@ def measure(servers: dict, args) -> dict[str, list[float]]:
     return rates
 
 
+def resume_times(model: Path, tmp: Path, args) -> dict:
+    """Wall time of a whole request, and of the same request resumed after a kill -9 at ``args.resume`` tokens."""
+    flags = ("--model", str(model), "--batch", args.batch, "--ssd-cache", str(tmp / "resume"),
+             "--checkpoint-interval", str(args.interval))
+    body = {"prompt": "Resume me:", "max_tokens": args.tokens, "ignore_eos": True, "temperature": 0}
+    env = {"MLXQ_SSE_COALESCE": "0"}
+    with ServeProcess(*flags, env=env) as server:
+        one_round(server.url, 1, 16, "warm")  # first-request costs out of the measurement
+        start = time.perf_counter()
+        whole = httpx.post(server.url + "/v1/completions", json=body, timeout=3600).json()
+        whole_s = time.perf_counter() - start
+        seen = 0
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=3600) as r:
+            for line in r.iter_lines():
+                seen += line.startswith("data: {")
+                if seen >= args.resume:
+                    break
+        httpx.post(server.url + "/admin/cache/flush", timeout=600)
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+    with ServeProcess(*flags, env=env) as server:
+        one_round(server.url, 1, 16, "warm")
+        start = time.perf_counter()
+        resumed = httpx.post(server.url + "/v1/completions", json=body, timeout=3600).json()
+        resumed_s = time.perf_counter() - start
+    same = resumed["choices"][0]["text"] == whole["choices"][0]["text"]
+    restored = resumed["usage"].get("completion_tokens_details", {}).get("checkpoint_tokens", 0)
+    return {"tokens": args.tokens, "interrupted_after": args.resume, "whole_s": round(whole_s, 3),
+            "resumed_s": round(resumed_s, 3), "resumed_over_whole": round(resumed_s / whole_s, 4),
+            "checkpoint_tokens": restored, "same_text": same}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="a model directory (default: build --preset)")
@@ -87,12 +125,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--together", action="store_true",
                     help="each round loads both servers at once: both see the same background load")
+    ap.add_argument("--resume", type=int, default=0, help="measure a resume after this many tokens instead")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = Path(args.model) if args.model else build_tiny_model("llama", tmp / "model", preset=args.preset)
+        if args.resume:
+            summary = resume_times(model, tmp, args)
+            (args.out / f"checkpoints-resume-b{args.batch}.json").write_text(json.dumps(summary, indent=2) + "\n")
+            print(json.dumps(summary, indent=2))
+            return
         common = ("--model", str(model), "--batch", args.batch, "--ssd-cache-max", "100GB")
         env = {"MLXQ_SSE_COALESCE": "0"}  # one chunk per token, so the client's count is the token count
         on_args = (*common, "--ssd-cache", str(tmp / "on"), "--checkpoint-interval", str(args.interval))
