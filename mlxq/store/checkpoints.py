@@ -254,7 +254,10 @@ class CheckpointStore:
     def _run(self, job: _Job) -> None:
         path = self.directory / f"{job.key}.mlxkv"
         if job.layers is None:
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # the file stays; it is retired, so never restored by this server
+                log.warning("checkpoint %s not removed: %s", path, exc)
             with self._cond:
                 self._retired.discard(job.key)
                 if self._files.pop(job.key, None) is not None:
@@ -264,8 +267,11 @@ class CheckpointStore:
             self.directory.mkdir(parents=True, exist_ok=True)
             for _ in mlxkv_write_steps(path, job.header, job.layers, host_bytes=_evaluated_bytes):
                 pass
-        except OSError as exc:
-            log.warning("checkpoint of %s not written: %s", job.key, exc)
+        except Exception as exc:  # OSError from the disk (full, refused); anything else is logged in full
+            if isinstance(exc, OSError):
+                log.warning("checkpoint of %s not written: %s", job.key, exc)
+            else:
+                log.exception("checkpoint of %s not written", job.key)
             with self._cond:
                 self._drop()
             return
