@@ -182,7 +182,7 @@ def test_a_full_disk_drops_checkpoints_not_requests(tiny_model_dirs, tmp_path):
     assert flushed["durable"] is False and json.dumps(flushed)
 
 
-@pytest.mark.parametrize("arch, sampling", [("llama", GREEDY), ("qwen3_next", SEEDED)])
+@pytest.mark.parametrize("arch, sampling", [("llama", GREEDY), ("gemma3_text", SEEDED), ("qwen3_next", SEEDED)])
 def test_rows_of_a_batch_publish_and_a_restored_row_joins_a_batch(tiny_model_dirs, tmp_path, arch, sampling):
     """A batch of 4 with other rows joining and leaving, killed mid-generation; the restart resumes the row
     next to other rows and returns the text of the request run alone."""
