@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
+from mlxq.engine.serial_resume import InexactResume
 from mlxq.engine.types import Request
 from mlxq.kv.capabilities import is_trimmable
 from mlxq.store.checkpoints import CheckpointRecord, CheckpointStore
@@ -111,9 +112,10 @@ class Restored:
     rng_key: mx.array | None  # the PRNG key before the next draw (seeded rows)
 
 
-def restore_output(output, checkpointing: Checkpointing) -> tuple[RowCheckpoint | None, Restored | None]:
+def restore_output(output, checkpointing: Checkpointing, accept=None) -> tuple[RowCheckpoint | None, Restored | None]:
     """The request's checkpointing (None: not checkpointed) and, when its checkpoint is on disk, the
-    restored state: its tokens and then its pending one are replayed through ``output`` first."""
+    restored state: its tokens and then its pending one are replayed through ``output`` first.
+    ``accept(record)``: False leaves the checkpoint unused (before anything is replayed)."""
     request = output.request
     key = checkpointing.key_for(request)
     if key is None:
@@ -123,6 +125,8 @@ def restore_output(output, checkpointing: Checkpointing) -> tuple[RowCheckpoint 
     if loaded is None:
         return checkpoint, None
     record, caches = loaded
+    if accept is not None and not accept(record):
+        return checkpoint, None
     output.cached_tokens = record.prompt_tokens
     for token in (*record.emitted, record.pending):
         output.checkpoint_tokens += 1
@@ -137,11 +141,24 @@ def restore_output(output, checkpointing: Checkpointing) -> tuple[RowCheckpoint 
 
 def restore_serial(run, checkpointing: Checkpointing) -> list | None:
     """Resume ``run`` from its checkpoint, if one is on disk: replay, then the caches to continue on."""
-    run.checkpoint, restored = restore_output(run.output, checkpointing)
-    if restored is None:
-        return None
-    if run.draws is not None and restored.rng_key is not None:  # MLX's global key, replayed and checked
-        n = run.output.num_generated
-        run.draws.replay(n, restored.rng_key)
-        run.draws.first = n
-    return restored.caches
+    run.checkpoint, restored = restore_output(run.output, checkpointing, lambda record: _global_key_at(run, record))
+    return None if restored is None else restored.caches
+
+
+def _global_key_at(run, record: CheckpointRecord) -> bool:
+    """Put MLX's global key where it stood before the draw after the pending token (seeded runs), checked
+    against the recorded key; False (and the key back at the seed) when the replay does not reach it."""
+    draws = run.draws
+    if draws is None:
+        return True
+    n = len(record.emitted) + 1  # draws made: every token handed out, and the pending one
+    try:
+        if record.rng_key is None:
+            raise InexactResume("the checkpoint has no key")
+        draws.replay(n, mx.array(record.rng_key, dtype=mx.uint32))
+    except InexactResume as exc:
+        log.warning("request %s: checkpoint not used: %s", run.request.request_id, exc)
+        mx.random.seed(draws.seed)
+        return False
+    draws.first = n
+    return True
