@@ -119,6 +119,17 @@ def test_shared_prefix_step(small_model, tmp_path):
     assert case["shared_ops_logit_diff"] < 1e-4  # float32 on the CPU
 
 
+def test_shared_prefix_serving(small_model, tmp_path):
+    run("shared_prefix_serving.py", "--model", str(small_model), "--parts", "shared:120:2:2:1",
+        "--max-tokens", "4", "--batch", "4", "--memory-limit", "2GB", "--out", str(tmp_path),
+        "--scratch", str(tmp_path / "scratch"))
+    doc = json.loads((tmp_path / "serving.json").read_text())
+    for part in doc["parts"]:
+        assert "error" not in part, part
+        assert [r["completed"] for r in part["on"] + part["off"]] == [2, 2], part
+        assert part["sharing_after"]["mode"] == "on"
+
+
 def test_ssd_restore_measurements(tmp_path):
     run("gpu_bench.py", "--preset", "small", "--phases", "build,restore", "--restore-lengths", "300",
         "--out", str(tmp_path), env={"MLXQ_BENCH_MODELS": str(tmp_path / "models")})

@@ -73,10 +73,10 @@ def serve(
                                              "auto (on for GPU backends).")] = "auto",
     shared_prefix_attention: Annotated[str, typer.Option(help="Batch rows on one prompt-cache prefix read it "
                                                               "once per decode step: auto (where measured "
-                                                              "faster: CUDA from 32k rows x prefix tokens, "
+                                                              "faster: CUDA from 128k rows x prefix tokens, "
                                                               "never on the CPU), on (any two rows on 32+ "
-                                                              "tokens), off (the default until measured "
-                                                              "end to end).")] = "off",
+                                                              "tokens), off (the default: end to end on the "
+                                                              "H200 sharing has not won yet).")] = "off",
     ssd_cache: Annotated[str | None, typer.Option(help="Directory of the SSD cold tier (.mlxkv files); "
                                                        "prompt-cache entries survive restarts.")] = None,
     ssd_cache_max: Annotated[str | None, typer.Option(help="Byte cap of the SSD tier, e.g. 100GB "

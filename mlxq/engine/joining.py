@@ -10,7 +10,8 @@ forward before they join (``SchedulerConfig.token0_in_decode``). One-token
 prompts have empty caches, which do not merge: they always take that path.
 Either way the row's math is the serial lane's: the last prompt token fed on
 caches holding the rest of the prompt. After each join the rows on one
-leased prefix may be grouped to read it once (engine/prefix_sharing.py).
+leased prefix may be grouped to read it once (engine/prefix_sharing.py);
+joiners on a running group's prefix join it by reference, before any merge.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mlx_lm.generate import generation_stream
 
 from mlxq.engine.faults import MemoryFault, is_allocation_failure, release_cached_memory
 from mlxq.engine.joiners import Joiner
-from mlxq.engine.prefix_sharing import choose_group
+from mlxq.engine.prefix_sharing import choose_groups, join_in_place
 from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending
 from mlxq.engine.types import FinishReason
@@ -53,14 +54,16 @@ class Joining:
         joining = [j for j in ready if j.done > 0]
         if not joining:
             return
+        lasts = mx.array([j.prompt[-1] for j in joining], dtype=mx.uint32)
+        pending = Pending(lasts, [None] * len(joining), [True] * len(joining))
+        if self._join_group([j.row for j in joining], lambda: [j.caches for j in joining], pending):
+            return
         try:
             caches, batched = _gathered(joining)
         except Exception as exc:
             self._fail_joiners(joining, "join", exc)
             return
-        lasts = mx.array([j.prompt[-1] for j in joining], dtype=mx.uint32)
-        self.batch.join([j.row for j in joining], caches, batched,
-                        Pending(lasts, [None] * len(joining), [True] * len(joining)))
+        self.batch.join([j.row for j in joining], caches, batched, pending)
         self._share_prefix()
 
     def _first_tokens(self, ready: list[Joiner]) -> None:
@@ -110,24 +113,45 @@ class Joining:
             keep_rows(caches, alive)
         if batched and len(alive) == 1 and not self.batch:
             caches, batched = extract_row(caches, 0), False
-        self.batch.join([ready[i].row for i in alive], caches, batched,
-                        Pending(tokens[mx.array(alive)], [logprobs[i] for i in alive], [True] * len(alive)))
+        rows = [ready[i].row for i in alive]
+        pending = Pending(tokens[mx.array(alive)], [logprobs[i] for i in alive], [True] * len(alive))
+        solo = (lambda: [extract_row(caches, i) for i in range(len(alive))]) if batched else (lambda: [caches])
+        if self._join_group(rows, solo, pending):
+            return
+        self.batch.join(rows, caches, batched, pending)
         self._share_prefix()
 
+    def _join_group(self, rows: list[Row], solo_caches, pending: Pending) -> bool:
+        """Rows join the running shared-prefix groups in place (``solo_caches()``: their solo cache
+        lists); False when there is no group to keep, or better ones need a rebuild."""
+        if not self.batch.groups or self.sharing is None:
+            return False
+        leases = lambda rs: [self._leases.get(row.request.request_id) for row in rs]  # noqa: E731
+        into = join_in_place(self.batch.groups, leases(self.batch.rows), leases(rows), self.sharing)
+        if into is None:
+            return False
+        try:
+            self.batch.join_group(rows, solo_caches(), into, pending, self.sharing.plan)
+        except Exception:  # nothing changed yet (join_group checks first): join the usual way
+            log.warning("%d row(s) not joined to the shared-prefix groups", len(rows), exc_info=True)
+            return False
+        self.sharing_stats.rows_joined += sum(g >= 0 for g in into)
+        return True
+
     def _share_prefix(self) -> None:
-        """After a join: let the rows on one leased prefix read it once (engine/prefix_sharing.py)."""
+        """After a join: let the rows on a leased prefix read it once (engine/prefix_sharing.py)."""
         policy = self.sharing
         if policy is None or policy.mode == "off" or not self.batch.batched:
             return
-        group = choose_group([self._leases.get(row.request.request_id) for row in self.batch.rows], policy)
-        if group is None:
+        groups = choose_groups([self._leases.get(row.request.request_id) for row in self.batch.rows], policy)
+        if not groups:
             return
         try:
-            self.batch.share(group, policy.plan)
+            self.batch.share(groups, policy.plan)
         except Exception:  # an optimization: the per-row caches the join left stay in place
-            log.warning("shared-prefix group of %d rows not built", group.rows, exc_info=True)
+            log.warning("shared-prefix groups of %d rows not built", sum(g.rows for g in groups), exc_info=True)
             return
-        self.sharing_stats.groups += self.batch.group is not None
+        self.sharing_stats.groups += len(self.batch.groups)
 
     def _put(self, row: Row, caches: list) -> None:
         """Store a finished row's prefix as the prefix policy says (store/prefix.py)."""

@@ -2,17 +2,25 @@
 
 Rows that started from the same prompt-cache node chain (their ``Lease``)
 begin with the same tokens, and their caches hold the same K/V for them.
-After a join, ``choose_group`` picks at most one group: the node shared by
-the most rows times the prefix length they all hold (the longest common
-leased prefix), and ``RunningBatch.share`` rebuilds the batch's caches
+After a join, ``choose_groups`` picks the groups: the node shared by the
+most rows times the prefix length they all hold (the longest common
+leased prefix), then the same among the rows left (agents of another
+system prompt), up to the policy's ``max_groups``; ``RunningBatch.share``
+rebuilds the batch's caches
 with kv/sharing_plan.py's ``share_prefix``: the group's rows keep only
 their tails and reference the node chain's spans (``Lease.layer_spans``,
 kept in the tree by the rows' leases); the others ride along as strays.
+Once groups run, ``join_in_place`` decides for each burst of joiners:
+those whose leases cover a group's prefix join it by reference (their
+tails appended, the prefix never copied, the running rows untouched), the
+rest join as strays; only better groups elsewhere rebuild.
 
 ``--shared-prefix-attention``: ``off`` never groups; ``on`` groups any two
-rows on at least ``MIN_PREFIX_TOKENS`` leased tokens; ``auto`` groups where
+rows on at least ``MIN_PREFIX_TOKENS`` leased tokens, up to ``ON_MAX_GROUPS``
+groups per batch; ``auto`` forms one group per batch (several were not
+measured on a device), where
 ``shared_prefix_decode.worth_sharing`` says the step is faster (CUDA from
-32k group tokens, measured per layer on the H200; never on the CPU).
+128k group tokens, measured on the H200; never on the CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from mlxq.store.prefix_tree import Node
 
 MODES = ("auto", "on", "off")
 MIN_PREFIX_TOKENS = 32  # ``on``: shorter common prefixes stay per row (the regroup copies cost more)
+ON_MAX_GROUPS = 4  # ``on``: distinct shared prefixes per batch
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,10 @@ class SharingPolicy:
     plan: SharingPlan | None  # which layers share (None: not planned, ``unplanned`` says why)
     min_prefix: int = MIN_PREFIX_TOKENS
     unplanned: str | None = None  # why the model was not probed (``off``, no prompt cache, auto on the CPU)
+
+    @property
+    def max_groups(self) -> int:
+        return ON_MAX_GROUPS if self.mode == "on" else 1
 
     def wants(self, rows: int, prefix_length: int) -> bool:
         if self.mode == "off" or self.plan is None or not self.plan.can_share:
@@ -66,6 +79,36 @@ class Group:
     def keep(self, keep: list[int]) -> Group:
         return Group(self.node, self.prefix_length, tuple(self.shares[i] for i in keep))
 
+    def extend(self, joining: list[bool]) -> Group:
+        return Group(self.node, self.prefix_length, self.shares + tuple(joining))
+
+    @property
+    def score(self) -> int:
+        return self.rows * self.prefix_length
+
+
+def row_groups(groups: tuple[Group, ...], rows: int) -> list[int]:
+    """Per row, the index of its group in ``groups`` (-1: in none)."""
+    out = [-1] * rows
+    for g, group in enumerate(groups):
+        for row, member in enumerate(group.shares):
+            if member:
+                out[row] = g
+    return out
+
+
+def choose_groups(leases: list[Lease | None], policy: SharingPolicy) -> tuple[Group, ...]:
+    """Disjoint groups, best first: ``choose_group``, then again among the rows it left out."""
+    groups: list[Group] = []
+    left = list(leases)
+    while len(groups) < policy.max_groups:
+        group = choose_group(left, policy)
+        if group is None:
+            break
+        groups.append(group)
+        left = [None if member else lease for lease, member in zip(left, group.shares, strict=True)]
+    return tuple(groups)
+
 
 def choose_group(leases: list[Lease | None], policy: SharingPolicy) -> Group | None:
     """The group with the most rows x prefix tokens that ``policy`` wants, or None."""
@@ -88,20 +131,63 @@ def choose_group(leases: list[Lease | None], policy: SharingPolicy) -> Group | N
     return None if best is None else best[1]
 
 
+def node_at(lease: Lease, position: int) -> Node | None:
+    """The node of ``lease``'s chain holding token ``position`` (None: the lease does not reach it)."""
+    if not lease.held or lease.cached <= position:
+        return None
+    return next((node for node in lease.chain() if node.depth <= position < node.end), None)
+
+
+def join_in_place(groups: tuple[Group, ...], running: list[Lease | None], joining: list[Lease | None],
+                  policy: SharingPolicy) -> tuple[int, ...] | None:
+    """Per joiner, the index of the running group it joins by reference (-1: it joins as a
+    stray); None when no group runs or other groups would score higher (rebuild).
+
+    A joiner belongs to a group when its lease holds the node that holds the group's last
+    prefix token for one of the group's rows: the tree has one node per token path, so it
+    took the same K/V."""
+    if not groups:
+        return None
+    anchors = []
+    for group in groups:
+        last = group.prefix_length - 1
+        anchor = next((node_at(lease, last) for lease, member in zip(running, group.shares, strict=True)
+                       if member and lease is not None), None)
+        if anchor is None:
+            return None
+        anchors.append(anchor)
+    into = tuple(next((g for g, (group, anchor) in enumerate(zip(groups, anchors, strict=True))
+                       if lease is not None and node_at(lease, group.prefix_length - 1) is anchor), -1)
+                 for lease in joining)
+    kept = sum(group.extend([g == i for g in into]).score for i, group in enumerate(groups))
+    if sum(group.score for group in choose_groups(running + joining, policy)) > kept:
+        return None
+    return into
+
+
 @dataclass
 class SharingStats:
     """/stats.batch.shared_prefix and /metrics mlxq:shared_prefix_decode_steps."""
 
     steps: int = 0  # decode steps run with a shared-prefix group
     groups: int = 0  # times a group was built (each join that regrouped)
+    rows_joined: int = 0  # joiners added to a running group by reference (no rebuild)
+    multi_group_steps: int = 0  # decode steps run with two or more groups (two shared prefixes)
 
-    def as_dict(self, policy: SharingPolicy | None, total_steps: int, group: Group | None) -> dict:
+    def count_step(self, groups: tuple[Group, ...]) -> None:
+        self.steps += bool(groups)
+        self.multi_group_steps += len(groups) > 1
+
+    def as_dict(self, policy: SharingPolicy | None, total_steps: int, groups: tuple[Group, ...]) -> dict:
         return {
             "mode": policy.mode if policy else "off",
             "declined": policy.declined() if policy else "batch lane off",
             "steps": self.steps,
             "share_of_steps": self.steps / total_steps if total_steps else 0.0,
             "groups_built": self.groups,
-            "group_rows": group.rows if group else 0,
-            "prefix_tokens": group.prefix_length if group else 0,
+            "rows_joined_in_place": self.rows_joined,
+            "multi_group_steps": self.multi_group_steps,
+            "groups": len(groups),
+            "group_rows": sum(group.rows for group in groups),
+            "prefix_tokens": [group.prefix_length for group in groups],
         }

@@ -8,10 +8,12 @@ empties it.
 Caches are *solo* (mlx-lm's per-request classes) while one row runs, so the
 B=1 step is the serial lane's graph, and *batched* (``BatchKVCache`` and its
 kin, kv/batch_ops.py) from the second row on; a batch that drops back to one
-row is extracted to solo caches again. A batch may hold one shared-prefix
-group (engine/prefix_sharing.py): ``share`` rebuilds its caches so the
-group's rows reference the leased prefix; a join, or the group falling
-under two rows, goes back to per-row batched caches first.
+row is extracted to solo caches again. A batch may hold shared-prefix
+groups (engine/prefix_sharing.py): ``share`` rebuilds its caches so each
+group's rows reference their leased prefix; ``join_group`` appends
+joiners to the running groups (their tails only, the prefixes
+referenced); any other join, or fewer than two grouped rows left, goes
+back to per-row batched caches first.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxq.engine.prefix_sharing import Group
+from mlxq.engine.prefix_sharing import Group, row_groups
 from mlxq.engine.rows import Row
-from mlxq.kv.batch_ops import extend_batch, extract_row, keep_rows, merge_solo_rows
+from mlxq.kv.batch_ops import check_extendable, extend_batch, extract_row, keep_rows, merge_solo_rows, view_rows
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
-from mlxq.kv.sharing_plan import SharingPlan, prefix_from_spans, share_prefix
+from mlxq.kv.sharing_plan import PrefixSpec, SharingPlan, prefix_from_spans, share_groups
 
 
 @dataclass
@@ -49,7 +51,7 @@ class RunningBatch:
     caches: list | None = None  # solo caches when one row runs, batched otherwise
     batched: bool = False
     pending: Pending | None = None
-    group: Group | None = None  # the rows reading one shared prefix (None: every row holds its own)
+    groups: tuple[Group, ...] = ()  # rows reading a shared prefix, per prefix (none: every row holds its own)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -73,6 +75,22 @@ class RunningBatch:
         self.pending = self.pending.extend(pending)
         self.rows += rows
 
+    def join_group(self, rows: list[Row], solo_caches: list[list], into: tuple[int, ...], pending: Pending,
+                   plan: SharingPlan) -> None:
+        """Add rows (each a solo cache list holding everything before its ``pending`` token) to the
+        running groups: a row ``into`` group g keeps only its tail past g's prefix and references
+        g's arrays, a row with -1 joins as a stray; the running rows' caches are extended, not
+        rebuilt. Everything that can fail runs before the batch changes."""
+        specs = [PrefixSpec(group.prefix_length, [c.prefixes[g] if isinstance(c, SharedPrefixBatchCache) else None
+                                                  for c in self.caches])
+                 for g, group in enumerate(self.groups)]
+        joining = share_groups(plan, solo_caches, specs, list(into))
+        check_extendable(self.caches, joining)
+        extend_batch(self.caches, joining)
+        self.pending = self.pending.extend(pending)
+        self.rows += rows
+        self.groups = tuple(group.extend([g == i for i in into]) for g, group in enumerate(self.groups))
+
     def row_caches(self, index: int) -> list:
         """Row ``index``'s caches as solo caches: a copy out of a batch, the caches themselves when alone."""
         return extract_row(self.caches, index) if self.batched else self.caches
@@ -85,31 +103,30 @@ class RunningBatch:
         self.rows = [self.rows[i] for i in keep]
         self.pending = self.pending.take(keep)
         if self.batched:
-            keep_rows(self.caches, keep)
-            if self.group is not None:
-                self.group = self.group.keep(keep)
+            keep_rows(self.caches, keep)  # a group no row reads any more leaves the caches too
+            self.groups = tuple(g for g in (group.keep(keep) for group in self.groups) if g.rows)
             if len(keep) == 1:
-                self.caches, self.batched, self.group = extract_row(self.caches, 0), False, None
-            elif self.group is not None and self.group.rows < 2:
+                self.caches, self.batched, self.groups = extract_row(self.caches, 0), False, ()
+            elif self.groups and sum(group.rows for group in self.groups) < 2:
                 self._unshare()
 
     def clear(self) -> list[Row]:
         """Drop every row's KV and pending state; the rows are returned to be finished or requeued."""
         rows = self.rows
-        self.rows, self.caches, self.batched, self.pending, self.group = [], None, False, None, None
+        self.rows, self.caches, self.batched, self.pending, self.groups = [], None, False, None, ()
         return rows
 
-    def share(self, group: Group, plan: SharingPlan) -> None:
-        """Rebuild the batched caches so ``group``'s rows hold only their tails past its prefix
-        (read from the node chain) and every other row its whole history."""
-        rows = [extract_row(self.caches, i) for i in range(len(self.rows))]
-        prefix = prefix_from_spans(group.prefix_lease().layer_spans())
-        self.caches = share_prefix(plan, rows, group.prefix_length, prefix, list(group.shares))
+    def share(self, groups: tuple[Group, ...], plan: SharingPlan) -> None:
+        """Rebuild the batched caches so each group's rows hold only their tails past its prefix
+        (read from its node chain) and every other row its whole history."""
+        rows = view_rows(self.caches, len(self.rows))
+        specs = [PrefixSpec(g.prefix_length, prefix_from_spans(g.prefix_lease().layer_spans())) for g in groups]
+        self.caches = share_groups(plan, rows, specs, row_groups(groups, len(self.rows)))
         # No layer may share (e.g. quantized KV on a GPU backend): the caches are per row again.
-        self.group = group if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else None
+        self.groups = groups if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else ()
 
     def _unshare(self) -> None:
-        """Back to per-row batched caches (each group row's copy of the prefix plus its tail)."""
-        if self.group is not None:
+        """Back to per-row batched caches (each group row's copy of its prefix plus its tail)."""
+        if self.groups:
             self.caches = merge_solo_rows([extract_row(self.caches, i) for i in range(len(self.rows))])
-            self.group = None
+            self.groups = ()

@@ -239,8 +239,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
         if self.checkpoints is not None:
             self._publish_checkpoints(keep, done_now, next_tokens)
-        if batch.group is not None:
-            self.sharing_stats.steps += 1
+        self.sharing_stats.count_step(batch.groups)
         if len(keep) < len(batch.rows):
             self._evict(keep)
         self.timing.record(start, built, submitted, waited)

@@ -13,6 +13,8 @@ serves all rows, with per-row left padding masked and per-row RoPE offsets.
 
 from __future__ import annotations
 
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
 from mlxq.kv.capabilities import CacheKind, batch_class, cache_kind
 
 
@@ -29,11 +31,17 @@ def merge_solo_rows(rows: list[list]) -> list:
     return merged
 
 
-def extend_batch(batch: list, joiners: list) -> list:
-    """``batch`` extended in place with the rows of another batched cache list (right-aligned)."""
+def check_extendable(batch: list, joiners: list) -> None:
+    """Raise before anything changes when ``joiners`` cannot extend ``batch`` (layer by layer)."""
     for layer, (running, joining) in enumerate(zip(batch, joiners, strict=True)):
         if type(running) is not type(joining):
             raise TypeError(f"layer {layer}: cannot join {type(joining).__name__} to {type(running).__name__}")
+
+
+def extend_batch(batch: list, joiners: list) -> list:
+    """``batch`` extended in place with the rows of another batched cache list (right-aligned)."""
+    check_extendable(batch, joiners)
+    for running, joining in zip(batch, joiners, strict=True):
         running.extend(joining)
     return batch
 
@@ -56,3 +64,27 @@ def extract_row(batch: list, index: int) -> list:
             solo.lengths = None
         out.append(solo)
     return out
+
+
+def view_rows(batch: list, rows: int) -> list[list]:
+    """Each of the batch's ``rows`` rows as a solo cache list to build other batched caches from at once: plain
+    full-attention layers as views into the batch's arrays (no copy: the caches built from them
+    copy what they keep, so the batch's KV is never held twice while they are), other layers
+    extracted as ``extract_row`` does."""
+    out: list[list] = [[] for _ in range(rows)]
+    for cache in batch:
+        if type(cache) is BatchKVCache and cache.keys is not None:
+            for index, (row, padding) in enumerate(zip(out, cache.left_padding.tolist(), strict=True)):
+                row.append(_view(cache, index, padding))
+            continue
+        for index, row in enumerate(out):
+            row.append(extract_row([cache], index)[0])
+    return out
+
+
+def _view(cache: BatchKVCache, index: int, padding: int) -> KVCache:
+    solo = KVCache()
+    solo.keys = cache.keys[index : index + 1, :, padding : cache._idx]
+    solo.values = cache.values[index : index + 1, :, padding : cache._idx]
+    solo.offset = cache._idx - padding
+    return solo

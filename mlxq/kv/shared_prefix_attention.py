@@ -103,11 +103,13 @@ def prefix_partial(queries: mx.array, keys: KV, values: KV, scale: float, quant:
     """``stacked_prefix_stats`` in the rows' own layout [B, Hq, L, n]."""
     batch, heads, length, _ = queries.shape
     kv_heads = _shape(keys)[1]
+    return Partial(*(_unstack(x, kv_heads, batch, heads, length)
+                     for x in stacked_prefix_stats(queries, keys, values, scale, quant)))
 
-    def unstack(x):  # [Hkv, B*G*L, n] -> [B, Hq, L, n]
-        return x.reshape(kv_heads, batch, -1, x.shape[-1]).swapaxes(0, 1).reshape(batch, heads, length, -1)
 
-    return Partial(*(unstack(x) for x in stacked_prefix_stats(queries, keys, values, scale, quant)))
+def _unstack(x: mx.array, kv_heads: int, batch: int, heads: int, length: int) -> mx.array:
+    """[Hkv, B*G*L, n] -> [B, Hq, L, n]"""
+    return x.reshape(kv_heads, batch, -1, x.shape[-1]).swapaxes(0, 1).reshape(batch, heads, length, -1)
 
 
 def tail_partial(queries: mx.array, keys: KV, values: KV, scale: float, mask: mx.array | None,
@@ -144,6 +146,60 @@ def merge(partials: list[Partial], sinks: mx.array | None = None, dtype=mx.float
     return (weighted / total).astype(dtype)
 
 
+@dataclass(frozen=True)
+class RowGroups:
+    """Which rows read which prefix, as index arrays (built once per batch change, host side)."""
+
+    members: tuple[mx.array, ...]  # per group: its rows' indices
+    strays: int  # rows in no group
+    inverse: mx.array  # rows in group order (members..., strays) -> back to batch order
+    in_group: mx.array  # [B] bool: the row reads a prefix
+
+    @classmethod
+    def of(cls, row_groups: list[int], groups: int) -> RowGroups:
+        members = [[b for b, g in enumerate(row_groups) if g == group] for group in range(groups)]
+        strays = [b for b, g in enumerate(row_groups) if g < 0]
+        order = [b for rows in members for b in rows] + strays
+        inverse = [0] * len(order)
+        for position, b in enumerate(order):
+            inverse[b] = position
+        return cls(tuple(mx.array(rows) for rows in members), len(strays), mx.array(inverse),
+                   mx.array([g >= 0 for g in row_groups]))
+
+
+def grouped_prefix_stats(queries: mx.array, prefixes: list[tuple[KV, KV]], layout: RowGroups, scale: float,
+                         quant: Quant | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """``stacked_prefix_stats`` for several groups, in the same stacked layout [Hkv, B * group * L, n]:
+    each group's rows against their own prefix (each prefix read once, for its rows only), rows in
+    no group an empty level (weighted 0, peak -inf, total 0: it weighs 0 in the merge)."""
+    batch, heads, length, _ = queries.shape
+    kv_heads = _shape(prefixes[0][0])[1]
+    per_row = heads // kv_heads * length
+    parts = [stacked_prefix_stats(queries[rows], keys, values, scale, quant)
+             for (keys, values), rows in zip(prefixes, layout.members, strict=True) if rows.size]
+    if layout.strays:
+        packed = _shape(prefixes[0][1])[-1]
+        dim = packed * 32 // quant.bits if quant else packed  # quantized values pack 32 // bits per word
+        empty = (kv_heads, layout.strays * per_row)
+        parts.append((mx.zeros((*empty, dim), mx.float32), mx.full((*empty, 1), _NEG_INF, mx.float32),
+                      mx.zeros((*empty, 1), mx.float32)))
+
+    def in_row_order(x):  # group order -> batch order, along the stacked axis
+        x = x.reshape(kv_heads, batch, per_row, x.shape[-1])[:, layout.inverse]
+        return x.reshape(kv_heads, batch * per_row, -1)
+
+    return tuple(in_row_order(mx.concatenate([p[i] for p in parts], axis=1)) for i in range(3))
+
+
+def grouped_prefix_partial(queries: mx.array, prefixes: list[tuple[KV, KV]], layout: RowGroups, scale: float,
+                           quant: Quant | None = None) -> Partial:
+    """``grouped_prefix_stats`` in the rows' own layout [B, Hq, L, n]."""
+    batch, heads, length, _ = queries.shape
+    kv_heads = _shape(prefixes[0][0])[1]
+    return Partial(*(_unstack(x, kv_heads, batch, heads, length)
+                     for x in grouped_prefix_stats(queries, prefixes, layout, scale, quant)))
+
+
 def tail_mask(starts: mx.array, length: int, span: int) -> mx.array:
     """[B, 1, L, T] bool: the last ``length`` of ``span`` tail positions see the keys from their row's start on."""
     columns = mx.arange(span)
@@ -166,5 +222,16 @@ def shared_prefix_attention(queries: mx.array, prefix_keys: KV, prefix_values: K
     prefix = prefix_partial(queries, prefix_keys, prefix_values, scale, quant)
     if shares is not None:  # a level with peak -inf weighs exactly 0 in the merge
         prefix = Partial(prefix.weighted, mx.where(shares[:, None, None, None], prefix.peak, _NEG_INF), prefix.total)
+    parts = [prefix, tail_partial(queries, tail_keys, tail_values, scale, tail_mask(tail_starts, length, span), quant)]
+    return merge(parts, sinks, queries.dtype)
+
+
+def grouped_shared_prefix_attention(queries: mx.array, prefixes: list[tuple[KV, KV]], tail_keys: KV,
+                                    tail_values: KV, tail_starts: mx.array, scale: float, layout: RowGroups,
+                                    sinks: mx.array | None = None, quant: Quant | None = None) -> mx.array:
+    """``shared_prefix_attention`` for a batch of several groups: row b sees ``prefixes[g]`` for its
+    group g (``layout``), or no prefix when it is in none."""
+    length, span = queries.shape[2], _shape(tail_keys)[2]
+    prefix = grouped_prefix_partial(queries, prefixes, layout, scale, quant)
     parts = [prefix, tail_partial(queries, tail_keys, tail_values, scale, tail_mask(tail_starts, length, span), quant)]
     return merge(parts, sinks, queries.dtype)

@@ -1,4 +1,4 @@
-"""A batch cache kind for rows that reference one shared prefix plus their own tails.
+"""A batch cache kind for rows that reference a shared prefix plus their own tails.
 
 Per full-attention layer: the prefix's keys and values once ([1, Hkv, P, D],
 referenced, never copied per row: e.g. the spans of a prompt-cache node
@@ -19,9 +19,17 @@ Rows of the batch outside the group (``shares`` False: a stray in a batch
 of agents) keep their whole history as their tail and never see the
 prefix; their offsets are the tail's alone.
 
-``filter``/``extend`` move the tail rows and keep the prefix reference;
-``extract`` gives one row as a plain mlx-lm KVCache (prefix + its tail: the
-one copy, made when a row leaves the group).
+A batch may hold several groups (``grouped``: agents of two system
+prompts): ``prefixes[g]`` per group and ``row_groups`` per row (-1 for a
+stray); each row's offset adds its own group's prefix length, and the
+attention reads each prefix once for its group's rows
+(``shared_prefix_decode.grouped_attention``).
+
+``filter``/``extend`` move the tail rows and keep the prefix references
+(``extend`` with a prefix this cache does not hold adds a group; a group
+no row reads any more is dropped); ``extract`` gives one row as a plain
+mlx-lm KVCache (its prefix + its tail: the one copy, made when a row
+leaves the group).
 
 Quantized layers (``--kv-quant``) are the same with triples: the prefix as
 (data, scales, biases) for keys and for values, the tails in a
@@ -35,29 +43,39 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, _BaseCa
 
 from mlxq.kv import shared_prefix_decode
 from mlxq.kv.quantized import BatchQuantizedKVCache, triple_nbytes
-from mlxq.kv.shared_prefix_attention import KV, Quant
-
-
-class PrefixMismatch(ValueError):
-    """Two groups with different prefixes cannot be joined into one cache."""
+from mlxq.kv.shared_prefix_attention import KV, Quant, RowGroups
 
 
 class SharedPrefixBatchCache(_BaseCache):
     def __init__(self, prefix_keys: KV, prefix_values: KV, tail: BatchKVCache, shares: list[bool] | None = None):
+        rows = tail.left_padding.shape[0]
+        shares = [True] * rows if shares is None else list(shares)
+        self._setup([(prefix_keys, prefix_values)], tail, [0 if s else -1 for s in shares])
+
+    @classmethod
+    def grouped(cls, prefixes: list[tuple[KV, KV]], tail: BatchKVCache, row_groups: list[int]):
+        """Several groups in one batch: ``prefixes[g]`` is group g's (keys, values), ``row_groups[b]``
+        row b's group (-1: outside every group)."""
+        cache = cls.__new__(cls)
+        cache._setup(list(prefixes), tail, list(row_groups))
+        return cache
+
+    def _setup(self, prefixes: list[tuple[KV, KV]], tail: BatchKVCache, row_groups: list[int]) -> None:
         self.quant = Quant(tail.group_size, tail.bits) if isinstance(tail, BatchQuantizedKVCache) else None
-        shape = prefix_keys[0].shape if self.quant else prefix_keys.shape
-        if isinstance(prefix_keys, (tuple, list)) != (self.quant is not None):
-            raise ValueError("a quantized tail needs a quantized (triple) prefix, and a plain one a plain prefix")
-        if len(shape) != 4 or shape[0] != 1 or shape[2] == 0:
-            raise ValueError(f"prefix keys must be [1, kv_heads, P>0, dim], got {shape}")
-        self.prefix_keys = prefix_keys
-        self.prefix_values = prefix_values
-        self.prefix_length = shape[2]
+        if not prefixes:
+            raise ValueError("a shared-prefix cache holds at least one prefix")
+        for keys, _ in prefixes:
+            shape = keys[0].shape if self.quant else keys.shape
+            if isinstance(keys, (tuple, list)) != (self.quant is not None):
+                raise ValueError("a quantized tail needs a quantized (triple) prefix, and a plain one a plain prefix")
+            if len(shape) != 4 or shape[0] != 1 or shape[2] == 0:
+                raise ValueError(f"prefix keys must be [1, kv_heads, P>0, dim], got {shape}")
+        self.prefixes = prefixes
         self.tail = tail
         rows = tail.left_padding.shape[0]
-        self._set_shares([True] * rows if shares is None else list(shares))
-        if len(self.row_shares) != rows:
-            raise ValueError(f"shares names {len(self.row_shares)} rows, the tail holds {rows}")
+        if len(row_groups) != rows or any(not -1 <= g < len(prefixes) for g in row_groups):
+            raise ValueError(f"row_groups must name a group or -1 for each of the tail's {rows} rows")
+        self._set_groups(row_groups)
         self._fetched = None  # the tail arrays update_and_fetch last returned (see attend)
 
     @classmethod
@@ -67,14 +85,46 @@ class SharedPrefixBatchCache(_BaseCache):
         batch_class = BatchQuantizedKVCache if type(tails[0]) is QuantizedKVCache else BatchKVCache
         return cls(prefix_keys, prefix_values, batch_class.merge(tails), shares)
 
-    def _set_shares(self, row_shares: list[bool]) -> None:
-        self.row_shares = [bool(x) for x in row_shares]  # per row: it sees the prefix (host side: no sync)
+    @classmethod
+    def grouped_from_tails(cls, prefixes: list[tuple[KV, KV]], tails: list, row_groups: list[int]):
+        """``from_tails`` for several groups (``grouped``'s ``prefixes`` and ``row_groups``)."""
+        batch_class = BatchQuantizedKVCache if type(tails[0]) is QuantizedKVCache else BatchKVCache
+        return cls.grouped(prefixes, batch_class.merge(tails), row_groups)
+
+    def _set_groups(self, row_groups: list[int]) -> None:
+        """Per row its group (host side: no sync), dropping prefixes no row reads any more."""
+        used = sorted({g for g in row_groups if g >= 0})
+        if used and len(used) < len(self.prefixes):
+            self.prefixes = [self.prefixes[g] for g in used]
+            renumber = {g: i for i, g in enumerate(used)}
+            row_groups = [renumber.get(g, -1) for g in row_groups]
+        self.row_groups = [int(g) for g in row_groups]
+        self.prefix_lengths = [_length(keys) for keys, _ in self.prefixes]
         self.shares = mx.array(self.row_shares)
-        self._all_share = all(self.row_shares)
+        self._own_prefix = mx.array([self.prefix_lengths[g] if g >= 0 else 0 for g in self.row_groups])
+        self._layout = RowGroups.of(self.row_groups, len(self.prefixes)) if len(self.prefixes) > 1 else None
+        self._all_share = all(g >= 0 for g in self.row_groups)
+
+    @property
+    def row_shares(self) -> list[bool]:
+        """Per row: it sees a prefix (is in a group)."""
+        return [g >= 0 for g in self.row_groups]
+
+    @property
+    def prefix_keys(self) -> KV:
+        return self.prefixes[0][0]  # the first group's (the only one unless built ``grouped``)
+
+    @property
+    def prefix_values(self) -> KV:
+        return self.prefixes[0][1]
+
+    @property
+    def prefix_length(self) -> int:
+        return self.prefix_lengths[0]
 
     @property
     def offset(self) -> mx.array:
-        return self.tail.offset + mx.where(self.shares, self.prefix_length, 0)
+        return self.tail.offset + self._own_prefix
 
     @property
     def left_padding(self) -> mx.array:
@@ -93,9 +143,14 @@ class SharedPrefixBatchCache(_BaseCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                sinks: mx.array | None = None) -> mx.array:
-        """Attention of the rows' queries over [prefix ; own tail]; ``keys``/``values`` are the fetched tail."""
+        """Attention of the rows' queries over [their group's prefix ; own tail]; ``keys``/``values``
+        are the fetched tail."""
         if not self.fetched(keys):
             raise ValueError("shared-prefix attention needs the keys update_and_fetch returned, unchanged")
+        if self._layout is not None:
+            return shared_prefix_decode.grouped_attention(queries, self.prefixes, keys, values,
+                                                          self.tail.left_padding, scale, sinks, self.quant,
+                                                          self._layout)
         return shared_prefix_decode.attention(queries, self.prefix_keys, self.prefix_values, keys, values,
                                               self.tail.left_padding, scale, sinks, self.quant,
                                               None if self._all_share else self.shares)
@@ -109,20 +164,29 @@ class SharedPrefixBatchCache(_BaseCache):
     def filter(self, batch_indices) -> None:
         self.tail.filter(batch_indices)
         indices = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
-        self._set_shares([self.row_shares[i] for i in indices])
+        self._set_groups([self.row_groups[i] for i in indices])
 
     def extend(self, other: SharedPrefixBatchCache) -> None:
-        if other.prefix_keys is not self.prefix_keys or other.prefix_values is not self.prefix_values:
-            raise PrefixMismatch("rows sharing different prefixes cannot join one group")
+        """Append ``other``'s rows; a prefix both hold (the same arrays) stays one group, another
+        prefix becomes one more group."""
+        renumber = {}
+        prefixes = list(self.prefixes)
+        for g, (keys, values) in enumerate(other.prefixes):
+            same = [i for i, (k, v) in enumerate(prefixes) if k is keys and v is values]
+            renumber[g] = same[0] if same else len(prefixes)
+            if not same:
+                prefixes.append((keys, values))
         self.tail.extend(other.tail)
-        self._set_shares(self.row_shares + other.row_shares)
+        self.prefixes = prefixes
+        self._set_groups(self.row_groups + [renumber[g] if g >= 0 else -1 for g in other.row_groups])
 
     def extract(self, idx: int) -> KVCache | QuantizedKVCache:
-        """Row ``idx`` as a solo cache over prefix + its own tail (a copy it owns)."""
-        if not self.row_shares[idx]:
-            return self.tail.extract(idx)  # outside the group: its tail is its whole history
+        """Row ``idx`` as a solo cache over its group's prefix + its own tail (a copy it owns)."""
+        group = self.row_groups[idx]
+        if group < 0:
+            return self.tail.extract(idx)  # outside the groups: its tail is its whole history
         cache = QuantizedKVCache(self.quant.group_size, self.quant.bits) if self.quant else KVCache()
-        keys, values = self.prefix_keys, self.prefix_values
+        keys, values = self.prefixes[group]
         if self.tail.keys is not None:
             own = self.tail.extract(idx)
             keys, values = _join(keys, own.keys), _join(values, own.values)
@@ -134,24 +198,24 @@ class SharedPrefixBatchCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
-        return self.tail.trim(n)  # the shared prefix is never trimmed from under the group
+        return self.tail.trim(n)  # a shared prefix is never trimmed from under its group
 
     def size(self) -> int:
-        return self.prefix_length + self.tail.size()
+        return max(self.prefix_lengths) + self.tail.size()
 
     def empty(self) -> bool:
         return False
 
     @property
     def nbytes(self) -> int:
-        """The rows' own bytes: the prefix belongs to whoever lent it (counted once there)."""
+        """The rows' own bytes: the prefixes belong to whoever lent them (counted once there)."""
         return self.tail.nbytes
 
     @property
     def prefix_nbytes(self) -> int:
         if self.quant:
-            return triple_nbytes(self.prefix_keys) + triple_nbytes(self.prefix_values)
-        return self.prefix_keys.nbytes + self.prefix_values.nbytes
+            return sum(triple_nbytes(k) + triple_nbytes(v) for k, v in self.prefixes)
+        return sum(k.nbytes + v.nbytes for k, v in self.prefixes)
 
     @property
     def state(self):
@@ -160,6 +224,10 @@ class SharedPrefixBatchCache(_BaseCache):
     @state.setter
     def state(self, v):
         raise TypeError("a shared-prefix cache is built from a prefix and tails, not restored")
+
+
+def _length(keys: KV) -> int:
+    return (keys[0] if isinstance(keys, (tuple, list)) else keys).shape[2]
 
 
 def _join(prefix: KV, own: KV) -> KV:

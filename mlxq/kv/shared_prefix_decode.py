@@ -16,9 +16,13 @@ length): from 32k on the split path beats one kernel (64 x 512: 0.26 vs
 0.36 ms; 16 x 2k: 0.17 vs 0.18; 8 x 2k: 0.33 vs 0.11), and per-row copies
 through kv/decode_kernel.py beat both below it (8 x 2k: 0.10 ms; 16 x 512:
 0.07) while the split path beats the copies from it on (16 x 2k: 0.17 vs
-0.24 ms; 64 x 16k: 0.83 vs 4.34). ``worth_sharing`` is that gate, for the
-scheduler to call; on the CPU sharing measured at parity with copies
-(the exponentials, not the reads, bound it there), so it says no.
+0.24 ms; 64 x 16k: 0.83 vs 4.34). ``worth_sharing``, the scheduler's
+gate, asks more of a whole server than of one layer: end to end, 16 agents
+on a 2.2k prefix (35k group tokens) decoded slower shared (ITL p50 12.5 vs
+10.7 ms), while whole-model steps were faster from 64 x 2k (131k) on
+(docs/benchmarks.md, "H200: shared-prefix attention end to end"). On the
+CPU sharing measured at parity with copies (the exponentials, not the
+reads, bound it there), so it says no.
 """
 
 from __future__ import annotations
@@ -30,14 +34,16 @@ import os
 import mlx.core as mx
 
 from mlxq.kv import shared_prefix_kernel, tail_merge_kernel
-from mlxq.kv.shared_prefix_attention import Quant, shared_prefix_attention
+from mlxq.kv.shared_prefix_attention import Quant, RowGroups, grouped_shared_prefix_attention, shared_prefix_attention
 
 log = logging.getLogger("mlxq.kv")
 
 SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path wins (H200, 8B layer)
+AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
 PATHS = ("ops", "full", "split")
 
 _enabled = False
+_grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
 
 
@@ -53,7 +59,7 @@ def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant 
 def worth_sharing(rows: int, prefix_length: int) -> bool:
     """Whether a decode step of ``rows`` rows on a ``prefix_length``-token prefix is faster shared
     than over per-row copies (measured on the H200; the CPU measured no gain)."""
-    return _enabled and rows * prefix_length >= SPLIT_MIN_GROUP_TOKENS
+    return _enabled and rows * prefix_length >= AUTO_MIN_GROUP_TOKENS
 
 
 def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
@@ -69,6 +75,21 @@ def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_
     return shared_prefix_attention(*args, quant, shares)
 
 
+def grouped_attention(queries, prefixes, tail_keys, tail_values, tail_starts, scale: float,
+                      sinks: mx.array | None = None, quant: Quant | None = None,
+                      layout: RowGroups | None = None) -> mx.array:
+    """Several groups in one batch (``layout``: which rows read which prefix): on CUDA with the
+    kernels on, each group's prefix GEMMs then the split path's one kernel for every row (not
+    measured; ``self_check`` compares it with the plain path before the kernels are enabled);
+    plain operations elsewhere."""
+    if _forced != "ops" and quant is None and _grouped_ready() and all(
+            shared_prefix_kernel.can_run(queries, keys, tail_keys, tail_values) for keys, _ in prefixes):
+        return tail_merge_kernel.split_grouped_decode(queries, prefixes, tail_keys, tail_values, tail_starts, scale,
+                                                      sinks, layout)
+    return grouped_shared_prefix_attention(queries, prefixes, tail_keys, tail_values, tail_starts, scale, layout,
+                                           sinks, quant)
+
+
 @contextlib.contextmanager
 def forced(path: str):
     """Within: every call takes ``path`` (which must be able to run it)."""
@@ -82,23 +103,37 @@ def forced(path: str):
         _forced = None
 
 
-def self_check(dtype=mx.bfloat16) -> dict[str, float]:
-    """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
-    the group, tails as strided views."""
+def _check_inputs(dtype):
     rows, heads, kv_heads, prefix, own, dim = 6, 8, 2, 333, 40, 128
     q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
     pk, pv = (mx.random.normal((1, kv_heads, prefix, dim)).astype(dtype) for _ in range(2))
     buffer = mx.random.normal((2, rows, kv_heads, own + 24, dim)).astype(dtype)
-    tk, tv = buffer[0, :, :, :own], buffer[1, :, :, :own]
-    starts = mx.array([0, 1, 17, 39, 5, 20])
+    return q, pk, pv, buffer[0, :, :, :own], buffer[1, :, :, :own], mx.array([0, 1, 17, 39, 5, 20]), dim**-0.5
+
+
+def self_check(dtype=mx.bfloat16) -> dict[str, float]:
+    """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
+    the group, tails as strided views."""
+    q, pk, pv, tk, tv, starts, scale = _check_inputs(dtype)
     worst = {"full": 0.0, "split": 0.0}
-    for sinks, shares in ((None, None), (mx.random.normal((heads,)), mx.array([True, False, True, True, False, True]))):
-        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks, None, shares).astype(mx.float32)
+    for sinks, shares in ((None, None), (mx.random.normal((q.shape[1],)),
+                                         mx.array([True, False, True, True, False, True]))):
+        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
         for path in worst:
             with forced(path):
-                got = attention(q, pk, pv, tk, tv, starts, dim**-0.5, sinks, None, shares).astype(mx.float32)
+                got = attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
             worst[path] = max(worst[path], mx.abs(got - want).max().item())
     return worst
+
+
+def grouped_self_check(dtype=mx.bfloat16) -> float:
+    """Max |grouped kernel path - plain path| on two groups (the second prefix shorter) and a stray."""
+    q, pk, pv, tk, tv, starts, scale = _check_inputs(dtype)
+    prefixes = [(pk, pv), (pk[:, :, :100], pv[:, :, :100])]
+    layout = RowGroups.of([1, 0, -1, 0, 1, 0], 2)
+    want = grouped_shared_prefix_attention(q, prefixes, tk, tv, starts, scale, layout).astype(mx.float32)
+    got = tail_merge_kernel.split_grouped_decode(q, prefixes, tk, tv, starts, scale, None, layout)
+    return mx.abs(got.astype(mx.float32) - want).max().item()
 
 
 def enable() -> bool:
@@ -115,6 +150,23 @@ def enable() -> bool:
         if not _enabled:
             log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
     return _enabled
+
+
+def _grouped_ready() -> bool:
+    """The grouped kernel path, checked once on its first use (a batch of several groups, which only
+    ``--shared-prefix-attention on`` forms): failing the check keeps just that path on plain
+    operations, and servers that never group twice never run it."""
+    global _grouped_enabled
+    if _grouped_enabled is None and _enabled:
+        try:
+            error = grouped_self_check()
+        except Exception as exc:
+            log.warning("grouped shared-prefix kernel path unavailable (%s: %s)", type(exc).__name__, exc)
+            error = float("inf")
+        _grouped_enabled = error < 2e-2
+        if not _grouped_enabled:
+            log.warning("grouped shared-prefix kernel path disagrees with the plain path (max diff %s)", error)
+    return bool(_grouped_enabled)
 
 
 def is_enabled() -> bool:

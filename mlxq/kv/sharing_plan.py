@@ -77,6 +77,15 @@ def _layer_shares(plan: SharingPlan, layer: int, column: list) -> bool:
                                                       or (plan.quantized and kinds == {QuantizedKVCache}))
 
 
+@dataclass(frozen=True)
+class PrefixSpec:
+    """One group's prefix: its length, and per layer its (keys, values) when given (e.g. a node
+    chain's spans; None: the group's first row's own view)."""
+
+    length: int
+    prefix: list[tuple | None] | None = None
+
+
 def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
                  prefix: list[tuple[mx.array, mx.array] | None] | None = None,
                  shares: list[bool] | None = None) -> list:
@@ -85,25 +94,42 @@ def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
     once (``prefix[layer]`` as ([1, Hkv, P, D] keys, values), e.g. from a prompt-cache node
     chain's spans, else the first sharing row's own view) plus each row's tail (a row outside the
     group: its whole history); the other layers merge per-row caches as the batch lane does."""
-    if prefix_length <= 0:
-        raise ValueError("a shared prefix has at least one token")
     shares = [True] * len(rows) if shares is None else list(shares)
-    if len(shares) != len(rows) or not any(shares):
-        raise ValueError("shares names one flag per row, and at least one row shares")
-    donor = shares.index(True)
+    if len(shares) != len(rows):
+        raise ValueError("shares names one flag per row")
+    return share_groups(plan, rows, [PrefixSpec(prefix_length, prefix)], [0 if s else -1 for s in shares])
+
+
+def share_groups(plan: SharingPlan, rows: list[list], specs: list[PrefixSpec], row_groups: list[int]) -> list:
+    """``share_prefix`` for several groups: row b begins with group ``row_groups[b]``'s prefix
+    (``specs[g]``; -1: it is in no group and keeps its whole history as its tail)."""
+    if any(spec.length <= 0 for spec in specs):
+        raise ValueError("a shared prefix has at least one token")
+    if len(row_groups) != len(rows) or any(not -1 <= g < len(specs) for g in row_groups):
+        raise ValueError("row_groups names a group or -1 for each row")
     out = []
     for layer in range(len(rows[0])):
         column = [row[layer] for row in rows]
         if not _layer_shares(plan, layer, column):
             out.append(merge_solo_rows([[c] for c in column])[0])
             continue
-        if any(c.offset < prefix_length for c, s in zip(column, shares, strict=True) if s):
-            raise ValueError(f"layer {layer}: a sharing row holds fewer than {prefix_length} tokens")
-        keys, values = (prefix[layer] if prefix is not None and prefix[layer] is not None else
-                        (_head(column[donor].keys, prefix_length), _head(column[donor].values, prefix_length)))
-        tails = [_tail(c, prefix_length if s else 0) for c, s in zip(column, shares, strict=True)]
-        out.append(SharedPrefixBatchCache.from_tails(keys, values, tails, shares))
+        prefixes = [_group_prefix(layer, column, spec, [b for b, x in enumerate(row_groups) if x == g])
+                    for g, spec in enumerate(specs)]
+        tails = [_tail(c, specs[g].length if g >= 0 else 0) for c, g in zip(column, row_groups, strict=True)]
+        out.append(SharedPrefixBatchCache.grouped_from_tails(prefixes, tails, row_groups))
     return out
+
+
+def _group_prefix(layer: int, column: list, spec: PrefixSpec, members: list[int]) -> tuple:
+    if any(column[b].offset < spec.length for b in members):
+        raise ValueError(f"layer {layer}: a sharing row holds fewer than {spec.length} tokens")
+    given = spec.prefix[layer] if spec.prefix is not None else None
+    if given is not None:
+        return given
+    if not members:
+        raise ValueError(f"layer {layer}: shares but no prefix was given for a group without rows")
+    donor = column[members[0]]
+    return _head(donor.keys, spec.length), _head(donor.values, spec.length)
 
 
 def prefix_from_spans(spans_per_layer: list[list[tuple] | None]) -> list[tuple | None]:

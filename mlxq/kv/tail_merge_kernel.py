@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxq.kv.decode_kernel import splice
-from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
+from mlxq.kv.shared_prefix_attention import RowGroups, grouped_prefix_stats, stacked_prefix_stats
 from mlxq.kv.shared_prefix_kernel import HEADER, KEY_STEP, row_shares
 
 _WARPS = 32
@@ -75,6 +75,21 @@ def split_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, t
                                scale: float, sinks: mx.array | None = None,
                                shares: mx.array | None = None) -> mx.array:
     """kv/shared_prefix_attention.shared_prefix_attention for one query per row: prefix GEMMs + one kernel."""
+    stats = _prefix_stats(queries, prefix_keys, prefix_values, scale)
+    return tails_and_merge(queries, tail_keys, tail_values, tail_starts, scale, sinks, stats, shares)
+
+
+def split_grouped_decode(queries, prefixes, tail_keys, tail_values, tail_starts, scale: float,
+                         sinks: mx.array | None, layout: RowGroups) -> mx.array:
+    """The same for a batch of several groups: each group's rows against its own prefix (its GEMMs
+    on those rows only), the partials in row order, then the one kernel."""
+    stats = grouped_prefix_stats(queries, prefixes, layout, scale)
+    return tails_and_merge(queries, tail_keys, tail_values, tail_starts, scale, sinks, stats, layout.in_group)
+
+
+def tails_and_merge(queries, tail_keys, tail_values, tail_starts, scale: float, sinks: mx.array | None,
+                    stats: tuple[mx.array, mx.array, mx.array], shares: mx.array | None) -> mx.array:
+    """Each row's tail walked by the kernel, merged with its prefix level (``stats``, stacked layout)."""
     global _kernel, _NO_SINKS
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -85,7 +100,7 @@ def split_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, t
         _NO_SINKS = mx.zeros((1,), mx.float32)
     if scale not in _scales:
         _scales[scale] = mx.array([scale], mx.float32)
-    weighted, peak, total = _prefix_stats(queries, prefix_keys, prefix_values, scale)
+    weighted, peak, total = stats
     batch, heads, _, dim = queries.shape
     return _kernel(
         inputs=[mx.contiguous(queries), tail_keys, tail_values, mx.contiguous(tail_starts.astype(mx.int32)),

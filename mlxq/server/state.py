@@ -93,7 +93,7 @@ class ServerState:
             "phase_timing": scheduler.phases.as_dict(scheduler.timing) if scheduler else None,
             # rows reading one leased prefix once per decode step (engine/prefix_sharing.py)
             "shared_prefix": scheduler.sharing_stats.as_dict(scheduler.sharing, scheduler.timing.steps,
-                                                             scheduler.batch.group) if scheduler else None,
+                                                             scheduler.batch.groups) if scheduler else None,
         }
 
     def _kv_stats(self) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxq.engine.prefix_sharing import SharingPolicy, choose_group
+from mlxq.engine.prefix_sharing import Group, SharingPolicy, choose_group, choose_groups, join_in_place, row_groups
 from mlxq.kv.sharing_plan import SharingPlan
 from mlxq.store.lease import Lease
 from mlxq.store.prefix_tree import Node
@@ -41,3 +41,37 @@ def test_off_auto_on_the_cpu_and_a_declined_model_never_group():
     declined = SharingPlan((False,), "layers [0] compute attention outside mlx-lm's scaled_dot_product_attention")
     policy = SharingPolicy("on", declined)
     assert choose_group(leases(), policy) is None and policy.declined() == declined.declined
+
+
+def test_joiners_on_the_groups_prefix_join_it_in_place_the_others_as_strays():
+    a, b, c = tree()
+    running = [Lease(100, None, b), Lease(80, None, b), Lease(60, None, c)]
+    group = choose_group(running, SharingPolicy("on", PLAN))
+    assert (group.node, group.prefix_length, group.shares) == (b, 80, (True, True, False))
+    joining = [Lease(90, None, b), Lease(50, None, b), Lease(60, None, c), None]
+    # 90 cached tokens through b hold the group's 80; 50 stop short of its last token.
+    assert join_in_place((group,), running, joining, SharingPolicy("on", PLAN)) == (0, -1, -1, -1)
+    assert join_in_place((), running, joining, SharingPolicy("on", PLAN)) is None
+
+
+def test_a_better_group_among_the_joiners_asks_for_a_rebuild():
+    a, b, c = tree()
+    running = [Lease(40, None, a), Lease(40, None, a)]
+    group = Group(a, 40, (True, True))  # 2 rows x 40 = 80
+    joining = [Lease(100, None, b), Lease(100, None, b)]  # b: 2 rows x 100 = 200 > 4 rows x 40 = 160
+    # The joiners hold a's 40 tokens too, but b (2 x 100) plus a's rest (2 x 40) beat a alone (4 x 40).
+    assert join_in_place((group,), running, joining, SharingPolicy("on", PLAN)) is None
+    few = [Lease(50, None, b)]  # 3 rows x 40 = 120 beats b's 1 row: joins in place
+    assert join_in_place((group,), running, few, SharingPolicy("on", PLAN)) == (0,)
+
+
+def test_agents_of_two_prompts_form_two_groups_under_on_and_one_under_auto():
+    a, b, c = tree()
+    leases = [Lease(100, None, b), Lease(60, None, c), Lease(100, None, b), None, Lease(60, None, c)]
+    groups = choose_groups(leases, SharingPolicy("on", PLAN))
+    # b: 2 rows x 100 first; among the rest, c (2 x 60) beats a (2 x 40).
+    assert [(g.node, g.prefix_length) for g in groups] == [(b, 100), (c, 60)]
+    assert row_groups(groups, len(leases)) == [0, 1, 0, -1, 1]
+    assert SharingPolicy("auto", PLAN).max_groups == 1 and SharingPolicy("on", PLAN).max_groups == 4
+    late = [Lease(70, None, c), Lease(100, None, b)]
+    assert join_in_place(groups, leases, late, SharingPolicy("on", PLAN)) == (1, 0)

@@ -3,8 +3,10 @@
 A real batch server groups the rows that lease the same prompt-cache node
 chain (engine/prefix_sharing.py); their greedy outputs equal a --batch 1
 server's (the serial lane, mlx-lm's generate), token for token, also when a
-row is cancelled mid-way and a late agent joins the running group; /metrics
-counts the decode steps that ran shared, and ``off`` runs none.
+row is cancelled mid-way and a late agent joins the running group (in
+place, by reference), and with agents of two system prompts in one batch
+(two groups); /metrics counts the decode steps that ran shared, and
+``off`` runs none.
 """
 
 from __future__ import annotations
@@ -61,7 +63,24 @@ def test_twelve_agents_decode_shared_with_the_serial_lanes_output(tiny_model_dir
         stats = httpx.get(server.url + "/stats").json()["batch"]["shared_prefix"]
     assert got == want
     assert steps > 0 and stats["steps"] == steps and stats["groups_built"] >= 1, stats
+    # Agents arrive in bursts of --prompt-concurrency: later bursts join the running group in place.
+    assert stats["rows_joined_in_place"] >= 1, stats
     assert stats["mode"] == "on" and stats["declined"] is None and 0 < stats["share_of_steps"] <= 1
+
+
+def test_agents_of_two_system_prompts_decode_in_two_groups(tiny_model_dirs, load_tiny):
+    _, tokenizer = load_tiny("llama")
+    first, second = system_prompt(tokenizer, 500), "Reviewers' rules. " + system_prompt(tokenizer, 400)
+    model_dir = tiny_model_dirs["llama"]
+    agents = [(first if i % 2 else second, i) for i in range(AGENTS)]
+    with serve(model_dir, "--batch", "1") as server:
+        want = [ask(server.url, system, agent) for system, agent in agents]
+    with serve(model_dir, "--batch", "12", "--shared-prefix-attention", "on") as server:
+        with ThreadPoolExecutor(AGENTS) as pool:
+            got = list(pool.map(lambda pair: ask(server.url, *pair), agents))
+        stats = httpx.get(server.url + "/stats").json()["batch"]["shared_prefix"]
+    assert got == want
+    assert stats["multi_group_steps"] > 0 and stats["groups_built"] >= 2, stats
 
 
 def _cancel_after_tokens(url: str, system: str, agent: int, tokens: int, started: threading.Event) -> None:

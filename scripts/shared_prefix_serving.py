@@ -1,0 +1,176 @@
+"""Shared-prefix attention end to end: two servers, `--shared-prefix-attention on` vs `off`, side by side.
+
+Both servers run at once on one device (each with its own --memory-limit)
+and `mlxq bench serving-load --compare` alternates them per round. Each
+part is one serving-load call under its own timeout; its summary line is
+printed and serving.json rewritten as soon as it ends, so a run cut short
+keeps what it measured.
+
+    python scripts/shared_prefix_serving.py --out $OUT                       # 8B shape, default parts
+    python scripts/shared_prefix_serving.py --preset tiny --memory-limit 2GB \
+        --parts shared:2000:4,fresh:300:4 --max-tokens 8 --out /tmp/sp   # a CPU dry run
+
+A part is DATASET:WORDS:CONCURRENCY[:REQUESTS[:ROUNDS]] (``shared``: one
+group of agents on a system prompt of WORDS words, each with
+--question-len own words; ``fresh``: unrelated prompts of WORDS words); it
+sends REQUESTS requests (default --per-level x CONCURRENCY) per server and
+round (default --rounds). With the 8B preset's tokenizer 2,000 words are
+~2,200 tokens. Per part it records both servers' throughput, TTFT
+and ITL (medians over --rounds) and the `on` server's shared-prefix
+counters (/stats.batch.shared_prefix) before and after, and per server
+what the part left (RAM prompt cache entries, faults, memory peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from mlxq.bench.servers import ServeProcess
+
+DATASETS = {"shared": "shared-prefix", "fresh": "random"}
+DEFAULT_PARTS = "shared:2000:16,shared:2000:32,shared:2000:64,fresh:300:64,shared:14500:64:64:1"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build_model(preset: str) -> Path:
+    model = Path("/tmp/mlxq-models") / preset
+    if not (model / "mlxq-model.json").exists():
+        # In a child process: the builder's own memory must not count against the servers.
+        build = (f"from mlxq.models.tiny import build_tiny_model as b; "
+                 f"b('llama', {str(model)!r}, preset={preset!r}, fast_init=True)")
+        subprocess.run([sys.executable, "-c", build], check=True)
+    return model
+
+
+def sharing_counters(url: str) -> dict:
+    try:
+        return httpx.get(url + "/stats", timeout=10).json()["batch"]["shared_prefix"]
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+        return {"error": repr(e)}
+
+
+def server_snapshot(url: str) -> dict:
+    """What a part left behind on a server: its RAM prompt cache, faults and memory peak."""
+    try:
+        stats = httpx.get(url + "/stats", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        return {"error": repr(e)}
+    cache = stats.get("prompt_cache") or {}
+    return {"prompt_cache": {k: cache.get(k) for k in ("entries", "bytes", "hits", "hit_tokens", "evictions")},
+            "faults": stats.get("batch", {}).get("faults"),
+            "mlx_peak_bytes": stats.get("memory", {}).get("mlx_peak_bytes"),
+            "requests_failed": stats.get("engine", {}).get("requests_failed")}
+
+
+def run_part(part: str, on: str, off: str, args, scratch: Path) -> dict:
+    dataset, words, level, *rest = part.split(":")
+    requests = rest[0] if rest else str(args.per_level * int(level))
+    rounds = rest[1] if len(rest) > 1 else str(args.rounds)
+    path = scratch / f"{part.replace(':', '-')}.json"
+    cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", on, "--compare", off,
+           "--label", "on", "--compare-label", "off", "--dataset", DATASETS[dataset], "--num-groups", "1",
+           "--prompt-len", words, "--question-len", str(args.question_len), "--concurrency", level,
+           "--num-requests", requests, "--max-tokens", str(args.max_tokens),
+           "--ignore-eos", "--rounds", rounds, "--quiet", "--json", str(path)]
+    before = sharing_counters(on)
+    t = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout)
+        error = None if path.exists() else (done.stderr or done.stdout)[-2000:]
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {args.part_timeout}s"
+    result = {"part": part, "wall_s": round(time.perf_counter() - t, 1), "sharing_before": before,
+              "sharing_after": sharing_counters(on), "on_server": server_snapshot(on),
+              "off_server": server_snapshot(off)}
+    if error:
+        return result | {"error": error}
+    doc = json.loads(path.read_text())
+    return result | {"on": summarize(doc["a"]), "off": summarize(doc["b"]), "ratios_off_over_on": doc["ratios"]}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    keys = ("completed", "failed", "output_throughput_tok_s", "duration_s", "total_prompt_tokens",
+            "cached_token_ratio")
+    return [{k: r.get(k) for k in keys} | {"ttft_ms": _pick(r["ttft_ms"]), "itl_ms": _pick(r["itl_ms"])}
+            for r in runs]
+
+
+def _pick(stats: dict) -> dict:
+    return {k: stats.get(k) for k in ("p50", "p95")}
+
+
+def line(result: dict) -> str:
+    if "error" in result:
+        return f"{result['part']}: ERROR {result['error'][-300:]}"
+    med = lambda side, f: sorted(f(r) for r in result[side])[len(result[side]) // 2]  # noqa: E731
+    tok = {s: med(s, lambda r: r["output_throughput_tok_s"]) for s in ("on", "off")}
+    p95 = {s: med(s, lambda r: r["ttft_ms"]["p95"]) for s in ("on", "off")}
+    steps = result["sharing_after"].get("steps", 0) - result["sharing_before"].get("steps", 0)
+    failed = sum(r["failed"] or 0 for s in ("on", "off") for r in result[s])
+    shed = {s: (result[f"{s}_server"].get("faults") or {}).get("preemptions") for s in ("on", "off")}
+    return (f"{result['part']}: on {tok['on']:.0f} tok/s vs off {tok['off']:.0f} (x{tok['on'] / tok['off']:.2f}); "
+            f"TTFT p95 on {p95['on']:.0f} ms, off {p95['off']:.0f}; shared steps {steps}; failed {failed}; "
+            f"preemptions so far on {shed['on']}, off {shed['off']}; {result['wall_s']}s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--model", type=Path, help="an existing model directory (default: build --preset)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--scratch", type=Path, default=Path("/tmp/mlxq-shared-serving"))
+    ap.add_argument("--parts", default=DEFAULT_PARTS)
+    ap.add_argument("--per-level", type=int, default=2, help="requests per part, times its concurrency")
+    ap.add_argument("--question-len", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--memory-limit", default="55GB",
+                    help="per server: both share one device, and MLX's limit is a soft cap (65GB each overran 141GB)")
+    ap.add_argument("--part-timeout", type=float, default=120)
+    ap.add_argument("--deadline-s", type=float, default=500, help="start no part after this many seconds")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    model = args.model or build_model(args.preset)
+    log(f"model {model} ready after {time.monotonic() - began:.0f}s")
+    common = ("--model", str(model), "--batch", str(args.batch), "--memory-limit", args.memory_limit)
+    results = {"date": time.strftime("%Y-%m-%d"), "preset": args.preset, "args": vars(args) | {
+        "out": str(args.out), "scratch": str(args.scratch), "model": str(model)}, "parts": []}
+    # Both start at once (loading and warm-up overlap); each waits for /health on entry.
+    servers = [ServeProcess(*common, "--shared-prefix-attention", mode, log_path=str(args.scratch / f"{mode}.log"),
+                            timeout_s=600) for mode in ("on", "off")]
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.push(server.__exit__)  # both stop at the end, also when one fails to come up
+        on, off = (server.__enter__() for server in servers)
+        log(f"servers up after {time.monotonic() - began:.0f}s; on: {sharing_counters(on.url)}")
+        for part in args.parts.split(","):
+            if time.monotonic() - began > args.deadline_s:
+                results["parts"].append({"part": part, "skipped": "deadline"})
+                continue
+            result = run_part(part, on.url, off.url, args, args.scratch)
+            results["parts"].append(result)
+            log(line(result))
+            (args.out / "serving.json").write_text(json.dumps(results, indent=1))
+    for name in ("on", "off"):
+        tail = (args.scratch / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
+        results[f"{name}_log_tail"] = tail
+    (args.out / "serving.json").write_text(json.dumps(results, indent=1))
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
