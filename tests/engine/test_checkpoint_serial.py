@@ -47,6 +47,7 @@ def test_a_cancelled_run_resumes_to_the_undisturbed_tokens_and_a_bad_key_is_not_
     assert resumed.tokens == undisturbed and resumed.checkpoint_tokens == 17  # 16 handed out + the pending one
 
     generate(model, tokenizer, new("c2"), checkpoints, cancel_after=21)
+    assert store.flush(10).files == 1  # written by the store's thread: durable only after a flush
     key = checkpoint_key(request, "native").digest
     record, caches = store.load(key)
     store.publish(replace(record, rng_key=(1, 2)), request.prompt_ids + list(record.emitted), owned_layers(caches),
