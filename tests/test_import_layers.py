@@ -10,11 +10,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mlxq"
 # layer -> layers it must never import
 FORBIDDEN = {
     "engine": {"server", "cli", "bench", "golden"},
-    "kv": {"server", "cli", "engine", "store", "models", "bench", "golden"},
-    "store": {"server", "cli", "engine", "bench", "golden"},
-    "models": {"server", "cli", "engine", "store", "kv", "bench", "golden"},
+    "kv": {"server", "cli", "engine", "store", "models", "bench", "golden", "distributed"},
+    "store": {"server", "cli", "engine", "bench", "golden", "distributed"},
+    "models": {"server", "cli", "engine", "store", "kv", "bench", "golden", "distributed"},
+    "distributed": {"server", "cli", "engine", "store", "kv", "models", "bench", "golden"},
     "server": {"cli", "bench", "golden"},
-    "bench": {"server", "engine", "cli", "kv", "store", "golden"},
+    "bench": {"server", "engine", "cli", "kv", "store", "golden", "distributed"},
     "golden": {"server", "cli", "bench", "engine"},
 }
 

@@ -43,3 +43,18 @@ def test_code_and_tests_speak_of_the_code():
             if PROCESS_WORDS.search(line) and not ALLOWED.search(line):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "process words in code (cite a benchmarks.md section instead):\n" + "\n".join(offenders)
+
+
+CONFLICT_MARKER = re.compile(r"^(<{7}|>{7}) |^={7}$")
+
+
+def test_no_merge_conflict_markers():
+    """A merge that committed its conflict block leaves both sides' text where readers take one as true."""
+    offenders = []
+    for path in _tracked("."):
+        if path.suffix not in {".py", ".md", ".toml", ".txt", ".cfg", ".yml", ".yaml"}:
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if CONFLICT_MARKER.match(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}")
+    assert not offenders, f"merge conflict markers: {offenders}"

@@ -174,3 +174,18 @@ def test_bench_checkpoints(small_model, tmp_path):
         "--together", "--out", str(tmp_path))
     doc = json.loads((tmp_path / "checkpoints-b1-r1-together.json").read_text())
     assert set(doc["decode_tok_s_median"]) == {"on", "off"} and doc["checkpoints_written"] >= 1
+
+
+def test_profile_adapter_step():
+    """One decode step per routing (base, one adapter, mixed, mixed with base) on the embedded model."""
+    out = output_of("profile_adapter_step.py", "--rows", "2", "--steps", "2", "--rank", "4", "--context", "16")
+    rows = [line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| 2 |")]
+    assert rows == ["base", "one", "mixed", "mixed+base"]
+
+
+def test_bench_adapters(tmp_path):
+    """One short round per mix over HTTP against a server with two adapters; the JSON has every mix."""
+    output_of("bench_adapters.py", "--concurrency", "2", "--rounds", "1", "--seconds", "0.5", "--rank", "4",
+              "--warmup-seconds", "0.2", "--max-tokens", "4", "--out", str(tmp_path / "adapters.json"))
+    mixes = json.loads((tmp_path / "adapters.json").read_text())["levels"]["2"]
+    assert set(mixes) == {"base", "one", "mixed", "mixed+base"} and mixes["base"]["vs_base"] == 1.0

@@ -81,6 +81,10 @@ def _bare(hint) -> type:
 
 def _checked(path: Path, key: str, kind: type, value):
     """The value as the flag would take it; a TOML type the flag cannot mean is refused, not coerced."""
+    if typing.get_origin(kind) is list:  # a repeatable flag (adapter = ["a=./a", "b=./b"])
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ConfigFileError(f"{path}: {key!r} must be a list of strings")
+        return value
     kinds = _toml_kinds(kind)
     if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
         wanted = _KIND_NAMES[str if str in kinds else float if float in kinds else kinds[0]]

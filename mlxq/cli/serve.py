@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -121,11 +122,29 @@ def serve(
     chat_template_args: Annotated[str, typer.Option(help="JSON object of template variables for every chat "
                                                          "request, e.g. '{\"enable_thinking\": false}'; a "
                                                          "request's chat_template_kwargs win.")] = "{}",
+    adapter: Annotated[list[str] | None, typer.Option(help="NAME=PATH: serve an mlx-lm LoRA/DoRA adapter "
+                                                           "directory as model NAME (repeatable); requests "
+                                                           "select it by 'model', rows of different adapters "
+                                                           "decode in one batch.")] = None,
+    tensor_parallel: Annotated[int, typer.Option(help="Shard the model over N ranks (mlx-lm's shard()): mlxq "
+                                                      "starts N local processes (ring on the CPU, NCCL with one "
+                                                      "GPU each on CUDA); under mlx.launch, pass the world size. "
+                                                      "docs/distributed.md.")] = 1,
+    pipeline_parallel: Annotated[int, typer.Option(help="Split the model's layers over N ranks (mlx-lm's "
+                                                        "pipeline(), for models without shard()); started like "
+                                                        "--tensor-parallel; the prompt cache is off with it.")]
+    = 1,
+    distributed_backend: Annotated[str, typer.Option(help="mx.distributed backend of the ranks: auto (nccl on "
+                                                          "CUDA, ring on the CPU; any under mlx.launch), ring, "
+                                                          "nccl, jaccl, mpi.")] = "auto",
 ) -> None:
     """Serve a model over OpenAI- and Anthropic-compatible HTTP APIs."""
     from mlxq.cli.units import flag_bytes
+    from mlxq.distributed.launch import run_local_ranks
+    from mlxq.distributed.world import launched_as_rank
     from mlxq.models.loader import ModelNotFoundError
     from mlxq.server.config import ServerConfig
+    from mlxq.server.run import bind_listener
     from mlxq.server.run import serve as run_server
 
     try:
@@ -142,7 +161,8 @@ def serve(
             kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none")
             else flag_bytes("--kv-budget", kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
-            prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
+            prompt_cache_bytes=0 if pipeline_parallel > 1 and prompt_cache.strip().lower() == "auto"
+            else _prompt_cache_bytes(prompt_cache),
             memory_limit_bytes=None if memory_limit.strip().lower() in ("auto", "off")
             else flag_bytes("--memory-limit", memory_limit),
             memory_limit_auto=memory_limit.strip().lower() == "auto",
@@ -151,7 +171,13 @@ def serve(
             temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
             max_tokens=max_tokens, chat_template=_chat_template(chat_template),
             chat_template_args=_json_object("--chat-template-args", chat_template_args),
+            adapters=_adapters(adapter or []),
+            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+            distributed_backend=distributed_backend.strip().lower(),
         )
+        if config.world_size > 1 and not launched_as_rank():
+            bind_listener(config.host, config.port).close()  # a taken port fails now, before N ranks load
+            raise typer.Exit(run_local_ranks(sys.argv[1:], config.world_size, config.distributed_backend))
         run_server(config)
     except (ValueError, ModelNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -178,6 +204,19 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
         extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
     return SsdConfig(directory, flag_bytes("--ssd-cache-max", max_bytes) if max_bytes else None, verify, demote_idle,
                      write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)
+
+
+def _adapters(flags: list[str]) -> tuple:
+    """--adapter NAME=PATH flags, each directory checked now (files, config), before anything loads."""
+    from mlxq.models.adapters import check_adapter_dir, parse_adapter_flag
+
+    specs = [parse_adapter_flag(flag) for flag in flags]
+    names = [spec.name for spec in specs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--adapter names must be unique; got {', '.join(names)}")
+    for spec in specs:
+        check_adapter_dir(spec)
+    return tuple(specs)
 
 
 def _csv(text: str) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ class CheckpointKey:
     ignore_eos: bool
     kv_scheme: str  # the KV representation's key (kv.scheme): "native" or a --kv-quant scheme
     namespace: str  # the prompt-cache partition
-    adapter: str = ""  # the adapter id and revision a request runs under; "" is the base model
+    adapter: str = ""  # the --adapter a request runs with (its content identity is the namespace); "" base
 
     @property
     def digest(self) -> str:
@@ -52,9 +52,9 @@ def _sampling_fields(params: SamplingParams) -> tuple[tuple[str, object], ...]:
     return tuple(out)
 
 
-def checkpoint_key(request: Request, kv_scheme: str, adapter: str = "") -> CheckpointKey:
+def checkpoint_key(request: Request, kv_scheme: str) -> CheckpointKey:
     return CheckpointKey(tuple(request.prompt_ids), _sampling_fields(request.params), request.max_tokens,
-                         tuple(request.stop), request.ignore_eos, kv_scheme, request.namespace, adapter)
+                         tuple(request.stop), request.ignore_eos, kv_scheme, request.namespace, request.adapter)
 
 
 def not_checkpointed(request: Request) -> str | None:

@@ -27,10 +27,12 @@ from mlxq.engine.admission import AdmissionError, check_fits_alone
 from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
 from mlxq.engine.grammar_timing import GrammarTiming
+from mlxq.engine.lockstep import Lockstep
 from mlxq.engine.output import EmitFn
 from mlxq.engine.serial_resume import SerialPreempted, SerialRun, backing_off
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
+from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.cold_tier import FlushResult
 from mlxq.store.ssd_config import SsdConfig
 
@@ -122,8 +124,9 @@ class Engine:
     loaded on another thread fails here with "There is no Stream(gpu, 0) in current
     thread" (seen on the H200) unless that thread ran a forward first."""
 
-    def __init__(self, load: Callable[[], LoadedModel], config: EngineConfig):
+    def __init__(self, load: Callable[[], LoadedModel], config: EngineConfig, lockstep: Lockstep | None = None):
         self._load = load
+        self.lockstep = lockstep  # several ranks (tensor/pipeline parallel): their shared loop; None alone
         self.loaded: LoadedModel | None = None
         self.ready = threading.Event()
         self.config = config
@@ -177,6 +180,8 @@ class Engine:
         if not self.is_alive or not self.ready.is_set():
             raise RuntimeError("the engine is not running")
         placement = self.gateway.place(RequestShape.of(request))
+        if self.lockstep is not None:
+            request, emit = self.lockstep.track(request, emit)
         self._inbox.put(_Work(request, self._counting(emit), placement))
         return placement
 
@@ -220,6 +225,10 @@ class Engine:
         self._stopping.set()
         self._inbox.put(None)
         self._finished.wait(timeout)
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """True once the loop has ended (stopped, or the thread died)."""
+        return self._finished.wait(timeout)
 
     @property
     def is_alive(self) -> bool:
@@ -303,6 +312,8 @@ class Engine:
         try:
             model_cache_kinds(probe)
             self.footprint = measure_footprint(self.loaded.model, self.config.prefill_step_size, self.scheme, probe)
+            if self.lockstep is not None:  # ranks holding other layers (pipeline) must still project alike
+                self.footprint = self.lockstep.from_leader(self.footprint)
         except UnknownCacheKind as exc:
             reason = str(exc)
             log.warning("continuous batching unavailable for this model: %s; every request runs serially", exc)
@@ -321,12 +332,19 @@ class Engine:
                                 token0_in_decode=_on_gpu(),
                                 transient_budget_bytes=self.memory_limits.transient_reserve if self.memory_limits
                                 else None, shape=ModelShape.of(self.loaded.model),
-                                memory_limit_bytes=self.memory_limits.memory_limit if self.memory_limits else None),
+                                memory_limit_bytes=self._shedding_limit()),
                 on_finish=lambda row: self._done(row.output.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
                 grammar_timing=self.grammar_timing, sharing=self._sharing_policy(), checkpoints=self.checkpoints,
             )
+
+    def _shedding_limit(self) -> int | None:
+        """The memory limit rows are shed against. Not with several ranks: shedding reads this rank's
+        allocator, and ranks must decide alike (the KV budget, a projection, still bounds admission)."""
+        if self.memory_limits is None or self.lockstep is not None:
+            return None
+        return self.memory_limits.memory_limit
 
     def _sharing_policy(self):
         """--shared-prefix-attention: which layers of this model can share, probed once at load."""
@@ -370,7 +388,10 @@ class Engine:
 
             self.device_memory = read_device_memory()
             usable = self.config.memory_limit_bytes or usable_bytes(self.device_memory)
-            self._memory_seen = (usable, weight_bytes(self.loaded.model))
+            weights = weight_bytes(self.loaded.model)
+            if self.lockstep is not None:  # every rank plans alike: within the smallest memory, rank 0's weights
+                usable, weights = self.lockstep.agree_min(usable), self.lockstep.from_leader(weights)
+            self._memory_seen = (usable, weights)
             self.usable_memory = usable
         return self._memory_seen
 
@@ -465,11 +486,9 @@ class Engine:
 
     def _intake(self, block: bool) -> bool:
         """Move submitted work into the FIFO; False when asked to stop."""
-        try:
-            work = self._inbox.get(timeout=0.25) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
+        if self.lockstep is not None:
+            return self._intake_lockstep(block)
+        for work in self._drain_inbox(block):
             if work is None:
                 return False
             if isinstance(work, _Flush):
@@ -478,10 +497,34 @@ class Engine:
                 self._flushes.append(work)
             else:
                 self._admit_to_fifo(work)
-            try:
+        return True
+
+    def _drain_inbox(self, block: bool) -> list[_Work | _Flush | None]:
+        """What was submitted, up to a stop (None); waits a moment for the first item when ``block``."""
+        taken = []
+        try:
+            work = self._inbox.get(timeout=0.25) if block else self._inbox.get_nowait()
+            while True:
+                taken.append(work)
+                if work is None:
+                    return taken
                 work = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
+        except queue.Empty:
+            return taken
+
+    def _intake_lockstep(self, block: bool) -> bool:
+        """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike."""
+        taken = self._drain_inbox(block) if self.lockstep.world.is_leader else []
+        works = [work for work in taken if isinstance(work, _Work)]  # no _Flush: no SSD tier here
+        scheduler = self.scheduler
+        digest = [len(self._waiting), scheduler.num_rows if scheduler else 0,
+                  scheduler.num_prefilling if scheduler else 0, self.stats.generated_tokens]
+        arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest)
+        for work in works:
+            self._admit_to_fifo(work)
+        for request, emit in arrivals.requests:
+            self._admit_to_fifo(_Work(request, self._counting(emit), self.gateway.place(RequestShape.of(request))))
+        return not arrivals.stop
 
     def _admit_to_fifo(self, work: _Work) -> None:
         self._waiting.append(work)
@@ -536,12 +579,13 @@ class Engine:
         request = work.request
         self._serial_running = request
         try:
-            output = run_serial(
-                self.loaded.model, self.loaded.tokenizer, request, work.emit,
-                prefill_step_size=self.config.prefill_step_size, on_step=self._serial_step,
-                prompt_cache=self.prompt_cache, scheme=self.scheme, grammar_timing=self.grammar_timing,
-                evaluator=self.evaluator, resume=work.resume, checkpoints=self.checkpoints,
-            )
+            with adapter_rows(self.loaded.model, [request.adapter]):
+                output = run_serial(
+                    self.loaded.model, self.loaded.tokenizer, request, work.emit,
+                    prefill_step_size=self.config.prefill_step_size, on_step=self._serial_step,
+                    prompt_cache=self.prompt_cache, scheme=self.scheme, grammar_timing=self.grammar_timing,
+                    evaluator=self.evaluator, resume=work.resume, checkpoints=self.checkpoints,
+                )
             self._done(request, Lane.SERIAL, output.finished, output.usage())
         except SerialPreempted as preempted:  # out of memory twice: first in line again, resumed later
             work.resume = preempted.run
@@ -589,7 +633,8 @@ class Engine:
 
     def _cancel_everything(self) -> None:
         if self.scheduler is not None:
-            self.scheduler.fail_all("the server is shutting down")
+            self.scheduler.fail_all(f"the engine stopped: {self.fatal_error}" if self.fatal_error
+                                    else "the server is shutting down")
         pending = list(self._waiting)
         self._waiting.clear()
         while True:

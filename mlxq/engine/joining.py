@@ -28,6 +28,7 @@ from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending
 from mlxq.engine.types import FinishReason
 from mlxq.kv.batch_ops import extract_row, keep_rows, merge_solo_rows
+from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import finish_tokens
 
 log = logging.getLogger("mlxq.scheduler")
@@ -83,7 +84,7 @@ class Joining:
         try:
             caches, batched = _gathered(ready)
             lasts = mx.array([j.prompt[-1] for j in ready])
-            with mx.stream(generation_stream):
+            with mx.stream(generation_stream), adapter_rows(self.model, [j.row.request.adapter for j in ready]):
                 logits = self.model(lasts[:, None], cache=caches)[:, -1, :]
                 if not batched:
                     self.scheme.convert(caches)  # a one-token prompt: converted after this forward

@@ -22,6 +22,7 @@ from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.step_plan import PrefillPlan
 from mlxq.kv.batch_ops import extract_row, merge_solo_rows
 from mlxq.kv.capabilities import is_trimmable
+from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import boundary_snapshot, system_snapshot
 
 log = logging.getLogger("mlxq.scheduler")
@@ -106,7 +107,8 @@ class Prefilling:
         """One chunk of prompt[:-1] (``n`` tokens) on the joiner's own caches."""
         with mx.stream(generation_stream):
             chunk = mx.array(joiner.prompt[joiner.done : joiner.done + n])
-            self.model(chunk[None], cache=joiner.caches)
+            with adapter_rows(self.model, [joiner.row.request.adapter]):
+                self.model(chunk[None], cache=joiner.caches)
             self.scheme.convert(joiner.caches)  # the serial lane's (mlx-lm's) conversion point
             self.faults.run("prefill", lambda: mx.eval([c.state for c in joiner.caches]))
         self._advanced(joiner, n)
@@ -128,7 +130,8 @@ class Prefilling:
                 for cache in caches:
                     cache.prepare(lengths=lengths, right_padding=padding)
             tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
-            self.model(tokens, cache=caches)
+            with adapter_rows(self.model, [j.row.request.adapter for j in group]):
+                self.model(tokens, cache=caches)
             if any(padding):
                 for cache in caches:
                     cache.finalize()

@@ -61,6 +61,7 @@ from mlxq.engine.transient import ModelShape
 from mlxq.engine.types import FinishReason, Request
 from mlxq.kv.projection import KvFootprint
 from mlxq.kv.scheme import NATIVE, KvScheme
+from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.lease import Lease
 
 log = logging.getLogger("mlxq.scheduler")
@@ -213,7 +214,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         batch = self.batch
         pending = batch.pending
         inputs = pending.tokens
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), adapter_rows(self.model, [row.request.adapter for row in batch.rows]):
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]
             next_tokens, next_logprobs = self._sample(logits, inputs)
         built = time.perf_counter()

@@ -66,7 +66,8 @@ class Request:
     ignore_eos: bool = False  # EOS is an ordinary token: generate exactly max_tokens (benchmarks)
     deterministic: bool = False  # run on the serial lane: output independent of other requests
     snapshot_at: int | None = None  # a prompt position worth its own prompt-cache entry (end of a system prompt)
-    namespace: str = ""  # prompt-cache partition (adapter / KV scheme); "" is the base model
+    namespace: str = ""  # prompt-cache partition (an adapter's identity); "" is the base model
+    adapter: str = ""  # the --adapter this request runs with (its model id); "" is the base model
     grammar: GrammarSpec | None = None  # structured output: tokens outside it are never drawn
     num_choices: int = 1  # the client's n: this request is one of n choices (n > 1 is not checkpointed)
     submitted_at: float = field(default_factory=time.monotonic)

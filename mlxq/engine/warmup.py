@@ -22,6 +22,7 @@ import time
 from dataclasses import replace
 
 from mlxq.engine.types import Request, SamplingParams
+from mlxq.models.multi_lora import adapter_names
 
 _TEXT = "The quick brown fox jumps over the lazy dog while the engine warms up its kernels. "
 
@@ -47,14 +48,16 @@ def warm_up(model, tokenizer, scheme, prefill_step_size: int, scheduler=None) ->
 
     config = replace(scheduler.config, max_rows=4, prompt_concurrency=4, kv_budget_bytes=None)
     sched = BatchScheduler(model, tokenizer, scheduler.footprint, config, scheme=scheme)
+    adapter = next(iter(adapter_names(model)), "")  # with --adapter: base, mixed and one-adapter steps too
     sched.add(Request("warmup-0", _prompt(tokenizer, 33), SamplingParams(), 6, ignore_eos=True), ignore)
     sched.add(Request("warmup-1", _prompt(tokenizer, 17), SamplingParams(temperature=0.7, seed=0), 4,
-                      ignore_eos=True), ignore)
+                      ignore_eos=True, adapter=adapter), ignore)
     for _ in range(8):  # both prefill in one step and join
         if sched.num_rows == 2:
             break
         sched.step()
-    sched.add(Request("warmup-2", _prompt(tokenizer, 9), SamplingParams(), 3, ignore_eos=True), ignore)
+    sched.add(Request("warmup-2", _prompt(tokenizer, 9), SamplingParams(), 3, ignore_eos=True, adapter=adapter),
+              ignore)
     for _ in range(64):
         if sched.is_idle:
             break

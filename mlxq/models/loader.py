@@ -7,7 +7,8 @@ an error that names every place we looked, never a download attempt.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ class LoadedModel:
     path: Path  # the directory the weights came from
     name: str  # the id /v1/models reports
     description: str  # one line for logs: what this model is
+    adapters: dict = field(default_factory=dict)  # model id -> models.adapters.AdapterInfo (--adapter)
 
     @property
     def vocab_size(self) -> int:
@@ -77,16 +79,23 @@ def resolve_model_path(spec: str) -> Path:
     )
 
 
-def load_model(spec: str, *, name: str | None = None, chat_template: str | None = None) -> LoadedModel:
+def load_model(spec: str, *, name: str | None = None, chat_template: str | None = None,
+               shard: Callable[[Any], None] | None = None) -> LoadedModel:
     """Load weights + tokenizer through mlx-lm's loader; ``chat_template`` (Jinja text) replaces the
-    model's own, as mlx_lm.server's --chat-template does."""
+    model's own, as mlx_lm.server's --chat-template does. ``shard`` splits the model in place before
+    its weights are read (tensor parallel: each rank then holds only its slices)."""
+    import mlx.core as mx
     import mlx_lm
 
     path = resolve_model_path(spec)
     # Belt and braces: nothing below may reach the network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer_config = {"chat_template": chat_template} if chat_template is not None else None
-    model, tokenizer, config = mlx_lm.load(str(path), tokenizer_config=tokenizer_config, return_config=True)
+    model, tokenizer, config = mlx_lm.load(str(path), tokenizer_config=tokenizer_config, return_config=True,
+                                           lazy=shard is not None)
+    if shard is not None:
+        shard(model)
+        mx.eval(model.parameters())
     manifest = read_manifest(path)
     if manifest:
         model_name = name or manifest["name"]

@@ -50,6 +50,10 @@ class ServerConfig:
     max_tokens: int | None = None
     chat_template: str | None = None  # Jinja text replacing the model's chat template (--chat-template)
     chat_template_args: dict = field(default_factory=dict)  # template variables every chat request gets
+    adapters: tuple = ()  # --adapter NAME=PATH, models.adapters.AdapterSpec each, directories already checked
+    tensor_parallel: int = 1  # ranks sharing the model (mlxq/distributed/); > 1: this process is one of them
+    pipeline_parallel: int = 1  # ranks each running some of the layers (models without shard())
+    distributed_backend: str = "auto"  # mx.distributed backend of those ranks (world.BACKENDS)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -86,10 +90,44 @@ class ServerConfig:
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be >= 1024")
         self._check_request_defaults()
+        self._check_distributed()
         for name in ("max_tokens_limit", "max_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+
+    def _check_distributed(self) -> None:
+        from mlxq.distributed.world import BACKENDS
+
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise ValueError(f"--tensor-parallel and --pipeline-parallel must be >= 1; got {self.tensor_parallel} "
+                             f"and {self.pipeline_parallel}")
+        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
+            raise ValueError("--tensor-parallel and --pipeline-parallel together are not available yet: pick one")
+        if self.distributed_backend not in BACKENDS:
+            raise ValueError(f"--distributed-backend must be one of {', '.join(BACKENDS)}; "
+                             f"got {self.distributed_backend!r}")
+        if self.world_size > 1 and self.ssd is not None:
+            raise ValueError(f"--ssd-cache is not available with --{self.parallel_mode}-parallel yet (each rank "
+                             "would need its own shard of every .mlxkv entry)")
+        if self.pipeline_parallel > 1 and self.prompt_cache_bytes != 0:
+            raise ValueError("--prompt-cache is not available with --pipeline-parallel yet (each rank caches "
+                             "other layers, so their byte caps would evict apart); leave it at auto (off)")
+        if self.world_size > 1 and self.adapters:
+            raise ValueError(f"--adapter is not available with --{self.parallel_mode}-parallel yet (an adapter's "
+                             "weights would need the same split as the model's)")
+        if self.pipeline_parallel > 1 and self.kv_quant == "config":
+            raise ValueError("--kv-quant config is not available with --pipeline-parallel (its bits are by "
+                             "layer number, and each rank numbers only its own layers)")
+
+    @property
+    def world_size(self) -> int:
+        """Processes serving the model together (1: this one alone)."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def parallel_mode(self) -> str:
+        return "pipeline" if self.pipeline_parallel > 1 else "tensor"
 
     def _check_request_defaults(self) -> None:
         for flag, value, lo, hi in (("--temp", self.temp, 0, 100), ("--top-p", self.top_p, 0, 1),

@@ -14,9 +14,11 @@ from starlette.responses import StreamingResponse
 
 from mlxq.engine.admission import AdmissionError, max_tokens_within
 from mlxq.engine.types import Request
+from mlxq.models.adapters import AdapterInfo
 from mlxq.server.bridge import stream_event_batches, stream_events
 from mlxq.server.choices import choice_params, merged
 from mlxq.server.errors import APIError
+from mlxq.server.model_routing import resolve_model
 from mlxq.server.protocol import GenerationSpec
 from mlxq.server.state import ServerState
 
@@ -39,6 +41,7 @@ def admit(state: ServerState, spec: GenerationSpec, prefix: str) -> list[Request
     """The spec's engine requests (one per choice), once the server's limits and KV budget allow it.
     Under --max-tokens-policy clamp, a max_tokens the KV budget cannot hold is lowered to what it can."""
     check_limits(spec, state.config)
+    adapter = resolve_model(state, spec.model)
     try:
         state.engine.check_admissible(len(spec.prompt_ids), spec.max_tokens)
     except AdmissionError as exc:
@@ -46,7 +49,7 @@ def admit(state: ServerState, spec: GenerationSpec, prefix: str) -> list[Request
         if fits < 1:
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
         spec = replace(spec, max_tokens=fits)
-    return [_new_request(spec, prefix, i) for i in range(spec.n)]
+    return [_new_request(spec, prefix, adapter, i) for i in range(spec.n)]
 
 
 def _kv_room(state: ServerState, num_prompt: int) -> int:
@@ -54,7 +57,7 @@ def _kv_room(state: ServerState, num_prompt: int) -> int:
     return max_tokens_within(engine.footprint, engine.kv_budget_bytes, num_prompt)
 
 
-def _new_request(spec: GenerationSpec, prefix: str, index: int = 0) -> Request:
+def _new_request(spec: GenerationSpec, prefix: str, adapter: AdapterInfo | None, index: int = 0) -> Request:
     return Request(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_ids=spec.prompt_ids,
@@ -68,6 +71,8 @@ def _new_request(spec: GenerationSpec, prefix: str, index: int = 0) -> Request:
         snapshot_at=spec.snapshot_at,
         grammar=spec.grammar,
         num_choices=spec.n,
+        adapter=adapter.name if adapter else "",
+        namespace=adapter.identity if adapter else "",  # a prompt cached under one adapter serves no other
     )
 
 

@@ -16,6 +16,8 @@ vLLM exports ``vllm:<name>``; mlxq exports ``mlxq:<name>`` with the same
   device_wait, output: where the batch's decode steps spend their time),
   shared_prefix_decode_steps_total (those run with a shared-prefix group),
   scheduler_phase_seconds_total{phase} (prefill, join, decode);
+  under --tensor-parallel, distributed_world_size and
+  distributed_rank_active_bytes / _peak_bytes{rank} (MLX memory per rank);
 - counters: prompt_tokens_total, generation_tokens_total,
   request_success_total{finished_reason} (stop, length, cancelled = vLLM's
   "abort", error), prefix_cache_queries_total and prefix_cache_hits_total
@@ -92,6 +94,8 @@ class _EngineGauges:
                                  ("decode", scheduler.timing.step_s)):
                 phases.add_metric([phase], value)
             yield phases
+        if engine.lockstep is not None:
+            yield from _distributed_gauges(engine.lockstep)
         for name, value in values.items():
             yield GaugeMetricFamily(PREFIX + name, name.replace("_", " "), value=value)
 
@@ -105,6 +109,17 @@ def _checkpoint_metrics(stats: dict):
                             ("restored_tokens", "completion tokens restored instead of generated"),
                             ("dropped", "checkpoints not written (queue full, disk refused)")):
         yield CounterMetricFamily(PREFIX + "checkpoints_" + name, help_text, value=stats[name])
+
+
+def _distributed_gauges(lockstep):
+    """Tensor parallel: the world and each rank's MLX memory (as of the engine's last iteration)."""
+    yield GaugeMetricFamily(PREFIX + "distributed_world_size", "ranks sharing the model",
+                            value=lockstep.world.size)
+    for name, column in (("distributed_rank_active_bytes", 0), ("distributed_rank_peak_bytes", 1)):
+        gauge = GaugeMetricFamily(PREFIX + name, name.replace("_", " "), labels=["rank"])
+        for rank, memory in enumerate(lockstep.rank_memory):
+            gauge.add_metric([str(rank)], memory[column])
+        yield gauge
 
 
 def _decode_step_counters(timing):

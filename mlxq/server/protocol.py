@@ -139,7 +139,8 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         if read_int(body, "best_of", 1, lo=1) != 1:
             raise invalid("'best_of' other than 1 is not supported yet", "best_of", "unsupported")
     if body.get("adapters") is not None:
-        raise invalid("'adapters' is not supported yet", "adapters", "unsupported")
+        raise invalid("'adapters' (an adapter path per request) is not supported: the server loads adapters "
+                      "at start (--adapter NAME=PATH) and 'model' selects one", "adapters", "unsupported")
     if read_str(body, "draft_model", "default_model") != "default_model":
         raise invalid("'draft_model' is not supported yet", "draft_model", "unsupported")
     read_int(body, "num_draft_tokens", 0, lo=0)

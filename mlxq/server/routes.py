@@ -12,6 +12,7 @@ from mlxq.engine.types import FinishReason, Request
 from mlxq.server.choices import collect
 from mlxq.server.errors import APIError
 from mlxq.server.generation import admit, choice_batches, sse_response
+from mlxq.server.model_routing import model_cards
 from mlxq.server.offload import parse_request
 from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk, sse_line
 from mlxq.server.protocol import parse_generation
@@ -33,7 +34,8 @@ async def _generate(http: HTTPRequest, kind):
                                limits=state.config.token_limits, defaults=state.config.request_defaults)
     requests = admit(state, spec, "chatcmpl" if kind == "chat" else "cmpl")
     response_id = requests[0].request_id
-    builders = [ChoiceBuilder(spec, state.loaded.tokenizer, response_id, state.model_name, index=i)
+    model = requests[0].adapter or state.model_name
+    builders = [ChoiceBuilder(spec, state.loaded.tokenizer, response_id, model, index=i)
                 for i in range(spec.n)]
     if spec.stream:
         return sse_response(_sse(state, requests, builders))
@@ -81,23 +83,19 @@ async def _sse(state: ServerState, requests: list[Request], builders: list[Choic
     yield "data: [DONE]\n\n"
 
 
-def _model_json(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": int(state.started_at_wall), "owned_by": "mlxq",
-            "description": state.loaded.description if state.loaded else None}
-
-
 async def list_models(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
-    return JSONResponse({"object": "list", "data": [_model_json(state)]})
+    return JSONResponse({"object": "list", "data": model_cards(state)})
 
 
 async def get_model(http: HTTPRequest):
     state: ServerState = http.app.state.mlxq
     model_id = http.path_params["model_id"]
-    if model_id != state.model_name:
-        raise APIError(404, f"model {model_id!r} not found; this server serves {state.model_name!r}",
+    cards = {card["id"]: card for card in model_cards(state)}
+    if model_id not in cards:
+        raise APIError(404, f"model {model_id!r} not found; this server serves {', '.join(map(repr, cards))}",
                        param="model", code="model_not_found")
-    return JSONResponse(_model_json(state))
+    return JSONResponse(cards[model_id])
 
 
 async def health(http: HTTPRequest):

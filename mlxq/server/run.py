@@ -25,10 +25,12 @@ from mlxq.blas import active as active_blas
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.models.default import ensure_default_model
 from mlxq.models.loader import load_model, resolve_model_path
+from mlxq.models.multi_lora import attach_adapters
 from mlxq.server.app import build_app
 from mlxq.server.config import ServerConfig
 from mlxq.server.connections import connection_cap, deadline_protocol
 from mlxq.server.log_setup import configure_logging
+from mlxq.server.ranks import join_ranks, rank_engine, run_follower, watch_ranks
 from mlxq.server.shutdown import Server
 from mlxq.server.state import ServerState
 from mlxq.store.ssd_lock import SsdLock
@@ -56,23 +58,34 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_state(config: ServerConfig) -> ServerState:
+def model_spec(config: ServerConfig) -> str:
     """Resolve the model now (a missing model fails before the port opens); load it later."""
     if config.model is None:
         spec = str(ensure_default_model())
         log.info("no --model given: serving the embedded default model at %s", spec)
-    else:
-        spec = str(resolve_model_path(config.model))
-    engine = Engine(lambda: load_model(spec, name=config.served_model_name, chat_template=config.chat_template),
-                    EngineConfig(prefill_step_size=config.prefill_step_size, max_rows=config.batch,
-                                 prompt_concurrency=config.prompt_concurrency,
-                                 kv_budget_bytes=config.kv_budget_bytes, kv_budget_auto=config.kv_budget_auto,
-                                 prompt_cache_bytes=config.prompt_cache_bytes, ssd=config.ssd,
-                                 memory_limit_bytes=config.memory_limit_bytes,
-                                 memory_limit_auto=config.memory_limit_auto,
-                                 kv_quant=config.kv_quant, kv_group_size=config.kv_group_size,
-                                 warmup=config.warmup,
-                                 shared_prefix_attention=config.shared_prefix_attention))
+        return spec
+    return str(resolve_model_path(config.model))
+
+
+def engine_config(config: ServerConfig) -> EngineConfig:
+    return EngineConfig(prefill_step_size=config.prefill_step_size, max_rows=config.batch,
+                        prompt_concurrency=config.prompt_concurrency,
+                        kv_budget_bytes=config.kv_budget_bytes, kv_budget_auto=config.kv_budget_auto,
+                        prompt_cache_bytes=config.prompt_cache_bytes, ssd=config.ssd,
+                        memory_limit_bytes=config.memory_limit_bytes,
+                        memory_limit_auto=config.memory_limit_auto,
+                        kv_quant=config.kv_quant, kv_group_size=config.kv_group_size,
+                        warmup=config.warmup,
+                        shared_prefix_attention=config.shared_prefix_attention)
+
+
+def make_state(config: ServerConfig, lockstep=None) -> ServerState:
+    spec = model_spec(config)
+    if lockstep is not None:
+        return ServerState(config=config, engine=rank_engine(config, spec, lockstep, engine_config(config)))
+    engine = Engine(lambda: attach_adapters(load_model(spec, name=config.served_model_name,
+                                                      chat_template=config.chat_template), config.adapters),
+                    engine_config(config))
     return ServerState(config=config, engine=engine)
 
 
@@ -89,15 +102,20 @@ def serve(config: ServerConfig) -> None:
     if not config.is_loopback and config.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the model "
                     "and read /stats; set --api-key (or MLXQ_API_KEY) or bind to 127.0.0.1", config.host)
+    lockstep = join_ranks(config) if config.world_size > 1 else None
+    if lockstep is not None and not lockstep.world.is_leader:
+        run_follower(rank_engine(config, model_spec(config), lockstep, engine_config(config)))  # never returns
     listener = bind_listener(config.host, config.port)
     lock = SsdLock(Path(config.ssd.directory)).acquire() if config.ssd is not None else None  # held until exit
-    state = make_state(config)
+    state = make_state(config, lockstep)
     app = build_app(state)
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                    log_config=None, access_log=False,  # mlxq logs each request once
                                    timeout_graceful_shutdown=config.shutdown_timeout_s, **_connection_limits(config)),
                     grace_s=config.shutdown_timeout_s)
     threading.Thread(target=_watch_model_load, args=(state, server), daemon=True).start()
+    if lockstep is not None:
+        watch_ranks(state, lockstep)
     log.info("mlxq listening on http://%s:%d", config.host, config.port)
     server.run(sockets=[listener])
     if lock is not None:

@@ -57,6 +57,8 @@ class ServerState:
     def health(self) -> tuple[bool, str]:
         """Healthy means: loaded, engine thread alive, and making progress when it has work."""
         engine = self.engine
+        if engine.lockstep is not None and engine.lockstep.failure:
+            return False, engine.lockstep.failure
         if not engine.is_alive:
             return False, f"engine thread stopped: {engine.fatal_error or 'shutdown'}"
         if not engine.ready.is_set():
@@ -123,6 +125,8 @@ class ServerState:
                 "path": str(self.loaded.path) if self.loaded else None,
                 "description": self.loaded.description if self.loaded else None,
                 "context_length": self.loaded.context_length if self.loaded else None,
+                "adapters": [{"name": a.name, "kind": a.kind, "rank": a.rank, "namespace": a.identity,
+                              "path": str(a.path)} for a in (self.loaded.adapters if self.loaded else {}).values()],
             },
             "engine": {
                 "alive": engine.is_alive,
@@ -153,6 +157,7 @@ class ServerState:
                 "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 **memory_plan(engine),
             },
+            "distributed": engine.lockstep.as_dict() if engine.lockstep is not None else {"world_size": 1},
             "runtime": {
                 "device": str(mx.default_device()),
                 "mlx": mx.__version__,

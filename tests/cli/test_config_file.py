@@ -41,6 +41,7 @@ def test_mlxq_config_names_the_file_too(tmp_path):
     ("model = [1]\n", "'model' must be a string, got a TOML list"),
     ('batch = 2\ndecode-concurrency = 4\n', "'decode-concurrency' sets --batch a second time"),
     ("port = [\n", "not valid TOML"),
+    ('adapter = "a=./a"\n', "'adapter' must be a list of strings"),
 ])
 def test_a_bad_key_or_type_is_one_line_naming_the_file_and_key(tmp_path, text, message):
     config = tmp_path / "bad.toml"
@@ -49,6 +50,13 @@ def test_a_bad_key_or_type_is_one_line_naming_the_file_and_key(tmp_path, text, m
     assert result.exit_code == 2, result.output
     assert result.output.strip() == f"error: {config}: {message}" or (
         message == "not valid TOML" and result.output.startswith(f"error: {config}: not valid TOML"))
+
+
+def test_repeatable_flags_are_lists_in_the_file(tmp_path):
+    config = tmp_path / "adapters.toml"
+    config.write_text(f'adapter = ["ok=.", "gone={tmp_path / "gone"}"]\n')
+    result = runner.invoke(app, ["serve", "--config", str(config)])
+    assert result.exit_code == 2 and "--adapter ok=.: adapter_config.json is missing" in result.output
 
 
 def test_a_missing_config_file_is_named(tmp_path):

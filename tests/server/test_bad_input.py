@@ -48,7 +48,7 @@ BAD_BODIES = [
     (CHAT, {"messages": MSG, "n": 17}, 400, "'n' must be <= 16", "n"),
     (CHAT, {"messages": MSG, "n": "2"}, 400, "integer", "n"),
     (CHAT, {"messages": MSG, "response_format": "json"}, 400, "object", "response_format"),
-    (CHAT, {"messages": MSG, "adapters": "lora"}, 400, "not supported yet", "adapters"),
+    (CHAT, {"messages": MSG, "adapters": "lora"}, 400, "--adapter NAME=PATH", "adapters"),
     (CHAT, {"messages": MSG, "tools": "get_weather"}, 400, "tools", "tools"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function", "tools"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": ""}}]}, 400, "name", "tools"),

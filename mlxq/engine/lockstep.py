@@ -1,0 +1,244 @@
+"""Tensor parallel: every rank runs the same engine loop; rank 0 decides what enters it.
+
+Each rank holds a shard of the weights and of every KV cache, so each must
+make exactly the calls rank 0 makes: the same rows admitted, prefilled,
+merged, cached and evicted in the same order. The engine is deterministic
+given what enters it, so rank 0 shares, once per loop iteration, everything
+that does not come from the engine itself: the requests it took from its
+inbox (token ids and parameters, never text), the requests cancelled since,
+and whether to stop. Sampling needs no sharing: the last layer's all_sum hands
+every rank the same hidden state, so logits, and draws from the same PRNG
+state, are the same everywhere.
+
+Cancellation is the one flag the HTTP side sets at any moment; on rank 0 the
+engine works on a copy of each request whose flag is set only here, at the
+iteration boundary, when every rank sets it too.
+
+Each iteration also gathers a digest of every rank's engine state (queue,
+rows, tokens generated); ranks that drifted apart fail loudly instead of
+deadlocking in a collective later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pickle
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from mlxq.distributed.channel import agree_min, gather_ints, share_bytes, share_sized
+from mlxq.distributed.world import RankInfo, World
+from mlxq.engine.output import EmitFn
+from mlxq.engine.types import FinishReason, Request, TokenEvent
+
+log = logging.getLogger("mlxq.engine")
+
+DIGEST_NAMES = ("waiting", "rows", "prefilling", "generated_tokens", "token checksum")
+_CHECKSUM_MOD = (1 << 61) - 1  # a prime: every token id and its position move the checksum
+_NOT_SHARED = ("cancelled", "submitted_at")  # a flag set here, and a time on this rank's clock
+
+
+class RanksDisagree(ValueError):
+    """Ranks were started with a different model, flags or world size."""
+
+
+@dataclass
+class Arrivals:
+    """What one iteration adds to every rank's engine."""
+
+    requests: list[tuple[Request, EmitFn]] = field(default_factory=list)  # followers: rank 0's, rebuilt here
+    stop: bool = False
+
+
+@dataclass
+class _Open:
+    original: Request  # the HTTP side's request (rank 0), whose flag clients set
+    copy: Request  # what the engine runs
+    emit: EmitFn
+    shared: bool = False  # sent to the other ranks
+    cancel_shared: bool = False
+
+
+def _spec(request: Request) -> dict:
+    return {f.name: getattr(request, f.name) for f in dataclasses.fields(Request) if f.name not in _NOT_SHARED}
+
+
+class Lockstep:
+    """One per rank. Rank 0's HTTP threads call :meth:`track`; the engine thread calls the rest."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.ranks: list[RankInfo] = []  # every rank, after start-up
+        self.rank_memory: list[tuple[int, int]] = []  # (active, peak) bytes per rank, as of the last iteration
+        self.failure: str | None = None  # why serving stopped (a rank lost), for /health
+        self.iterations = 0
+        self.exchange_s = 0.0  # wall time in exchange(): the collectives, and the wait for the step in flight
+        self._token_checksum = 0  # every token this rank handed out, in order: ranks that sampled apart differ
+        self._open: dict[str, _Open] = {}
+        self._lock = threading.Lock()
+
+    # --- start-up (engine thread, every rank) ---------------------------------------
+    @staticmethod
+    def one_stream() -> None:
+        """Every MLX op of the engine thread on mlx-lm's generation stream, collectives included.
+
+        Forwards run on that stream and on the default one; two streams evaluate concurrently, so
+        their all_sums could interleave on the wire differently on each rank (seen on the ring backend:
+        one rank's digest read another's activations). One stream keeps every rank's order the same."""
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        with mx.stream(generation_stream):  # a per-thread stream: this thread's own
+            stream = mx.default_stream(mx.default_device())
+        mx.set_default_stream(stream)
+
+    def agree(self, identity: dict) -> None:
+        """Refuse to serve unless every rank was started like rank 0 (model, flags, world size)."""
+        group = self.world.group
+        mine = json.dumps(identity, sort_keys=True, default=str).encode()
+        views = [json.loads(share_bytes(group, mine, root=r)) for r in range(self.world.size)]
+        for rank, view in enumerate(views[1:], start=1):
+            differ = sorted(k for k in set(view) | set(views[0]) if view.get(k) != views[0].get(k))
+            if differ:
+                details = "; ".join(f"{k}: rank 0 {views[0].get(k)!r}, rank {rank} {view.get(k)!r}" for k in differ)
+                raise RanksDisagree(f"rank {rank} was started differently from rank 0 ({details})")
+
+    def after_load(self) -> None:
+        """One PRNG state on every rank (unseeded sampling draws alike) and the rank layout."""
+        import mlx.core as mx
+
+        group = self.world.group
+        seed = int.from_bytes(share_bytes(group, secrets.token_bytes(8)), "little")
+        mx.random.seed(seed)
+        info = json.dumps(dataclasses.asdict(self.world.local_info())).encode()
+        self.ranks = [RankInfo(**json.loads(share_bytes(group, info, root=r))) for r in range(self.world.size)]
+
+    def agree_min(self, value: int | None) -> int | None:
+        return agree_min(self.world.group, value)
+
+    def from_leader(self, value):
+        """Rank 0's ``value`` on every rank: sizes every rank must plan alike (under pipeline parallelism
+        each rank holds other layers; rank 0 holds the most, so its sizes are the safe ones)."""
+        return pickle.loads(share_bytes(self.world.group, pickle.dumps(value)))
+
+    # --- rank 0, any thread -----------------------------------------------------------
+    def track(self, request: Request, emit: EmitFn) -> tuple[Request, EmitFn]:
+        """The engine's copy of ``request`` and an ``emit`` that stops after the request's last event."""
+        copy = dataclasses.replace(request, cancelled=threading.Event())
+        with self._lock:
+            self._open[request.request_id] = _Open(request, copy, emit)
+        return copy, self._once(request.request_id, emit)
+
+    def _once(self, request_id: str, emit: EmitFn) -> EmitFn:
+        def emit_until_finished(event: TokenEvent) -> None:
+            if event.token_id is not None:  # the engine thread: in the same order on every rank
+                self._token_checksum = (self._token_checksum * 1_000_003 + event.token_id + 1) % _CHECKSUM_MOD
+            with self._lock:
+                if request_id not in self._open:
+                    return  # finished already, or failed by fail_open
+                if event.finish_reason is not None:
+                    del self._open[request_id]
+            emit(event)
+
+        return emit_until_finished
+
+    def fail_open(self, message: str) -> int:
+        """End every open request with an error (the engine may be stuck in a collective); how many."""
+        with self._lock:
+            self.failure = message
+            opened, self._open = list(self._open.values()), {}
+        for entry in opened:
+            entry.emit(TokenEvent(entry.original.request_id, finish_reason=FinishReason.ERROR, error=message))
+        return len(opened)
+
+    # --- the engine thread, every rank, once per loop iteration ---------------------------
+    def exchange(self, taken: list[Request], stop: bool, digest: list[int]) -> Arrivals:
+        """Share rank 0's arrivals, cancellations and stop; check every rank's ``digest`` (and the
+        checksum of the tokens it handed out) matches rank 0's."""
+
+        self.iterations += 1
+        started = time.perf_counter()
+        try:
+            return self._exchange(taken, stop, digest)
+        finally:
+            self.exchange_s += time.perf_counter() - started
+
+    def _exchange(self, taken: list[Request], stop: bool, digest: list[int]) -> Arrivals:
+        import mlx.core as mx
+
+        payload = self._payload(taken, stop) if self.world.is_leader else b""
+        digest = [*digest, self._token_checksum]
+        rows = gather_ints(self.world.group, [len(payload), *digest, mx.get_active_memory(), mx.get_peak_memory()])
+        self.rank_memory = [(row[-2], row[-1]) for row in rows]
+        self._check_digests(rows)
+        size = rows[0][0]
+        if size == 0:
+            return Arrivals()
+        message = pickle.loads(share_sized(self.world.group, payload, size))  # rank 0's own bytes: trusted
+        if self.world.is_leader:
+            self._apply_cancels(message["cancels"])
+            return Arrivals(stop=message["stop"])
+        arrivals = Arrivals(stop=message["stop"])
+        for spec in message["arrivals"]:
+            request = Request(**spec)
+            self._open[request.request_id] = _Open(request, request, _discard)
+            arrivals.requests.append((request, self._once(request.request_id, _discard)))
+        self._apply_cancels(message["cancels"])
+        return arrivals
+
+    def _payload(self, taken: list[Request], stop: bool) -> bytes:
+        with self._lock:
+            cancels = []
+            for entry in self._open.values():
+                if entry.shared and not entry.cancel_shared and entry.original.cancelled.is_set():
+                    entry.cancel_shared = True
+                    cancels.append(entry.copy.request_id)
+            for request in taken:
+                if request.request_id in self._open:
+                    self._open[request.request_id].shared = True
+        if not taken and not cancels and not stop:
+            return b""
+        return pickle.dumps({"arrivals": [_spec(r) for r in taken], "cancels": cancels, "stop": stop})
+
+    def _apply_cancels(self, request_ids: list[str]) -> None:
+        with self._lock:
+            for request_id in request_ids:
+                entry = self._open.get(request_id)
+                if entry is not None:
+                    entry.copy.cancel()
+
+    def _check_digests(self, rows: list[list[int]]) -> None:
+        width = len(DIGEST_NAMES)
+        leader = rows[0][1:1 + width]
+        for rank, row in enumerate(rows[1:], start=1):
+            theirs = row[1:1 + width]
+            if theirs != leader:
+                seen = ", ".join(f"{n} {a} vs {b}" for n, a, b in zip(DIGEST_NAMES, leader, theirs, strict=True))
+                raise RuntimeError(f"rank {rank} diverged from rank 0 at iteration {self.iterations} ({seen})")
+
+    def as_dict(self) -> dict:
+        """/stats.distributed."""
+        return {
+            "world_size": self.world.size,
+            "rank": self.world.rank,
+            "backend": self.world.backend,
+            "mode": self.world.mode,
+            "iterations": self.iterations,
+            # per iteration: the exchange's collectives plus the wait for the decode step in flight,
+            # which the exchange's read must wait out (one stream)
+            "exchange_ms_per_iteration": round(1e3 * self.exchange_s / self.iterations, 3) if self.iterations else 0,
+            "failure": self.failure,
+            "ranks": [{**dataclasses.asdict(info),
+                       "mlx_active_bytes": self.rank_memory[info.rank][0] if self.rank_memory else None,
+                       "mlx_peak_bytes": self.rank_memory[info.rank][1] if self.rank_memory else None}
+                      for info in self.ranks],
+        }
+
+
+def _discard(event: TokenEvent) -> None:
+    """A follower's output goes nowhere: rank 0 answers the clients."""
+

@@ -1,0 +1,58 @@
+"""engine/lockstep.py in one process (a world of one rank): what rank 0 shares, when a cancellation
+reaches the engine's copy, and how open requests are failed when a rank is lost."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from mlxq.distributed.world import World
+from mlxq.engine.lockstep import Lockstep
+from mlxq.engine.types import FinishReason, Request, SamplingParams, TokenEvent
+
+
+@pytest.fixture
+def lockstep():
+    import mlx.core as mx
+
+    group = mx.distributed.init()  # no launcher in the environment: a world of one
+    assert group.size() == 1
+    return Lockstep(World(0, 1, "none", group))
+
+
+def _request(rid: str) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(temperature=0.5, logit_bias={7: -1.0}), max_tokens=4)
+
+
+def test_a_cancellation_reaches_the_engine_at_an_iteration(lockstep):
+    original = _request("a")
+    copy, _ = lockstep.track(original, lambda event: None)
+    assert copy is not original and copy.prompt_ids == [1, 2, 3]
+    payload = lockstep._payload([copy], stop=False)
+    shared = pickle.loads(payload)["arrivals"][0]
+    assert Request(**shared).params == original.params  # what the other ranks rebuild
+    original.cancel()
+    assert not copy.cancelled.is_set()  # set only where every rank sets it
+    lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])
+    assert copy.cancelled.is_set()
+
+
+def test_an_iteration_with_nothing_new_sends_nothing(lockstep):
+    assert lockstep._payload([], stop=False) == b""
+    assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is False
+    assert lockstep.exchange([], stop=True, digest=[0, 0, 0, 0]).stop is True
+    assert lockstep.rank_memory and lockstep.iterations == 2
+
+
+def test_a_lost_rank_fails_open_requests_once(lockstep):
+    seen = []
+    _, emit = lockstep.track(_request("a"), seen.append)
+    _, emit_b = lockstep.track(_request("b"), seen.append)
+    emit(TokenEvent("a", text="x", token_id=5))
+    emit_b(TokenEvent("b", finish_reason=FinishReason.STOP))
+    assert lockstep.fail_open("rank 1 exited") == 1  # b had finished
+    emit(TokenEvent("a", text="late", token_id=6))  # the engine, after the failure: dropped
+    assert [(e.request_id, e.finish_reason) for e in seen] == [("a", None), ("b", FinishReason.STOP),
+                                                                  ("a", FinishReason.ERROR)]
+    assert seen[-1].error == "rank 1 exited" and lockstep.failure == "rank 1 exited"

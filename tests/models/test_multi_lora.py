@@ -1,0 +1,116 @@
+"""Per-row adapters in one forward against mlx-lm's own LoRA / DoRA layers and adapter loading (CPU, float32)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import pytest
+from mlx_lm.tuner.dora import DoRALinear
+from mlx_lm.tuner.lora import LoRALinear
+
+from mlxq.models.adapters import AdapterSpec, LowRank
+from mlxq.models.loader import load_model
+from mlxq.models.multi_lora import BASE, AdapterRouting, adapter_rows, attach_adapters, install_adapters
+from mlxq.models.tiny_adapter import make_tiny_adapter
+
+TOLERANCE = 1e-5  # the update's scale is folded into B and added by addmm: last bits, not tokens
+
+
+def _mlx_lm_layer(base: nn.Module, dora: bool, seed: int, rank: int):
+    mx.random.seed(seed)
+    layer = (DoRALinear if dora else LoRALinear).from_base(base, r=rank, scale=3.0)
+    layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.1
+    if dora:
+        layer.m = layer.m * mx.random.uniform(0.9, 1.1, layer.m.shape)
+    return layer
+
+
+def _pieces(layer, dora: bool) -> LowRank:
+    gain = None
+    if dora:
+        adapted = layer._dequantized_weight() + (layer.scale * layer.lora_b.T) @ layer.lora_a.T
+        gain = layer.m / mx.linalg.norm(adapted, axis=1)
+    return LowRank(layer.lora_a, layer.lora_b, layer.scale, gain)
+
+
+class Siblings(nn.Module):
+    """Two projections of one input (q/k-like) and one of another (o-like): the shrink is shared or not."""
+
+    def __init__(self, q: nn.Module, k: nn.Module, o: nn.Module):
+        super().__init__()
+        self.q_proj, self.k_proj, self.o_proj = q, k, o
+
+    def __call__(self, x: mx.array, y: mx.array) -> list[mx.array]:
+        return [self.q_proj(x), self.k_proj(x), self.o_proj(y)]
+
+
+def _base(bias: bool, quantized: bool, seed: int) -> nn.Module:
+    mx.random.seed(seed)
+    base = nn.Linear(64, 48, bias=bias)
+    return nn.QuantizedLinear.from_linear(base, group_size=32, bits=8) if quantized else base
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_each_row_gets_its_own_adapters_update(bias, quantized):
+    bases = {name: _base(bias, quantized, seed) for seed, name in enumerate(["q_proj", "k_proj", "o_proj"])}
+    oracles = {"": dict(bases)}
+    oracles["lora"] = {n: _mlx_lm_layer(b, False, 10 + i, 4) for i, (n, b) in enumerate(bases.items())}
+    oracles["dora"] = {n: _mlx_lm_layer(b, True, 20 + i, 8) for i, (n, b) in enumerate(bases.items())}
+    model = Siblings(*bases.values())
+    pieces = [{n: _pieces(layer, kind == "dora") for n, layer in oracles[kind].items()} for kind in ("lora", "dora")]
+    del pieces[1]["k_proj"]  # an adapter may leave a layer alone
+    oracles["dora"]["k_proj"] = bases["k_proj"]
+    install_adapters(model, ["lora", "dora"], pieces)
+    mx.random.seed(5)
+    x, y = mx.random.normal((6, 3, 64)), mx.random.normal((6, 3, 64))
+    names = ["lora", "", "dora", "dora", "", "lora"]
+    with adapter_rows(model, names):
+        mixed = model(x, y)
+    for i, name in enumerate(names):
+        want = [oracles[name][n](v[i : i + 1]) for n, v in (("q_proj", x), ("k_proj", x), ("o_proj", y))]
+        with adapter_rows(model, [name]):
+            alone = model(x[i : i + 1], y[i : i + 1])
+        for got_alone, got_mixed, w in zip(alone, mixed, want, strict=True):
+            assert mx.abs(got_alone - w).max().item() < TOLERANCE, name
+            assert mx.abs(got_mixed[i : i + 1] - w).max().item() < TOLERANCE, (i, name)
+    assert mx.abs(oracles["lora"]["q_proj"](x) - bases["q_proj"](x)).max().item() > 0.1  # adapters matter
+    with adapter_rows(model, [""] * 6):
+        assert all(mx.array_equal(a, b) for a, b in zip(model(x, y), [bases["q_proj"](x), bases["k_proj"](x),
+                                                                     bases["o_proj"](y)], strict=True))
+
+
+def test_routing_decides_once_per_composition():
+    routing = AdapterRouting(["a", "b"], [2, 3], mx.float32)
+    assert routing.route_for(["", ""]) is BASE
+    assert routing.route_for(["b", "b"]).slot == 1
+    mixed = routing.route_for(["a", "", "b"])
+    assert routing.route_for(["b", "a"]) is not mixed
+    assert mixed is routing.route_for(["a", "", "b"])  # a decode step's composition is reused between prefills
+    assert mixed.mask[:, 0, :].tolist() == [[1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 1, 1, 1]]
+    assert mixed.indices.tolist() == [0, 2, 1]
+    with routing.rows(["a"]):
+        with routing.rows(["a", "b"]):
+            assert routing.route.mask is not None
+        assert routing.route.slot == 0
+    assert routing.route is BASE
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "qwen3_next"])
+def test_a_model_with_adapters_equals_mlx_lm_loading_each_one(arch, tiny_model_dirs, tmp_path):
+    model_dir = tiny_model_dirs[arch]
+    lora = make_tiny_adapter(model_dir, tmp_path / "lora", seed=1, rank=4)
+    dora = make_tiny_adapter(model_dir, tmp_path / "dora", seed=2, rank=8, kind="dora", num_layers=2)
+    loaded = attach_adapters(load_model(str(model_dir)), [AdapterSpec("lora", lora), AdapterSpec("dora", dora)])
+    tokens = mx.array([list(range(5, 25))])
+    want = {"": mlx_lm.load(str(model_dir))[0](tokens)[:, -1]}
+    for name, path in (("lora", lora), ("dora", dora)):
+        want[name] = mlx_lm.load(str(model_dir), adapter_path=str(path))[0](tokens)[:, -1]
+        assert mx.abs(want[name] - want[""]).max().item() > 0.1, "the adapter must change the logits"
+    names = ["dora", "", "lora", "lora"]
+    with adapter_rows(loaded.model, names):
+        got = loaded.model(mx.concatenate([tokens] * 4))[:, -1]
+    for i, name in enumerate(names):
+        assert mx.abs(got[i] - want[name][0]).max().item() < TOLERANCE, (arch, name)
+        assert got[i].argmax().item() == want[name][0].argmax().item()
