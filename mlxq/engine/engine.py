@@ -601,7 +601,8 @@ class Engine:
     def _serial_step(self) -> None:
         """Between the serial lane's steps: beat, and take in flushes so they are answered mid-generation."""
         self._beat()
-        if self._inbox.qsize():
+        # Only with an SSD tier to flush, and alone: ranks in lockstep take arrivals together, between iterations.
+        if self.cold is not None and self.lockstep is None and self._inbox.qsize():
             self._intake(block=False)  # new requests join the FIFO behind this one; a stop is seen after it
         if self._flushes:
             self._persist()
