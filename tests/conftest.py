@@ -62,10 +62,10 @@ def wait_healthy(base_url: str, timeout: float = 60.0, proc: subprocess.Popen | 
 class ServerProcess:
     """`mlxq serve` as a real child process on a free loopback port."""
 
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, wrap: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(self.port), *args]
+        cmd = [*wrap, sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, **(env or {})},

@@ -169,6 +169,13 @@ def test_bench_structured():
     assert int(rows["grammar"][6]) > 0 and int(rows["mixed"][6]) > 0
 
 
+def test_bench_checkpoints(small_model, tmp_path):
+    run("bench_checkpoints.py", "--model", str(small_model), "--tokens", "24", "--interval", "8", "--rounds", "1",
+        "--together", "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "checkpoints-b1-r1-together.json").read_text())
+    assert set(doc["decode_tok_s_median"]) == {"on", "off"} and doc["checkpoints_written"] >= 1
+
+
 def test_profile_adapter_step():
     """One decode step per routing (base, one adapter, mixed, mixed with base) on the embedded model."""
     out = output_of("profile_adapter_step.py", "--rows", "2", "--steps", "2", "--rank", "4", "--context", "16")

@@ -34,7 +34,15 @@ def _row(item: CacheFile, root: Path, now: float) -> dict:
         "start": h.start if h else None, "tokens": len(h.tokens) if h else None, "end": h.end if h else None,
         "trimmable": h.trimmable if h else None, "snapshot": h.snapshot if h else None, "bytes": item.bytes,
         "durable": item.problem is None, "age_s": round(now - item.mtime, 1), "problem": item.problem,
+        "kind": "checkpoint" if item.is_checkpoint else "node",
+        "checkpoint": _checkpoint_fields(h.checkpoint) if item.is_checkpoint and h and h.checkpoint else None,
     }
+
+
+def _checkpoint_fields(record: dict) -> dict:
+    """A checkpoint's record as `cache ls` shows it: its request key digest, tokens emitted and prompt length."""
+    return {"key": record.get("key"), "emitted_tokens": len(record.get("emitted", ())),
+            "prompt_tokens": record.get("prompt_tokens")}
 
 
 @app.command("ls")
@@ -42,13 +50,40 @@ def ls(
     directory: Annotated[Path, typer.Argument(help="The --ssd-cache directory.")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per file, as a list.")] = False,
 ) -> None:
-    """Show the tree of node files: each under its parent, with its span (start, tokens, end), bytes, age."""
+    """Show the tree of node files: each under its parent, with its span (start, tokens, end), bytes, age;
+    then the generation checkpoints (request key digest, tokens emitted, age)."""
     now = time.time()
     rows = [_row(f, directory, now) for f in scan_files(directory)]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     from rich.console import Console
+
+    nodes = [r for r in rows if r["kind"] == "node"]
+    Console(width=200).print(_node_table(directory, nodes))
+    checkpoints = [r for r in rows if r["kind"] == "checkpoint"]
+    if checkpoints:
+        Console(width=200).print(_checkpoint_table(checkpoints))
+
+
+def _checkpoint_table(rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title=f"generation checkpoints: {len(rows)} files, {sum(r['bytes'] for r in rows) / 1e6:.1f} MB")
+    for column in ("request key", "fingerprint", "model", "prompt", "emitted", "MB", "age"):
+        table.add_column(column, justify="right" if column in ("prompt", "emitted", "MB", "age") else "left",
+                         overflow="fold")
+    for r in rows:
+        record = r["checkpoint"] or {}
+        table.add_row(Path(r["file"]).name.split(".")[0], r["fingerprint"], r["model"] or "",
+                      str(record.get("prompt_tokens", "")), str(record.get("emitted_tokens", "")),
+                      f"{r['bytes'] / 1e6:.2f}", _age(r["age_s"]))
+        if r["problem"]:
+            table.add_row(f"[red]{r['problem']}[/]", *[""] * 6)
+    return table
+
+
+def _node_table(directory: Path, rows: list[dict]):
     from rich.table import Table
 
     table = Table(title=f"{directory}: {len(rows)} files, {sum(r['bytes'] for r in rows) / 1e6:.1f} MB")
@@ -62,7 +97,7 @@ def ls(
                       f"{r['bytes'] / 1e6:.2f}", _age(r["age_s"]))
         if r["problem"]:
             table.add_row("", f"[red]{r['problem']}[/]", *[""] * 7)
-    Console(width=200).print(table)
+    return table
 
 
 @app.command("verify")
@@ -100,13 +135,16 @@ def prune(
                                                         "e.g. 7d, 12h.")] = None,
     fingerprint: Annotated[str | None, typer.Option(help="Only this model fingerprint's files (alone: all "
                                                          "of them).")] = None,
+    checkpoints: Annotated[bool, typer.Option(help="Only generation checkpoints (alone: all of them).")] = False,
     dry_run: Annotated[bool, typer.Option(help="Print what would be removed; remove nothing.")] = False,
 ) -> None:
-    """Remove entries by age, total size or model fingerprint (least recently used first)."""
+    """Remove entries by age, total size or model fingerprint (least recently used first); generation
+    checkpoints are files of their own and go by the same rules (``--checkpoints``: only they)."""
     from mlxq.cli.units import parse_bytes
 
-    if max_bytes is None and older_than is None and fingerprint is None:
-        typer.echo("error: say what to prune: --max-bytes, --older-than and/or --fingerprint", err=True)
+    if max_bytes is None and older_than is None and fingerprint is None and not checkpoints:
+        typer.echo("error: say what to prune: --max-bytes, --older-than, --fingerprint and/or --checkpoints",
+                   err=True)
         raise typer.Exit(2)
     try:
         cap = parse_bytes(max_bytes) if max_bytes else None
@@ -114,8 +152,8 @@ def prune(
         raise typer.BadParameter(str(exc)) from None
     now = time.time()
     files = scan_files(directory)
-    candidates = {f for f in files if fingerprint is None or f.fingerprint.split("-")[0] == fingerprint
-                  or f.fingerprint == fingerprint}
+    candidates = {f for f in files if (fingerprint is None or f.fingerprint.split("-")[0] == fingerprint
+                                       or f.fingerprint == fingerprint) and (f.is_checkpoint or not checkpoints)}
     doomed = _doomed(files, candidates, parse_duration(older_than) if older_than else None, cap, now)
     for f in doomed:
         typer.echo(f"{'would remove' if dry_run else 'removed'} {f.path} ({f.bytes / 1e6:.2f} MB, "

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from mlxq.store.ssd_config import CHECKPOINT_DIR
+
 if TYPE_CHECKING:
     from mlxq.store.mlxkv import EntryHeader
 
@@ -27,6 +29,12 @@ class CacheFile:
     problem: str | None = None  # its own (header, tensors, name), or its chain's
     parent: CacheFile | None = None
     children: list[CacheFile] = field(default_factory=list)
+
+    @property
+    def is_checkpoint(self) -> bool:
+        """A generation checkpoint (DIR/<fingerprint>-<scheme>/checkpoints/<key>.mlxkv): a file of its own,
+        in no tree."""
+        return self.path.parent.name == CHECKPOINT_DIR
 
     @property
     def depth(self) -> int:
@@ -72,6 +80,8 @@ def _read(path: Path, verify: bool) -> CacheFile:
             verify_file(path)
         if item.header.identity.directory != item.fingerprint:
             item.problem = f"header identity {item.header.identity.directory} is not its directory's"
+        elif item.is_checkpoint and item.header.checkpoint is None:
+            item.problem = "a node file among the checkpoints"
         elif item.header.digest != path.stem:  # the digest itself is checked along the chain
             item.problem = f"named {path.stem}, but its header's digest is {item.header.digest}"
     except (MlxkvError, OSError) as exc:
@@ -83,7 +93,7 @@ def _link(files: list[CacheFile]) -> list[CacheFile]:
     by_digest = {(f.path.parent, f.header.digest): f for f in files if f.header is not None}
     for f in files:
         h = f.header
-        if h is None or not h.parent:
+        if h is None or not h.parent or f.is_checkpoint:
             continue
         parent = by_digest.get((f.path.parent, h.parent))
         if parent is None:
@@ -94,7 +104,7 @@ def _link(files: list[CacheFile]) -> list[CacheFile]:
         if parent.header.end != h.start:
             f.problem = f.problem or f"it starts at {h.start}, but its parent {h.parent} ends at {parent.header.end}"
     for f in files:
-        if f.parent is None:
+        if f.parent is None and not f.is_checkpoint:  # a checkpoint's digest names its request, not a prefix
             _propagate(f, None)
     return files
 

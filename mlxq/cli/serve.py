@@ -88,6 +88,10 @@ def serve(
                                                         "start-up (restores always check).")] = False,
     ssd_demote_idle: Annotated[float, typer.Option(help="Release RAM entries idle this many seconds once "
                                                         "they are on disk; 0 never.")] = 300.0,
+    checkpoint_interval: Annotated[int | None, typer.Option(help="With --ssd-cache: every this many tokens a "
+                                                                 "running generation is checkpointed, and an "
+                                                                 "identical request after a restart resumes it "
+                                                                 "(default 256; 0 off).")] = None,
     stall_timeout: Annotated[float, typer.Option(help="Seconds without engine progress before /health "
                                                       "reports 503.")] = 120.0,
     shutdown_timeout: Annotated[float, typer.Option(help="On SIGINT/SIGTERM, seconds in-flight requests may "
@@ -146,7 +150,7 @@ def serve(
     from mlxq.server.run import serve as run_server
 
     try:
-        ssd = _ssd_config(ssd_cache, ssd_cache_max, ssd_cache_verify, ssd_demote_idle)
+        ssd = _ssd_config(ssd_cache, ssd_cache_max, ssd_cache_verify, ssd_demote_idle, checkpoint_interval)
         config = ServerConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
             allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts),
@@ -182,18 +186,22 @@ def serve(
         raise typer.Exit(2) from None
 
 
-def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demote_idle: float):
+def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demote_idle: float,
+                checkpoint_interval: int | None = None):
     """The SSD tier's settings; sub-flags without --ssd-cache are reported and ignored."""
     import os
 
     from mlxq.cli.units import flag_bytes, parse_bytes
     from mlxq.store.ssd_config import SsdConfig
 
-    if directory is None:
-        if max_bytes is not None or verify:
-            typer.echo("warning: --ssd-cache-max / --ssd-cache-verify do nothing without --ssd-cache DIR", err=True)
-        return None
     extra = {}
+    if directory is None:
+        if max_bytes is not None or verify or checkpoint_interval:
+            typer.echo("warning: --ssd-cache-max / --ssd-cache-verify / --checkpoint-interval do nothing without "
+                       "--ssd-cache DIR", err=True)
+        return None
+    if checkpoint_interval is not None:
+        extra["checkpoint_interval"] = checkpoint_interval
     if "MLXQ_SSD_SPILL_QUEUE" in os.environ:
         extra["spill_queue_bytes"] = parse_bytes(os.environ["MLXQ_SSD_SPILL_QUEUE"])
     return SsdConfig(directory, flag_bytes("--ssd-cache-max", max_bytes) if max_bytes else None, verify, demote_idle,

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mlxq.engine.admission import AdmissionError, check_fits_alone
 from mlxq.engine.faults import Evaluator, FaultInjector
@@ -148,6 +148,7 @@ class Engine:
         self.prompt_cache_off_reason: str | None = None
         self.cold = None  # store.ColdTier once loaded, with --ssd-cache
         self.cold_off_reason: str | None = None
+        self.checkpoints = None  # engine.checkpointing.Checkpointing, with --ssd-cache and --checkpoint-interval > 0
         self._flushes: list[_Flush] = []
         self._inbox: queue.Queue[_Work | _Flush | None] = queue.Queue()
         self._waiting: collections.deque[_Work] = collections.deque()
@@ -203,6 +204,14 @@ class Engine:
         """
         if self.cold is None:
             return None
+        started = time.monotonic()
+        checkpoints = self.checkpoints.store.flush(timeout) if self.checkpoints is not None else None
+        result = self._flush_cold(max(0.0, timeout - (time.monotonic() - started)))
+        if checkpoints is None:
+            return result
+        return replace(result, durable=result.durable and checkpoints.durable, checkpoints=checkpoints.as_dict())
+
+    def _flush_cold(self, timeout: float) -> FlushResult:
         if not self.is_alive:
             return self.cold.flush_result(timed_out=True, report=False)
         flush = _Flush()
@@ -327,7 +336,7 @@ class Engine:
                 on_finish=lambda row: self._done(row.output.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
-                grammar_timing=self.grammar_timing, sharing=self._sharing_policy(),
+                grammar_timing=self.grammar_timing, sharing=self._sharing_policy(), checkpoints=self.checkpoints,
             )
 
     def _shedding_limit(self) -> int | None:
@@ -440,10 +449,12 @@ class Engine:
             self.cold_off_reason = f"needs the RAM prompt cache, which is {self.prompt_cache_off_reason}"
             log.warning("SSD cache off: %s", self.cold_off_reason)
         else:
+            from mlxq.engine.checkpointing import open_checkpointing
             from mlxq.store.cold_tier import open_cold_tier
 
             self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name,
                                        kv_scheme=self.scheme.key, prototype=self._prototype)
+            self.checkpoints = open_checkpointing(self.config.ssd, self.cold.store, self.scheme.key)
 
     def _background_work(self) -> bool:
         """SSD work waiting (asked only when idle: never a cost on the decode loop)."""
@@ -571,9 +582,9 @@ class Engine:
             with adapter_rows(self.loaded.model, [request.adapter]):
                 output = run_serial(
                     self.loaded.model, self.loaded.tokenizer, request, work.emit,
-                    prefill_step_size=self.config.prefill_step_size, on_step=self._beat,
+                    prefill_step_size=self.config.prefill_step_size, on_step=self._serial_step,
                     prompt_cache=self.prompt_cache, scheme=self.scheme, grammar_timing=self.grammar_timing,
-                    evaluator=self.evaluator, resume=work.resume,
+                    evaluator=self.evaluator, resume=work.resume, checkpoints=self.checkpoints,
                 )
             self._done(request, Lane.SERIAL, output.finished, output.usage())
         except SerialPreempted as preempted:  # out of memory twice: first in line again, resumed later
@@ -586,6 +597,15 @@ class Engine:
             self._done(request, Lane.SERIAL, FinishReason.ERROR, None, message)
         finally:
             self._serial_running = None
+
+    def _serial_step(self) -> None:
+        """Between the serial lane's steps: beat, and take in flushes so they are answered mid-generation."""
+        self._beat()
+        # Only with an SSD tier to flush, and alone: ranks in lockstep take arrivals together, between iterations.
+        if self.cold is not None and self.lockstep is None and self._inbox.qsize():
+            self._intake(block=False)  # new requests join the FIFO behind this one; a stop is seen after it
+        if self._flushes:
+            self._persist()
 
     def _done(self, request: Request, lane: Lane, finished: FinishReason | None, usage, error=None) -> None:
         """Every request ends here exactly once: stats, then observers."""
@@ -603,6 +623,8 @@ class Engine:
             self.stats.requests_failed += 1
         else:
             self.stats.requests_finished += 1
+            if self.checkpoints is not None:
+                self.checkpoints.finished(request)
         done = RequestDone(request, lane.value, finished, usage, error)
         for observer in self._observers:
             try:

@@ -23,7 +23,12 @@ class Intake:
     """Joiners in, leases held (mixed into BatchScheduler)."""
 
     def add(self, request: Request, emit) -> None:
-        self._enter(Joiner(make_row(request, self.tokenizer, emit, self.grammar_timing), []))
+        row = make_row(request, self.tokenizer, emit, self.grammar_timing)
+        restored = self._restored_joiner(row)  # a generation checkpoint of this request (engine/checkpoint_rows.py)
+        if restored is not None:
+            self.joiners.add(restored)
+        elif row.output.finished is None:
+            self._enter(Joiner(row, []))
         self.submitted_rows += 1
 
     def _enter(self, joiner: Joiner) -> None:

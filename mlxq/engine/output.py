@@ -24,6 +24,7 @@ class RequestOutput:
         self._stops = StopStringMatcher(request.stop)
         self._eos = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
         self.cached_tokens = cached_tokens
+        self.checkpoint_tokens = 0  # tokens replayed from a generation checkpoint (engine/checkpointing.py)
         self.num_generated = 0
         self.tokens: list[int] = []  # generated ids, EOS excluded
         self.finished: FinishReason | None = None
@@ -89,6 +90,7 @@ class RequestOutput:
             ttft_s=(first - submitted) if first else 0.0,
             decode_s=(last - first) if first and last else 0.0,
             inter_token_s=tuple(self._gaps),
+            checkpoint_tokens=self.checkpoint_tokens,
         )
 
     def _logprobs(self, token: int, logprobs) -> tuple[float | None, tuple[TopLogprob, ...]]:

@@ -32,6 +32,7 @@ class Row:
     key: mx.array | None  # this row's PRNG state (seeded rows only)
     history: mx.array | None = None  # tokens the processors see; None when there are none
     grammar: GrammarState | None = None  # structured output: masks this row's logits before each draw
+    checkpoint: object | None = None  # engine.checkpointing.RowCheckpoint when the request is checkpointed
 
     @property
     def is_plain_greedy(self) -> bool:

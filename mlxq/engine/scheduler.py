@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlxq.engine.checkpoint_rows import RowCheckpoints
+from mlxq.engine.checkpointing import Checkpointing
 from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
 from mlxq.engine.grammar_timing import GrammarTiming
 from mlxq.engine.intake import Intake
@@ -83,12 +85,14 @@ class SchedulerConfig:
     shape: ModelShape | None = None  # what those transients are computed from
 
 
-class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
+class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints):
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
                  scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None,
-                 grammar_timing: GrammarTiming | None = None, sharing: SharingPolicy | None = None):
+                 grammar_timing: GrammarTiming | None = None, sharing: SharingPolicy | None = None,
+                 checkpoints: Checkpointing | None = None):
         self.model = model
+        self.checkpoints = checkpoints  # generation checkpoints: rows publish, identical requests resume
         self.sharing = sharing  # --shared-prefix-attention: which running rows read one leased prefix once
         self.sharing_stats = SharingStats()
         self.scheme = scheme  # KV representation: joiners convert where the serial lane does
@@ -238,6 +242,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining):
                 if not self._emit(batch.rows[i], drawn[i], next_logprobs[i]):
                     keep.remove(i)
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
+        if self.checkpoints is not None:
+            self._publish_checkpoints(keep, done_now, next_tokens)
         self.sharing_stats.count_step(batch.groups)
         if len(keep) < len(batch.rows):
             self._evict(keep)

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxq.engine.checkpointing import Checkpointing, restore_serial
 from mlxq.engine.faults import Evaluator, is_allocation_failure, release_cached_memory
 from mlxq.engine.grammar import GrammarState
 from mlxq.engine.grammar_timing import GrammarTiming
@@ -84,15 +85,22 @@ def run_serial(
     grammar_timing: GrammarTiming | None = None,
     evaluator: Evaluator | None = None,
     resume: SerialRun | None = None,
+    checkpoints: Checkpointing | None = None,
 ) -> RequestOutput:
     """Generate ``request`` to completion (or cancellation), emitting its events.
 
     ``resume``: a run requeued after a memory fault (SerialPreempted carries it), continued
     where it stopped. A fault is retried once at once; when the retry fails too before a
     token is handed out, SerialPreempted is raised for the engine to requeue the run.
+    ``checkpoints``: publish the run's state every interval, and resume it from its checkpoint
+    when one is on disk (engine/checkpointing.py).
     """
     evaluator = evaluator or Evaluator()
     run = resume or start_run(request, tokenizer, emit, grammar_timing)
+    if resume is None and checkpoints is not None:
+        run.restored = restore_serial(run, checkpoints)
+        if run.output.finished is not None:
+            return run.output
     while True:
         try:
             if run.retrying:
@@ -135,7 +143,9 @@ def _attempt(model, run: SerialRun, evaluator: Evaluator, step: int, on_step, pr
     evicted under this request) until the attempt ends, however it ends.
     """
     request = run.request
-    lease = prompt_cache.lease(request.namespace, run.sequence) if prompt_cache is not None else Lease(0, None)
+    # A checkpoint brings its own caches: nothing is taken from the prompt cache then.
+    take = prompt_cache is not None and run.restored is None
+    lease = prompt_cache.lease(request.namespace, run.sequence) if take else Lease(0, None)
     try:
         _attempt_on(model, run, evaluator, step, on_step, prompt_cache, scheme, lease)
     finally:
@@ -150,9 +160,12 @@ def _attempt_on(model, run: SerialRun, evaluator: Evaluator, step: int, on_step,
     it prefills, so each processor is wrapped to see the cached prefix first (``_with_prefix``).
     """
     request, output, prompt = run.request, run.output, run.sequence
-    caches, cached = lease.caches, lease.cached
+    if run.restored is not None:  # a checkpoint's caches: every token but the pending one (the last)
+        caches, cached, run.restored = run.restored, len(prompt) - 1, None
+    else:
+        caches, cached = lease.caches, lease.cached
     caches = caches if caches is not None else make_prompt_cache(model)
-    if not run.retrying:
+    if not run.retrying and not output.checkpoint_tokens:
         output.cached_tokens = cached  # a resumed run keeps what the client's prompt found
     check = evaluator.injector.check
     snapshot_boundary = None if prompt_cache is None else boundary_snapshot(
@@ -175,7 +188,7 @@ def _attempt_on(model, run: SerialRun, evaluator: Evaluator, step: int, on_step,
             prompt_cache.put(request.namespace, prompt[:boundary], caches)
 
     steps = _generate(model, run, check, prompt, start, caches, step, on_prefill_progress, scheme)
-    _hand_out(run, steps, evaluator, on_step)
+    _hand_out(run, steps, evaluator, on_step, caches)
     stored = None if prompt_cache is None else finish_tokens(request.prompt_ids + output.tokens, caches)
     if stored is not None:
         # The caches hold every token fed so far: the sequence, then the generated ones.
@@ -216,7 +229,8 @@ def _generate(model, run: SerialRun, check, prompt: list[int], start: int, cache
         if run.draws is not None:
             run.draws.before_draw(first + drawn)
         drawn += 1
-        return run.sampler(logprobs)
+        run.last_draw = run.sampler(logprobs)  # the pending token when the one before is handed out
+        return run.last_draw
 
     scheme.arm(caches)  # mlx-lm's own quantization hook converts them, per this scheme's layers
     return generate_step(
@@ -227,7 +241,7 @@ def _generate(model, run: SerialRun, check, prompt: list[int], start: int, cache
     )
 
 
-def _hand_out(run: SerialRun, steps, evaluator: Evaluator, on_step) -> None:
+def _hand_out(run: SerialRun, steps, evaluator: Evaluator, on_step, caches) -> None:
     """Tokens from mlx-lm's loop to the request's output until it ends (or is cancelled)."""
     request, output = run.request, run.output
     try:
@@ -244,6 +258,8 @@ def _hand_out(run: SerialRun, steps, evaluator: Evaluator, on_step) -> None:
                 run.draws.handed_out(output.num_generated)
             if finished:
                 break
+            if run.checkpoint is not None:
+                run.checkpoint.after_serial_token(run, caches)
     except _Cancelled:
         output.finish(FinishReason.CANCELLED)
     finally:

@@ -99,6 +99,9 @@ class SerialRun:
     times_requeued: int = 0
     not_before: float = 0.0  # monotonic time before which a requeued run does not resume
     resume_key: mx.array | None = field(default=None, repr=False)  # the key before the next draw
+    last_draw: mx.array | None = field(default=None, repr=False)  # the sampler's latest token (maybe pending)
+    checkpoint: object | None = None  # engine.checkpointing.RowCheckpoint when the request is checkpointed
+    restored: list | None = field(default=None, repr=False)  # a checkpoint's caches, for the next attempt
 
     @property
     def sequence(self) -> list[int]:

@@ -69,6 +69,7 @@ class Request:
     namespace: str = ""  # prompt-cache partition (an adapter's identity); "" is the base model
     adapter: str = ""  # the --adapter this request runs with (its model id); "" is the base model
     grammar: GrammarSpec | None = None  # structured output: tokens outside it are never drawn
+    num_choices: int = 1  # the client's n: this request is one of n choices (n > 1 is not checkpointed)
     submitted_at: float = field(default_factory=time.monotonic)
     # Set from any thread; the engine checks it between steps and stops the row.
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -97,6 +98,7 @@ class Usage:
     ttft_s: float  # submit -> first token sampled
     decode_s: float  # first token -> last token
     inter_token_s: tuple[float, ...] = ()  # gaps between successive tokens, at the engine
+    checkpoint_tokens: int = 0  # completion tokens restored from a generation checkpoint, not generated again
 
     @property
     def prefill_s(self) -> float:

@@ -15,6 +15,7 @@ import uuid
 from mlxq.engine.types import FinishReason, Usage
 from mlxq.server.accumulator import Accumulator, Step
 from mlxq.server.errors import APIError
+from mlxq.server.openai_format import checkpoint_details
 from mlxq.server.tools import ToolCall
 
 
@@ -48,7 +49,7 @@ def usage_json(usage: Usage | None, prompt_tokens: int) -> dict:
     cached = usage.cached_tokens if usage else 0
     return {"input_tokens": (usage.prompt_tokens if usage else prompt_tokens) - cached,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
-            "output_tokens": usage.completion_tokens if usage else 0}
+            "output_tokens": usage.completion_tokens if usage else 0, **checkpoint_details(usage)}
 
 
 def tool_use_block(call: ToolCall) -> dict:

@@ -64,8 +64,9 @@ async def _flush_before_exit(state: ServerState) -> None:
         return
     result = await run_in_threadpool(engine.flush_cache, state.config.shutdown_timeout_s)
     if result.durable:
-        log.info("SSD cache durable at shutdown: %d entries, longest prefix %d tokens",
-                 result.entries, result.longest_durable_prefix_tokens)
+        log.info("SSD cache durable at shutdown: %d entries, longest prefix %d tokens%s",
+                 result.entries, result.longest_durable_prefix_tokens,
+                 f", {result.checkpoints['files']} generation checkpoints" if result.checkpoints else "")
     else:
         log.warning("SSD cache NOT durable at shutdown: %s", result.as_dict())
 

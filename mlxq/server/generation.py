@@ -70,6 +70,7 @@ def _new_request(spec: GenerationSpec, prefix: str, adapter: AdapterInfo | None,
         deterministic=spec.deterministic,
         snapshot_at=spec.snapshot_at,
         grammar=spec.grammar,
+        num_choices=spec.n,
         adapter=adapter.name if adapter else "",
         namespace=adapter.identity if adapter else "",  # a prompt cached under one adapter serves no other
     )

@@ -10,6 +10,8 @@ vLLM exports ``vllm:<name>``; mlxq exports ``mlxq:<name>`` with the same
   (all layers, under the KV scheme), ssd_cache_bytes / _entries / _pending
   and the counters ssd_cache_restores_total, ssd_cache_writes_total,
   ssd_cache_write_failures_total, ssd_cache_dropped_total (with --ssd-cache),
+  checkpoint_files / _bytes and checkpoints_{written,written_bytes,restored,
+  restored_tokens,dropped}_total (generation checkpoints, when on),
   decode_steps_total and decode_step_seconds_total{part} (build, submit,
   device_wait, output: where the batch's decode steps spend their time),
   shared_prefix_decode_steps_total (those run with a shared-prefix group),
@@ -74,6 +76,8 @@ class _EngineGauges:
             for name, key in (("ssd_cache_restores", "restores"), ("ssd_cache_writes", "writes"),
                               ("ssd_cache_write_failures", "failed"), ("ssd_cache_dropped", "dropped")):
                 yield CounterMetricFamily(PREFIX + name, name.replace("_", " "), value=ssd[key])
+        if engine.checkpoints is not None:
+            yield from _checkpoint_metrics(engine.checkpoints.store.as_dict())
         faults = engine.evaluator.counters
         yield CounterMetricFamily(PREFIX + "num_preemptions", "rows requeued after an allocation fault",
                                   value=faults.preemptions)
@@ -94,6 +98,17 @@ class _EngineGauges:
             yield from _distributed_gauges(engine.lockstep)
         for name, value in values.items():
             yield GaugeMetricFamily(PREFIX + name, name.replace("_", " "), value=value)
+
+
+def _checkpoint_metrics(stats: dict):
+    """Generation checkpoints: files and bytes on disk, and what was written, restored and dropped."""
+    yield GaugeMetricFamily(PREFIX + "checkpoint_files", "generation checkpoint files on disk", value=stats["files"])
+    yield GaugeMetricFamily(PREFIX + "checkpoint_bytes", "bytes of generation checkpoint files", value=stats["bytes"])
+    for name, help_text in (("written", "checkpoints written"), ("written_bytes", "bytes of checkpoints written"),
+                            ("restored", "requests resumed from a checkpoint"),
+                            ("restored_tokens", "completion tokens restored instead of generated"),
+                            ("dropped", "checkpoints not written (queue full, disk refused)")):
+        yield CounterMetricFamily(PREFIX + "checkpoints_" + name, help_text, value=stats[name])
 
 
 def _distributed_gauges(lockstep):

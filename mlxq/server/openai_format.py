@@ -16,7 +16,8 @@ def combined_usage(usages: list[Usage]) -> Usage:
     first = usages[0]
     return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages),
                  cached_tokens=first.cached_tokens, queue_s=first.queue_s, ttft_s=first.ttft_s,
-                 decode_s=max(u.decode_s for u in usages))
+                 decode_s=max(u.decode_s for u in usages),
+                 checkpoint_tokens=sum(u.checkpoint_tokens for u in usages))
 
 
 def merged_final(builders: list[ChoiceBuilder]) -> dict:
@@ -37,12 +38,20 @@ def merged_usage_chunk(builders: list[ChoiceBuilder]) -> dict:
 
 
 def usage_json(usage: Usage) -> dict:
-    return {
+    body = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.checkpoint_tokens:  # resumed from a generation checkpoint: these were not generated again
+        body["completion_tokens_details"] = {"checkpoint_tokens": usage.checkpoint_tokens}
+    return body
+
+
+def checkpoint_details(usage: Usage | None) -> dict:
+    """``{"checkpoint_tokens": n}`` when n completion tokens came from a generation checkpoint, else nothing."""
+    return {"checkpoint_tokens": usage.checkpoint_tokens} if usage is not None and usage.checkpoint_tokens else {}
 
 
 def sse_line(payload: dict) -> str:

@@ -18,6 +18,7 @@ import uuid
 from mlxq.engine.types import FinishReason
 from mlxq.server.accumulator import Accumulator, Step
 from mlxq.server.errors import APIError
+from mlxq.server.openai_format import checkpoint_details
 from mlxq.server.responses_request import ResponsesRequest, ToolName
 from mlxq.server.tools import ToolCall
 
@@ -64,7 +65,9 @@ class ResponseRenderer:
             u = acc.usage
             body["usage"] = {"input_tokens": u.prompt_tokens,
                              "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
-                             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                             "output_tokens": u.completion_tokens,
+                             "output_tokens_details": {"reasoning_tokens": 0,
+                                                       **checkpoint_details(u)},
                              "total_tokens": u.prompt_tokens + u.completion_tokens}
         return body
 

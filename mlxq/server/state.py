@@ -147,6 +147,9 @@ class ServerState:
             },
             "ssd_cache": engine.cold.as_dict() if engine.cold is not None else {
                 "enabled": False, "off_reason": engine.cold_off_reason},
+            "checkpoints": {"enabled": True, "interval": engine.checkpoints.interval,
+                            **engine.checkpoints.store.as_dict()} if engine.checkpoints is not None else {
+                "enabled": False},
             "memory": {
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_peak_bytes": mx.get_peak_memory(),

@@ -31,6 +31,7 @@ class FlushResult:
     longest_durable_prefix_tokens: int
     elapsed_s: float = 0.0
     timed_out: bool = False
+    checkpoints: dict | None = None  # generation checkpoints' part (store.checkpoints.CheckpointFlush), when on
 
     def as_dict(self) -> dict:
         return asdict(self)

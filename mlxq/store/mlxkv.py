@@ -99,6 +99,7 @@ class EntryHeader:
     layers: list  # [{"kind", "meta", "tensors": [{"name","offset","nbytes","shape","dtype","xxh3"}]}]
     model: str  # the served model name, for humans (`mlxq cache ls`)
     data_start: int = 0  # where tensor offsets count from (bytes from the file's start)
+    checkpoint: dict | None = None  # a generation checkpoint's record (store/checkpoints.py); None: a prompt node
 
     @property
     def end(self) -> int:
@@ -135,13 +136,16 @@ def _host_bytes(array: mx.array) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def write_steps(path: Path, header: dict, layers: list) -> Iterator[None]:
+def write_steps(path: Path, header: dict, layers: list, host_bytes=None) -> Iterator[None]:
     """Write ``layers`` ([(kind, meta, [(name, array)])]) to ``path`` atomically, one tensor per step.
 
     A generator so the caller decides when each tensor's work happens (the engine
     runs one step per idle turn). Raises OSError on I/O failure, leaving no
     ``.tmp`` behind. The file exists under ``path`` only after the last step.
+    ``host_bytes``: how a tensor's bytes are read (default: made contiguous and evaluated here; a
+    writer off the engine thread passes arrays already evaluated and reads them as they are).
     """
+    host_bytes = host_bytes or _host_bytes
     records, arrays = [], []
     offset = end = 0
     for kind, meta, named in layers:
@@ -161,7 +165,7 @@ def write_steps(path: Path, header: dict, layers: list) -> Iterator[None]:
     try:
         with open(tmp, "wb") as f:
             for record, array in zip(flat, arrays, strict=True):
-                data = _host_bytes(array)
+                data = host_bytes(array)
                 record["xxh3"] = xxhash.xxh3_128_hexdigest(data)
                 f.seek(data_start + record["offset"])
                 f.write(data)
@@ -215,7 +219,7 @@ def read_header(path: Path) -> EntryHeader:
         identity = Identity(h["fingerprint"], h["kv_scheme"], h["namespace"])
         header = EntryHeader(identity, str(h["digest"]), str(h["parent"]), int(h["start"]), tuple(h["tokens"]),
                              bool(h["trimmable"]), bool(h["snapshot"]), float(h["created"]), h["layers"],
-                             h.get("model", ""), _align(_PREAMBLE.size + length))
+                             h.get("model", ""), _align(_PREAMBLE.size + length), h.get("checkpoint"))
     except (ValueError, KeyError, TypeError) as exc:
         raise MlxkvError(f"malformed header: {exc}") from None
     if header.start < 0 or (header.start == 0) != (header.parent == ""):

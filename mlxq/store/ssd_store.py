@@ -44,6 +44,7 @@ from mlxq.store.mlxkv import (
     read_header,
     verify_file,
 )
+from mlxq.store.ssd_config import CHECKPOINT_DIR
 from mlxq.store.ssd_tree import (
     ChainMatch,
     FileNode,
@@ -96,6 +97,8 @@ class SsdStore:
             return
         headers: dict[Path, EntryHeader] = {}
         for path in sorted(self.directory.glob("*/*")):
+            if path.parent.name == CHECKPOINT_DIR:
+                continue  # generation checkpoints: store/checkpoints.py owns them
             if path.name.endswith(".tmp"):
                 self.unlink(path, "a write that never finished")
                 self.stats.reaped_tmp += 1

@@ -1,0 +1,58 @@
+"""Generation checkpoints in the batch lane: rows publish as they decode, a restored row joins as a joiner.
+
+A mixin of BatchScheduler (engine/scheduler.py). After a decode step a row
+that goes on stands where a serial checkpoint does: its caches hold the
+prompt and every token it handed out, and the step drew its next (pending)
+token. A due row's caches are copied out of the batch and published with
+that token and the row's own PRNG key (engine/checkpointing.py).
+
+An identical request replays its checkpoint through its output, then enters
+as a joiner whose prompt is the prompt plus the tokens handed out, whose
+caches hold all but the last of them (the pending token) and whose key is
+the one recorded: it joins with the pending token as its input, exactly
+like a row resumed after a memory fault (rows.resume_row).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxq.engine.checkpointing import Checkpointing, restore_output
+from mlxq.engine.joiners import Joiner
+from mlxq.engine.rows import Row, resume_row
+
+
+class RowCheckpoints:
+    """Publish and restore (mixed into BatchScheduler, which sets ``checkpoints``)."""
+
+    checkpoints: Checkpointing | None = None
+
+    def _restored_joiner(self, row: Row) -> Joiner | None:
+        """The row as a joiner continuing its checkpoint; None when it starts afresh (or ended in the replay)."""
+        if self.checkpoints is None:
+            return None
+        row.checkpoint, restored = restore_output(row.output, self.checkpoints)
+        if restored is None:
+            return None
+        if row.output.finished is not None:  # the pending token ended it
+            self._on_finish(row)
+            return None
+        if row.key is not None and restored.rng_key is not None:
+            row.key = restored.rng_key
+        joiner = Joiner(resume_row(row), [], resumed=True)
+        joiner.start_from(restored.caches, len(joiner.prompt) - 1)
+        return joiner
+
+    def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array) -> None:
+        """Rows going on whose interval is up publish; ``handed_out``: their next token already went out
+        (token 0 in the step that computed it), so they are not at a checkpoint boundary this step."""
+        rows = self.batch.rows
+        due = [i for i in keep if rows[i].checkpoint is not None and not handed_out[i]
+               and rows[i].checkpoint.is_due(rows[i].output)]
+        if not due:
+            return
+        pending = next_tokens.tolist()
+        for i in due:
+            row = rows[i]
+            key = None if row.key is None else tuple(row.key.tolist())
+            row.checkpoint.publish(row.output, pending[i], key, self.batch.row_caches(i))

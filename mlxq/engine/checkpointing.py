@@ -1,0 +1,164 @@
+"""Generation checkpoints in the serial lane: publish a running request's state, resume an identical one.
+
+At every ``interval`` tokens handed out, mlx-lm's pipelined loop stands at
+the boundary a checkpoint needs: the caches hold the prompt and every token
+handed out, and the next token (the *pending* one) is already sampled. The
+caches are copied (arrays the writer owns, so the live caches keep updating
+in place) and queued for store/checkpoints.py's writer thread, with the
+pending token and, for seeded rows, MLX's global key before the next draw.
+
+An identical request (same key, engine/checkpoint_key.py) after a restart
+replays the tokens handed out, then the pending one, through the request's
+ordinary output (stop strings, max_tokens, usage), and continues from the
+restored caches by feeding the pending token: the computation the
+uninterrupted run did next. Seeded rows get the global key back by replay
+(serial_resume.DrawLedger), checked against the recorded one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
+from mlxq.engine.serial_resume import InexactResume
+from mlxq.engine.types import Request
+from mlxq.kv.capabilities import is_trimmable
+from mlxq.store.checkpoints import CheckpointRecord, CheckpointStore
+from mlxq.store.mlxkv import encode_layer
+from mlxq.store.ssd_config import CHECKPOINT_DIR
+
+log = logging.getLogger("mlxq.checkpoints")
+
+
+@dataclass
+class Checkpointing:
+    """The engine's checkpoint settings: where they go, how often, under which KV scheme."""
+
+    store: CheckpointStore
+    interval: int  # tokens handed out between checkpoints
+    kv_scheme: str
+
+    def key_for(self, request: Request) -> str | None:
+        """The request's key digest, or None when it is not checkpointed."""
+        if not_checkpointed(request) is not None:
+            return None
+        return checkpoint_key(request, self.kv_scheme).digest
+
+    def finished(self, request: Request) -> None:
+        """A request completed (stop, length): its checkpoint goes at once (cancelled ones keep theirs)."""
+        key = self.key_for(request)
+        if key is not None:
+            self.store.retire(key)
+
+
+def open_checkpointing(config, store, kv_scheme: str) -> Checkpointing | None:
+    """Checkpoints beside the SSD tier's node files (same model and KV identity), or None when off."""
+    if config.checkpoint_interval <= 0:
+        return None
+    checkpoints = CheckpointStore(store.directory / CHECKPOINT_DIR, store.identity, store.model_name,
+                                  layout=store.layout, max_bytes=store.max_bytes)
+    try:
+        checkpoints.scan()
+    except OSError as exc:
+        log.warning("checkpoints in %s cannot be read (%s); starting without them", checkpoints.directory, exc)
+    return Checkpointing(checkpoints, config.checkpoint_interval, kv_scheme)
+
+
+def owned_layers(caches: list) -> list:
+    """Each cache's encoded layer, with copies of its arrays (evaluated): the writer's own state."""
+    layers = [encode_layer(cache) for cache in caches]
+    owned = [(kind, meta, [(name, mx.array(a)) for name, a in named]) for kind, meta, named in layers]
+    mx.eval([a for _, _, named in owned for _, a in named])
+    return owned
+
+
+@dataclass
+class RowCheckpoint:
+    """One request's checkpoints (either lane): its key, and when it last published."""
+
+    checkpointing: Checkpointing
+    key: str
+    last: int = 0  # tokens handed out at the last checkpoint (or at the restore)
+
+    def is_due(self, output) -> bool:
+        return is_due(output.num_generated, self.checkpointing.interval, self.last)
+
+    def publish(self, output, pending: int, rng_key: tuple[int, ...] | None, caches: list) -> None:
+        """Queue the state after ``output``'s tokens: ``caches`` hold the prompt and every one of them."""
+        self.last = output.num_generated
+        request = output.request
+        record = CheckpointRecord(self.key, len(request.prompt_ids), tuple(output.tokens), pending, rng_key,
+                                  time.time())
+        self.checkpointing.store.publish(record, request.prompt_ids + output.tokens, owned_layers(caches),
+                                         is_trimmable(caches))
+
+    def after_serial_token(self, run, caches: list) -> None:
+        """The serial lane handed a token out and goes on: mlx-lm's loop already drew the next one."""
+        if not self.is_due(run.output) or run.last_draw is None:
+            return
+        rng = tuple(mx.random.state[0].tolist()) if run.draws is not None else None  # the key before the next draw
+        self.publish(run.output, int(run.last_draw.item()), rng, caches)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A checkpoint replayed into a request's output: the caches to continue on, the row's key."""
+
+    caches: list  # every token but the pending one (the last handed out)
+    rng_key: mx.array | None  # the PRNG key before the next draw (seeded rows)
+
+
+def restore_output(output, checkpointing: Checkpointing, accept=None) -> tuple[RowCheckpoint | None, Restored | None]:
+    """The request's checkpointing (None: not checkpointed) and, when its checkpoint is on disk, the
+    restored state: its tokens and then its pending one are replayed through ``output`` first.
+    ``accept(record)``: False leaves the checkpoint unused (before anything is replayed)."""
+    request = output.request
+    key = checkpointing.key_for(request)
+    if key is None:
+        return None, None
+    checkpoint = RowCheckpoint(checkpointing, key)
+    loaded = checkpointing.store.load(key)
+    if loaded is None:
+        return checkpoint, None
+    record, caches = loaded
+    if accept is not None and not accept(record):
+        return checkpoint, None
+    output.cached_tokens = record.prompt_tokens
+    for token in (*record.emitted, record.pending):
+        output.checkpoint_tokens += 1
+        if output.add_token(token):
+            break
+    checkpoint.last = len(record.emitted)
+    checkpointing.store.note_restored(output.checkpoint_tokens)
+    log.info("request %s resumed from its checkpoint after %d tokens", request.request_id, output.checkpoint_tokens)
+    rng = None if record.rng_key is None else mx.array(record.rng_key, dtype=mx.uint32)
+    return checkpoint, Restored(caches, rng)
+
+
+def restore_serial(run, checkpointing: Checkpointing) -> list | None:
+    """Resume ``run`` from its checkpoint, if one is on disk: replay, then the caches to continue on."""
+    run.checkpoint, restored = restore_output(run.output, checkpointing, lambda record: _global_key_at(run, record))
+    return None if restored is None else restored.caches
+
+
+def _global_key_at(run, record: CheckpointRecord) -> bool:
+    """Put MLX's global key where it stood before the draw after the pending token (seeded runs), checked
+    against the recorded key; False (and the key back at the seed) when the replay does not reach it."""
+    draws = run.draws
+    if draws is None:
+        return True
+    n = len(record.emitted) + 1  # draws made: every token handed out, and the pending one
+    try:
+        if record.rng_key is None:
+            raise InexactResume("the checkpoint has no key")
+        draws.replay(n, mx.array(record.rng_key, dtype=mx.uint32))
+    except InexactResume as exc:
+        log.warning("request %s: checkpoint not used: %s", run.request.request_id, exc)
+        mx.random.seed(draws.seed)
+        return False
+    draws.first = n
+    return True
