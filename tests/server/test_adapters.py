@@ -54,7 +54,9 @@ def test_mixed_adapter_batch_equals_each_adapters_oracle(arch, tiny_model_dirs, 
     prompts = _prompts(load_tiny(arch)[1])
     plan = [(name, prompts[i]) for i, name in enumerate(["base", "lora", "dora"] * 2)]  # interleaved, c=6
     paths = {"base": None, "lora": lora, "dora": dora}
-    lengths = [12 + 4 * i for i in range(len(plan))]  # rows leave the batch one by one
+    # Rows leave the batch one by one; long enough that the first is still decoding when the last
+    # joins, however slowly the host admits requests (a /stats poll must see them together).
+    lengths = [48 + 8 * i for i in range(len(plan))]
     expected = [oracle_text(model_dir, paths[name], prompt, n) for (name, prompt), n in zip(plan, lengths, strict=True)]
     on_first = {oracle_text(model_dir, path, plan[0][1]) for path in paths.values()}
     assert len(on_first) == 3, "each adapter must change what the model says"
@@ -65,7 +67,7 @@ def test_mixed_adapter_batch_equals_each_adapters_oracle(arch, tiny_model_dirs, 
 
         async def run_all():
             # Staggered: later rows join a running batch (extend) while earlier ones leave (filter).
-            return await asyncio.gather(*(stream_completion(server.url, body, delay=0.04 * i)
+            return await asyncio.gather(*(stream_completion(server.url, body, delay=0.02 * i)
                                           for i, body in enumerate(bodies)))
 
         with StatsWatcher(server.url) as watcher:
