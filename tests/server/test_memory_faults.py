@@ -108,9 +108,14 @@ def test_rows_are_preempted_before_memory_runs_out(tiny_model_dirs, undisturbed)
     # blocks): every decode step with more rows sheds the newest, which resume later.
     args = (*ARGS, "--memory-limit", "4MB", "--prompt-cache", "0")
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), *args) as server:
-        answers = _burst(server.url)
-        stats = httpx.get(server.url + "/stats").json()
-    assert answers == undisturbed
+        # Whether a burst is shed or queued depends on arrival: a request that starts decoding alone
+        # makes the others wait for memory room at admission (no preemption needed). Bursts repeat
+        # until one was admitted together and shed; every burst must equal the undisturbed answers.
+        for _ in range(4):
+            assert _burst(server.url) == undisturbed
+            stats = httpx.get(server.url + "/stats").json()
+            if stats["batch"]["faults"]["preemptions"]:
+                break
     faults = stats["batch"]["faults"]
     assert faults["preemptions"] >= 1 and faults["memory_faults"] == 0  # shed before, not after, a fault
     assert stats["engine"]["requests_failed"] == 0 and stats["memory"]["mlx_memory_limit_bytes"] == 4 * 10**6
