@@ -34,16 +34,21 @@ def serial_with_cache(model, tokenizer, reqs: list[Request]) -> dict[str, tuple[
     return out
 
 
+def recording_scheduler(model, tokenizer, config: SchedulerConfig):
+    """A batch scheduler on a fresh prompt cache, and the (tokens, cached tokens) of each row it finishes."""
+    finished: dict[str, tuple[list[int], int]] = {}
+    scheduler = BatchScheduler(
+        model, tokenizer, measure_footprint(model), config, prompt_cache=PromptCache(1 << 30),
+        on_finish=lambda row: finished.__setitem__(row.request.request_id,
+                                                   (row.output.tokens, row.output.cached_tokens)))
+    return scheduler, finished
+
+
 @pytest.mark.parametrize("arch, snapshot", [("llama", False), ("gemma3_text", True), ("qwen3_next", True)])
 def test_a_burst_of_agents_prefills_the_shared_prompt_once(load_tiny, arch, snapshot):
     model, tokenizer = load_tiny(arch)
     reqs = requests(tokenizer, snapshot)
-    finished: dict[str, tuple[list[int], int]] = {}
-    scheduler = BatchScheduler(
-        model, tokenizer, measure_footprint(model), SchedulerConfig(8, 4, 2048, None),
-        prompt_cache=PromptCache(1 << 30),
-        on_finish=lambda row: finished.__setitem__(row.request.request_id,
-                                                   (row.output.tokens, row.output.cached_tokens)))
+    scheduler, finished = recording_scheduler(model, tokenizer, SchedulerConfig(8, 4, 2048, None))
     for r in reqs:  # all at once, before any step
         scheduler.add(Request(r.request_id, r.prompt_ids, r.params, r.max_tokens, snapshot_at=r.snapshot_at),
                       lambda e: None)
@@ -64,12 +69,7 @@ def test_a_burst_larger_than_the_prompt_concurrency_waits_on_one_leader_and_its_
     shared = tokenizer.encode(LONG + " " + LONG)
     reqs = [Request(f"agent-{i}", shared + tokenizer.encode(f" Question number {i} of the burst?"), SamplingParams(),
                     8) for i in range(7)]
-    finished: dict[str, tuple[list[int], int]] = {}
-    scheduler = BatchScheduler(
-        model, tokenizer, measure_footprint(model), SchedulerConfig(8, 2, 2048, None),
-        prompt_cache=PromptCache(1 << 30),
-        on_finish=lambda row: finished.__setitem__(row.request.request_id,
-                                                   (row.output.tokens, row.output.cached_tokens)))
+    scheduler, finished = recording_scheduler(model, tokenizer, SchedulerConfig(8, 2, 2048, None))
     admitted = 0
     for r in reqs:  # the engine's admission loop: the head joins while can_admit says so
         if not scheduler.can_admit(r):
@@ -101,12 +101,7 @@ def test_a_burst_larger_than_the_prompt_concurrency_waits_on_one_leader_and_its_
 def test_agents_arriving_after_the_first_one_prefilled_start_from_its_prompt(load_tiny):
     model, tokenizer = load_tiny("llama")
     reqs = requests(tokenizer, snapshot=True)  # the server marks where the system prompt ends
-    finished: dict[str, tuple[list[int], int]] = {}
-    scheduler = BatchScheduler(
-        model, tokenizer, measure_footprint(model), SchedulerConfig(8, 4, 2048, None),
-        prompt_cache=PromptCache(1 << 30),
-        on_finish=lambda row: finished.__setitem__(row.request.request_id,
-                                                   (row.output.tokens, row.output.cached_tokens)))
+    scheduler, finished = recording_scheduler(model, tokenizer, SchedulerConfig(8, 4, 2048, None))
     scheduler.add(reqs[0], lambda e: None)
     scheduler.step()  # its whole prompt in one chunk, nobody waiting on it: it decodes now
     assert scheduler.num_prefilling == 0 and scheduler.num_rows == 1
