@@ -38,6 +38,8 @@ class Prefilling:
             self._restore_step(joiner)
         if not group:
             return
+        for joiner, _ in group:
+            joiner.row.output.phases.mark("prefill")
         start = time.perf_counter()
         alone = self._advance_together_or_fewer(group) if plan.together else group
         if alone:
@@ -147,6 +149,8 @@ class Prefilling:
         split = self._split_at(joiner)
         joiner.row.feed_history(mx.array(prompt[joiner.done : joiner.done + n]))
         joiner.done += n
+        if joiner.is_prefilled:
+            joiner.row.output.phases.mark("prefilled")  # after the chunk's evaluation
         if split is not None and joiner.done == split:
             # The end of a shared system prompt: other agents start from this entry.
             self.prompt_cache.put(joiner.row.request.namespace, prompt[:split], joiner.caches)

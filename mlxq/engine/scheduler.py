@@ -197,7 +197,11 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         ready = self.joiners.take_ready()
         if ready:
             start = time.perf_counter()
+            for joiner in ready:
+                joiner.row.output.phases.mark("joining")
             self._start_decoding(ready)
+            for joiner in ready:
+                joiner.row.output.phases.mark("joined")
             self.phases.add_join(time.perf_counter() - start)
 
     def _decode_or_shed(self) -> None:
