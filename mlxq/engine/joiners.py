@@ -34,6 +34,14 @@ class Joiner:
     followers: int = 0  # joiners waiting on this one
     restore: PendingRestore | None = None  # reading a longer prefix from disk
     resumed: bool = False  # a preempted row recomputing its KV: its usage keeps its first cached count
+    _trimmable: tuple[int, bool] | None = None  # (id of the caches list, is_trimmable): asked per joiner per step
+
+    @property
+    def trimmable(self) -> bool:
+        """Every layer of its caches full attention (``is_trimmable``), computed once per caches list."""
+        if self._trimmable is None or self._trimmable[0] != id(self.caches):
+            self._trimmable = (id(self.caches), is_trimmable(self.caches))
+        return self._trimmable[1]
 
     def start_from(self, caches: list, cached: int) -> None:
         """Continue from a cached prefix of ``cached`` tokens. Only before the joiner advanced:
@@ -64,7 +72,7 @@ class Joiner:
 
     def prefix_view(self) -> PrefixView:
         request = self.row.request
-        return PrefixView(request.namespace, self.prompt, self.done, is_trimmable(self.caches), request.snapshot_at,
+        return PrefixView(request.namespace, self.prompt, self.done, self.trimmable, request.snapshot_at,
                           can_lead=self.leader is None and self.restore is None)
 
 

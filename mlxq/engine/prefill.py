@@ -15,13 +15,14 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import BatchKVCache
 
 from mlxq.engine.faults import MemoryFault
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.step_plan import PrefillPlan
-from mlxq.kv.batch_ops import extract_row, merge_solo_rows
-from mlxq.kv.capabilities import is_trimmable
+from mlxq.engine.wave_caches import PrefilledTogether, merge_with_room
+from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import boundary_snapshot, system_snapshot
 
@@ -103,7 +104,7 @@ class Prefilling:
         if self.prompt_cache is None:
             return None
         return system_snapshot(len(joiner.prompt), joiner.row.request.snapshot_at, joiner.done,
-                               is_trimmable(joiner.caches))
+                               joiner.trimmable)
 
     def _advance(self, joiner: Joiner, n: int) -> None:
         """One chunk of prompt[:-1] (``n`` tokens) on the joiner's own caches."""
@@ -120,13 +121,17 @@ class Prefilling:
 
         Rows are merged (history right-aligned), the chunks right-padded and the
         caches told the real lengths (``prepare``/``finalize``, so padding never
-        displaces a ring's tokens or a recurrent state), then each row is extracted.
+        displaces a ring's tokens or a recurrent state), then each row is extracted,
+        or, after every row's last chunk, the batch is kept for their join
+        (engine/wave_caches.py).
         """
         group, lengths = [j for j, _ in planned], [n for _, n in planned]
         longest = max(lengths)
         chunks = [j.prompt[j.done : j.done + n] for j, n in zip(group, lengths, strict=True)]
+        last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
         with mx.stream(generation_stream):
-            caches = merge_solo_rows([j.caches for j in group])
+            # Room for this chunk, and for the decode steps after it when the rows join as they are.
+            caches = merge_with_room([j.caches for j in group], longest + (BatchKVCache.step if last else 0))
             padding = [longest - n for n in lengths]
             if any(padding):
                 for cache in caches:
@@ -138,7 +143,12 @@ class Prefilling:
                 for cache in caches:
                     cache.finalize()
             self.faults.run("prefill", lambda: mx.eval([c.state for c in caches]))
-            rows = [extract_row(caches, i) for i in range(len(group))]
+            # Joining next: the rows stay in this batch, the joiners read views into it (no copy).
+            rows = view_rows(caches, len(group)) if last else [extract_row(caches, i) for i in range(len(group))]
+        if last:
+            self._prefilled_together = PrefilledTogether(tuple(group), caches)
+        else:
+            self.batch.copies.extracted += len(group)
         for joiner, row_caches, n in zip(group, rows, lengths, strict=True):  # only once everything succeeded
             joiner.caches = row_caches
             self._advanced(joiner, n)
@@ -166,6 +176,6 @@ class Prefilling:
         if self.prompt_cache is None:
             return
         shared = joiner.followers > 0 or joiner.row.request.snapshot_at is not None
-        boundary = boundary_snapshot(len(joiner.prompt), is_trimmable(joiner.caches), shared)
+        boundary = boundary_snapshot(len(joiner.prompt), joiner.trimmable, shared)
         if boundary is not None:
             self.prompt_cache.put(joiner.row.request.namespace, joiner.prompt[:boundary], joiner.caches)

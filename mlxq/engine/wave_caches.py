@@ -1,0 +1,92 @@
+"""Joiners' batched caches for one forward, built once: with room to write into, kept for the join.
+
+A burst of agents on a cached system prompt turns into joiners whose caches
+each hold a copy of the prefix (the lease's spans). Advancing their tails
+together merges those caches into one batched cache per layer; each copy of
+that batch costs a new buffer as large as all the rows' prefixes (~290 MB a
+row on the 8B shape at 2.2k tokens), and a new buffer on a GPU is paid again
+on first touch. Two copies are avoided here:
+
+- ``merge_with_room``: the merged full-attention layers get capacity for
+  what the forward will write (and, when the rows join next, for the decode
+  steps after it), so the forward's first write does not grow the buffer by
+  copying it whole (mlx-lm's ``BatchKVCache.update_and_fetch`` grows by
+  concatenation);
+- ``PrefilledTogether``: when the forward was every row's last chunk, the
+  batched caches are kept and the rows join the running batch with them
+  (adopted as they are into an empty batch), instead of each row being
+  extracted (a copy) and merged again (another copy). The joiners' own
+  caches become views into the kept batch, which the prompt cache reads to
+  store their prompt boundary.
+
+The values written are the ones mlx-lm's merge writes (zeros where rows are
+padded), so every row computes what it computes alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlxq.kv.batch_ops import merge_solo_rows
+
+
+@dataclass
+class RowCopies:
+    """Rows' caches copied whole into or out of batched caches around joins (/stats.batch.row_copies):
+    each is a new buffer of the row's whole KV, the cost a burst of agents pays per row."""
+
+    kept: int = 0  # rows that joined in the batch their last chunk ran in (no copy)
+    gathered: int = 0  # rows merged into a new batch to join (copied)
+    extracted: int = 0  # rows copied out of a batch: after a chunk that was not their last, or leaving it to be stored
+    batch_extends: int = 0  # joins into a running batch: each copies every running row once more
+    extended_rows: int = 0  # the running rows those joins copied
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(eq=False)
+class PrefilledTogether:
+    """The batched caches of joiners whose last chunk ran in one forward, rows in ``joiners``' order."""
+
+    joiners: tuple
+    caches: list
+
+    def serves(self, joiners: list) -> bool:
+        """These caches hold exactly ``joiners``' rows, in that order."""
+        return len(joiners) == len(self.joiners) and all(a is b for a, b in zip(joiners, self.joiners, strict=True))
+
+
+def merge_with_room(rows: list[list], room: int) -> list:
+    """Per layer, one batched cache of ``rows`` (solo cache lists), as ``merge_solo_rows``; plain
+    full-attention layers are allocated ``room`` tokens past the longest row."""
+    merged = []
+    for column in zip(*rows, strict=True):
+        if all(type(c) is KVCache for c in column) and any(c.keys is not None for c in column):
+            merged.append(_merge_kv(column, room))
+        else:
+            merged.append(merge_solo_rows([[c] for c in column])[0])
+    return merged
+
+
+def _merge_kv(column: tuple, room: int) -> BatchKVCache:
+    """mlx-lm's ``BatchKVCache.merge`` (rows right-aligned, left padding zero) into a larger buffer."""
+    lengths = [c.size() for c in column]
+    longest = max(lengths)
+    padding = [longest - n for n in lengths]
+    sample = next(c for c in column if c.keys is not None)
+    _, heads, _, k_dim = sample.keys.shape
+    keys = mx.zeros((len(column), heads, longest + room, k_dim), dtype=sample.keys.dtype)
+    values = mx.zeros((len(column), heads, longest + room, sample.values.shape[3]), dtype=sample.values.dtype)
+    for i, (pad, cache) in enumerate(zip(padding, column, strict=True)):
+        if cache.keys is not None:
+            keys[i : i + 1, :, pad : pad + cache.offset] = cache.keys[..., : cache.offset, :]
+            values[i : i + 1, :, pad : pad + cache.offset] = cache.values[..., : cache.offset, :]
+    out = BatchKVCache(padding)
+    out.keys, out.values = keys, values
+    out.offset += longest
+    out._idx = longest
+    return out

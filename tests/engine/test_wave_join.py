@@ -1,0 +1,53 @@
+"""A burst of agents on a cached system prompt joins in the batch its tails prefilled in: no row copied whole.
+
+Each row's cache holds its own copy of the prefix; every further copy of it
+(extracting a row from a batch, merging rows again) is a new buffer of the
+row's whole KV. The scheduler counts them (/stats.batch.row_copies), and
+every row still computes exactly what the serial lane computes on the same
+prompt cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mlxq.engine.scheduler import SchedulerConfig
+from mlxq.engine.types import Request, SamplingParams
+from mlxq.golden.cases import LONG
+from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
+
+
+def wave(tokenizer, shared: list[int], name: str, agents: int) -> list[Request]:
+    """Agents on one system prompt, each with its own question (tails of different lengths)."""
+    return [Request(f"{name}-{i}", shared + tokenizer.encode(" Agent" + " number" * i + f" {i} asks about {name}?"),
+                    SamplingParams(), 6, ignore_eos=True, snapshot_at=len(shared)) for i in range(agents)]
+
+
+def run_wave(scheduler, requests: list[Request]) -> None:
+    for r in requests:  # all at once, before a step: one burst
+        scheduler.add(replace(r), lambda e: None)
+    while not scheduler.is_idle:
+        scheduler.step()
+
+
+@pytest.mark.parametrize("token0_in_decode", [True, False])
+def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_tiny, token0_in_decode):
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=token0_in_decode)
+    scheduler, finished = recording_scheduler(model, tokenizer, config)
+    cold, cached = wave(tokenizer, shared, "cold", 3), wave(tokenizer, shared, "cached", 5)
+    run_wave(scheduler, cold)
+    before = scheduler.batch.copies.as_dict()
+    run_wave(scheduler, cached)
+    after = scheduler.batch.copies.as_dict()
+    delta = {k: after[k] - before[k] for k in after}
+    # One forward for the five tails, the batch kept for the join, rows stored from views as they leave.
+    assert delta == {"kept": 5, "gathered": 0, "extracted": 0, "batch_extends": 0, "extended_rows": 0}
+    for r in cached:
+        assert finished[r.request_id][1] >= len(shared)  # the prefix came from the RAM tier
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
