@@ -172,10 +172,14 @@ class Prefilling:
 
     def _snapshot(self, joiner: Joiner) -> None:
         """At the prompt boundary (all but the last token), store what the prefix policy asks for:
-        rings and recurrent state always, full attention when the prompt is likely shared."""
+        rings and recurrent state always, full attention when the prompt is likely shared (followers
+        wait for it, or its system prompt was not stored yet)."""
         if self.prompt_cache is None:
             return
-        shared = joiner.followers > 0 or joiner.row.request.snapshot_at is not None
+        system = joiner.row.request.snapshot_at
+        # A system prompt it found stored already needs no second publication: its tail alone is
+        # stored when it ends (a burst on a cached prompt skips a put per row before token 0).
+        shared = joiner.followers > 0 or (system is not None and joiner.row.output.cached_tokens < system)
         boundary = boundary_snapshot(len(joiner.prompt), joiner.trimmable, shared)
         if boundary is not None:
             self.prompt_cache.put(joiner.row.request.namespace, joiner.prompt[:boundary], joiner.caches)

@@ -73,14 +73,17 @@ def merge_with_room(rows: list[list], room: int) -> list:
 
 
 def _merge_kv(column: tuple, room: int) -> BatchKVCache:
-    """mlx-lm's ``BatchKVCache.merge`` (rows right-aligned, left padding zero) into a larger buffer."""
+    """mlx-lm's ``BatchKVCache.merge`` (rows right-aligned, left padding zero) into a larger buffer, its
+    length a whole number of mlx-lm's growth steps (so a burst like the last one reuses its freed buffers)."""
     lengths = [c.size() for c in column]
     longest = max(lengths)
     padding = [longest - n for n in lengths]
     sample = next(c for c in column if c.keys is not None)
     _, heads, _, k_dim = sample.keys.shape
-    keys = mx.zeros((len(column), heads, longest + room, k_dim), dtype=sample.keys.dtype)
-    values = mx.zeros((len(column), heads, longest + room, sample.values.shape[3]), dtype=sample.values.dtype)
+    step = BatchKVCache.step
+    capacity = -(-(longest + room) // step) * step
+    keys = mx.zeros((len(column), heads, capacity, k_dim), dtype=sample.keys.dtype)
+    values = mx.zeros((len(column), heads, capacity, sample.values.shape[3]), dtype=sample.values.dtype)
     for i, (pad, cache) in enumerate(zip(padding, column, strict=True)):
         if cache.keys is not None:
             keys[i : i + 1, :, pad : pad + cache.offset] = cache.keys[..., : cache.offset, :]

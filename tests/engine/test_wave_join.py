@@ -40,9 +40,11 @@ def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_
     scheduler, finished = recording_scheduler(model, tokenizer, config)
     cold, cached = wave(tokenizer, shared, "cold", 3), wave(tokenizer, shared, "cached", 5)
     run_wave(scheduler, cold)
-    before = scheduler.batch.copies.as_dict()
+    before, puts = scheduler.batch.copies.as_dict(), scheduler.prompt_cache.stats.puts
     run_wave(scheduler, cached)
     after = scheduler.batch.copies.as_dict()
+    # The system prompt was stored: each agent stores once, when it ends, not also at its prompt boundary.
+    assert scheduler.prompt_cache.stats.puts - puts == len(cached)
     delta = {k: after[k] - before[k] for k in after}
     # One forward for the five tails, the batch kept for the join, rows stored from views as they leave.
     assert delta == {"kept": 5, "gathered": 0, "extracted": 0, "batch_extends": 0, "extended_rows": 0}
