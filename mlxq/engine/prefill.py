@@ -21,7 +21,7 @@ from mlxq.engine.faults import MemoryFault
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.step_plan import PrefillPlan
-from mlxq.engine.wave_caches import PrefilledTogether, merge_with_room
+from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room
 from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import boundary_snapshot, system_snapshot
@@ -141,7 +141,7 @@ class Prefilling:
                 self.model(tokens, cache=caches)
             if any(padding):
                 for cache in caches:
-                    cache.finalize()
+                    finalize_chunks(cache)
             self.faults.run("prefill", lambda: mx.eval([c.state for c in caches]))
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy).
             rows = view_rows(caches, len(group)) if last else [extract_row(caches, i) for i in range(len(group))]

@@ -53,3 +53,14 @@ def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_
     expected = serial_with_cache(model, tokenizer, cold + cached)
     for r in cold + cached:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_rows_move_right_by_their_padding_as_mlx_lm_rolls_them():
+    import mlx.core as mx
+    from mlx_lm.models.cache import dynamic_roll
+
+    from mlxq.engine.wave_caches import roll_rows
+
+    x = mx.random.normal((6, 2, 11, 3))
+    for shifts in ([0, 3, 3, 10, 0, 1], [0] * 6, [2] * 6, [11, 12, 0, 5, 5, 5]):
+        assert mx.array_equal(roll_rows(x, shifts), dynamic_roll(x, mx.array(shifts)[:, None], axis=2)), shifts
