@@ -21,7 +21,7 @@ from mlxq.engine.faults import MemoryFault
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.step_plan import PrefillPlan
-from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room
+from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import boundary_snapshot, system_snapshot
@@ -131,7 +131,9 @@ class Prefilling:
         last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
         with mx.stream(generation_stream):
             # Room for this chunk, and for the decode steps after it when the rows join as they are.
-            caches = merge_with_room([j.caches for j in group], longest + (BatchKVCache.step if last else 0))
+            sources = self._lease_sources(group)
+            caches = merge_with_room([j.caches for j in group], longest + (BatchKVCache.step if last else 0),
+                                     sources)
             padding = [longest - n for n in lengths]
             if any(padding):
                 for cache in caches:
@@ -145,6 +147,7 @@ class Prefilling:
             self.faults.run("prefill", lambda: mx.eval([c.state for c in caches]))
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy).
             rows = view_rows(caches, len(group)) if last else [extract_row(caches, i) for i in range(len(group))]
+        self.batch.copies.broadcast += same_as_previous(sources)
         if last:
             self._prefilled_together = PrefilledTogether(tuple(group), caches)
         else:
@@ -152,6 +155,16 @@ class Prefilling:
         for joiner, row_caches, n in zip(group, rows, lengths, strict=True):  # only once everything succeeded
             joiner.caches = row_caches
             self._advanced(joiner, n)
+
+    def _lease_sources(self, group: list[Joiner]) -> list:
+        """Per joiner, (its lease's node, tokens) while it holds exactly what its lease lent (nothing of
+        its own yet), else None: joiners with equal sources hold the same K/V (one stored chain)."""
+        out = []
+        for joiner in group:
+            lease = self._leases.get(joiner.row.request.request_id)
+            untouched = lease is not None and lease.node is not None and joiner.caches is lease.caches
+            out.append((id(lease.node), lease.cached) if untouched and joiner.done == lease.cached else None)
+        return out
 
     def _advanced(self, joiner: Joiner, n: int) -> None:
         """Bookkeeping after a chunk: processor history, snapshot at a system-prompt end, allocator."""

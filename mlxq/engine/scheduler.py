@@ -206,6 +206,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
             for joiner in ready:
                 joiner.row.output.phases.mark("joined")
             self.phases.add_join(time.perf_counter() - start)
+        self._prefilled_together = None  # joined with, or not needed: never held past its step
 
     def _decode_or_shed(self) -> None:
         keys = [row.key for row in self.batch.rows]  # sampler state before this step, should it be redone

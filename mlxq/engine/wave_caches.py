@@ -42,6 +42,7 @@ class RowCopies:
     each is a new buffer of the row's whole KV, the cost a burst of agents pays per row."""
 
     kept: int = 0  # rows that joined in the batch their last chunk ran in (no copy)
+    broadcast: int = 0  # rows merged from the row before them (the same stored prefix): no copy kernel of their own
     gathered: int = 0  # rows merged into a new batch to join (copied)
     extracted: int = 0  # rows copied out of a batch: after a chunk that was not their last, or leaving it to be stored
     batch_extends: int = 0  # joins into a running batch: each copies every running row once more
@@ -63,13 +64,17 @@ class PrefilledTogether:
         return len(joiners) == len(self.joiners) and all(a is b for a, b in zip(joiners, self.joiners, strict=True))
 
 
-def merge_with_room(rows: list[list], room: int) -> list:
+def merge_with_room(rows: list[list], room: int, sources: list | None = None) -> list:
     """Per layer, one batched cache of ``rows`` (solo cache lists), as ``merge_solo_rows``; plain
-    full-attention layers are allocated ``room`` tokens past the longest row."""
+    full-attention layers are allocated ``room`` tokens past the longest row. ``sources``: per row,
+    what its caches hold (equal and not None: the same K/V, e.g. one stored prefix lent as it is);
+    a run of neighbouring rows with one source is written from its first row, broadcast: one copy
+    per run and layer, not one per row."""
+    sources = sources or [None] * len(rows)
     merged = []
     for column in zip(*rows, strict=True):
         if all(type(c) is KVCache for c in column) and any(c.keys is not None for c in column):
-            merged.append(_merge_kv(column, room))
+            merged.append(_merge_kv(column, room, sources))
         else:
             merged.append(merge_solo_rows([[c] for c in column])[0])
     return merged
@@ -108,24 +113,39 @@ def roll_rows(x: mx.array, shifts: list[int]) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
-def _merge_kv(column: tuple, room: int) -> BatchKVCache:
+def same_as_previous(sources: list) -> int:
+    """Rows that ``merge_with_room`` writes by broadcast from the row before them."""
+    return sum(s is not None and s == prev for prev, s in zip(sources, sources[1:], strict=False))
+
+
+def _merge_kv(column: tuple, room: int, sources: list) -> BatchKVCache:
     """mlx-lm's ``BatchKVCache.merge`` (rows right-aligned, left padding zero) into a larger buffer, its
     length a whole number of mlx-lm's growth steps (so a burst like the last one reuses its freed buffers)."""
-    lengths = [c.size() for c in column]
-    longest = max(lengths)
-    padding = [longest - n for n in lengths]
-    sample = next(c for c in column if c.keys is not None)
-    _, heads, _, k_dim = sample.keys.shape
+    longest = max(c.size() for c in column)
+    padding = [longest - c.size() for c in column]
     step = BatchKVCache.step
     capacity = -(-(longest + room) // step) * step
-    keys = mx.zeros((len(column), heads, capacity, k_dim), dtype=sample.keys.dtype)
-    values = mx.zeros((len(column), heads, capacity, sample.values.shape[3]), dtype=sample.values.dtype)
-    for i, (pad, cache) in enumerate(zip(padding, column, strict=True)):
-        if cache.keys is not None:
-            keys[i : i + 1, :, pad : pad + cache.offset] = cache.keys[..., : cache.offset, :]
-            values[i : i + 1, :, pad : pad + cache.offset] = cache.values[..., : cache.offset, :]
     out = BatchKVCache(padding)
-    out.keys, out.values = keys, values
+    out.keys, out.values = (_rows_into(column, name, padding, capacity, sources) for name in ("keys", "values"))
     out.offset += longest
     out._idx = longest
+    return out
+
+
+def _rows_into(column: tuple, name: str, padding: list[int], capacity: int, sources: list) -> mx.array:
+    """One [rows, heads, capacity, dim] buffer holding each row's ``name`` array, right-aligned."""
+    sample = next(getattr(c, name) for c in column if c.keys is not None)
+    rows, heads, dim = len(column), sample.shape[1], sample.shape[3]
+    out = mx.zeros((rows, heads, capacity, dim), dtype=sample.dtype)
+    start = 0
+    for end in range(1, rows + 1):
+        if end < rows and sources[end] is not None and sources[end] == sources[start]:
+            continue  # the same K/V as the run's first row (and so the same length and padding)
+        cache, pad = column[start], padding[start]
+        if cache.keys is not None:
+            n = cache.offset
+            row = getattr(cache, name)[..., :n, :]
+            out[start:end, :, pad : pad + n] = row if end - start == 1 else mx.broadcast_to(row, (end - start, heads,
+                                                                                                n, dim))
+        start = end
     return out

@@ -19,9 +19,9 @@ from mlxq.golden.cases import LONG
 from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
 
 
-def wave(tokenizer, shared: list[int], name: str, agents: int) -> list[Request]:
+def wave(tokenizer, shared: list[int], name: str, agents: int, lead: str) -> list[Request]:
     """Agents on one system prompt, each with its own question (tails of different lengths)."""
-    return [Request(f"{name}-{i}", shared + tokenizer.encode(" Agent" + " number" * i + f" {i} asks about {name}?"),
+    return [Request(f"{name}-{i}", shared + tokenizer.encode(f" {lead}" + " number" * i + f" {i} asks about {name}?"),
                     SamplingParams(), 6, ignore_eos=True, snapshot_at=len(shared)) for i in range(agents)]
 
 
@@ -38,7 +38,8 @@ def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_
     shared = tokenizer.encode(LONG + " " + LONG)
     config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=token0_in_decode)
     scheduler, finished = recording_scheduler(model, tokenizer, config)
-    cold, cached = wave(tokenizer, shared, "cold", 3), wave(tokenizer, shared, "cached", 5)
+    # The cached wave's questions share no token with the stored ones: each leases the system prompt alone.
+    cold, cached = wave(tokenizer, shared, "cold", 3, "Agent"), wave(tokenizer, shared, "cached", 5, "Please")
     run_wave(scheduler, cold)
     before, puts = scheduler.batch.copies.as_dict(), scheduler.prompt_cache.stats.puts
     run_wave(scheduler, cached)
@@ -46,8 +47,11 @@ def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_
     # The system prompt was stored: each agent stores once, when it ends, not also at its prompt boundary.
     assert scheduler.prompt_cache.stats.puts - puts == len(cached)
     delta = {k: after[k] - before[k] for k in after}
-    # One forward for the five tails, the batch kept for the join, rows stored from views as they leave.
-    assert delta == {"kept": 5, "gathered": 0, "extracted": 0, "batch_extends": 0, "extended_rows": 0}
+    # One forward for the five tails on one merged copy of the stored prefix (written once, broadcast),
+    # the batch kept for the join, rows stored from views as they leave.
+    assert delta == {"kept": 5, "broadcast": 4, "gathered": 0, "extracted": 0, "batch_extends": 0,
+                     "extended_rows": 0}
+    assert scheduler._prefilled_together is None  # the kept batch is the running batch's now, not held twice
     for r in cached:
         assert finished[r.request_id][1] >= len(shared)  # the prefix came from the RAM tier
     expected = serial_with_cache(model, tokenizer, cold + cached)
