@@ -7,7 +7,9 @@ a cold prefix); later waves reuse the system prompt with fresh questions (the
 prefix is cached) and their finished agents pile up in the RAM tier. While a
 wave runs, ``/stats`` is read every ``--poll-ms``; the server's request log
 (JSON lines, when this script starts the server) gives each request's queue
-time. Outliers (more than ``--outlier-factor`` times the wave's median first-
+time and its way from admission to the first token in phases
+(engine/ttft_phases.py), summarized as p50 / p95 per wave and over the
+cached waves. Outliers (more than ``--outlier-factor`` times the wave's median first-
 token time, and at least ``--outlier-min-ms``) are named with their cause
 (mlxq/bench/burst_causes.py).
 

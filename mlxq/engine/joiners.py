@@ -10,7 +10,7 @@ one through a ``JoinerView``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -34,7 +34,8 @@ class Joiner:
     followers: int = 0  # joiners waiting on this one
     restore: PendingRestore | None = None  # reading a longer prefix from disk
     resumed: bool = False  # a preempted row recomputing its KV: its usage keeps its first cached count
-    _trimmable: tuple[int, bool] | None = None  # (id of the caches list, is_trimmable): asked per joiner per step
+    # (id of the caches list, is_trimmable): the planner asks per joiner per admission and step
+    _trimmable: tuple[int, bool] | None = field(default=None, repr=False)
 
     @property
     def trimmable(self) -> bool:
