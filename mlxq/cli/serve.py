@@ -150,6 +150,8 @@ def serve(
     from mlxq.server.run import serve as run_server
 
     try:
+        if checkpoint_interval is None and tensor_parallel * pipeline_parallel > 1:
+            checkpoint_interval = 0  # no generation checkpoints across ranks (docs/distributed.md)
         ssd = _ssd_config(ssd_cache, ssd_cache_max, ssd_cache_verify, ssd_demote_idle, checkpoint_interval)
         config = ServerConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,

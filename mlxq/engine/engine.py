@@ -453,8 +453,15 @@ class Engine:
             from mlxq.store.cold_tier import open_cold_tier
 
             self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name,
-                                       kv_scheme=self.scheme.key, prototype=self._prototype)
+                                       kv_scheme=self.scheme.key, prototype=self._prototype, ranks=self._ranks())
             self.checkpoints = open_checkpointing(self.config.ssd, self.cold.store, self.scheme.key)
+
+    def _ranks(self):
+        """Tensor parallel: this rank's place and the collective its SSD restores agree through."""
+        from mlxq.store.rank_restore import Ranks
+
+        world = self.lockstep.world if self.lockstep is not None else None
+        return Ranks(world.rank, world.size, self.lockstep.gather_one) if world is not None else None
 
     def _background_work(self) -> bool:
         """SSD work waiting (asked only when idle: never a cost on the decode loop)."""
@@ -469,6 +476,8 @@ class Engine:
             if cold.has_work(flushing=True):
                 cold.step()
                 return
+            if self.lockstep is not None and self.lockstep.others_busy:
+                return  # the flush is durable once every rank's part is
             result = cold.flush_result()
             for flush in self._flushes:
                 flush.result = result
@@ -492,12 +501,15 @@ class Engine:
             if work is None:
                 return False
             if isinstance(work, _Flush):
-                if not self._flushes:
-                    self.cold.begin_flush()
-                self._flushes.append(work)
+                self._take_flush(work)
             else:
                 self._admit_to_fifo(work)
         return True
+
+    def _take_flush(self, flush: _Flush) -> None:
+        if not self._flushes:
+            self.cold.begin_flush()
+        self._flushes.append(flush)
 
     def _drain_inbox(self, block: bool) -> list[_Work | _Flush | None]:
         """What was submitted, up to a stop (None); waits a moment for the first item when ``block``."""
@@ -515,11 +527,16 @@ class Engine:
     def _intake_lockstep(self, block: bool) -> bool:
         """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike."""
         taken = self._drain_inbox(block) if self.lockstep.world.is_leader else []
-        works = [work for work in taken if isinstance(work, _Work)]  # no _Flush: no SSD tier here
+        works = [work for work in taken if isinstance(work, _Work)]
+        flushes = [work for work in taken if isinstance(work, _Flush)]
         scheduler = self.scheduler
         digest = [len(self._waiting), scheduler.num_rows if scheduler else 0,
                   scheduler.num_prefilling if scheduler else 0, self.stats.generated_tokens]
-        arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest)
+        busy = self.cold is not None and self.cold.has_work(flushing=bool(self._flushes))
+        arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest,
+                                          flush=bool(flushes), busy=busy)
+        for flush in (flushes or [_Flush()]) if arrivals.flush else ():  # a follower's: nobody waits on it
+            self._take_flush(flush)
         for work in works:
             self._admit_to_fifo(work)
         for request, emit in arrivals.requests:

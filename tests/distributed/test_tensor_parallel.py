@@ -236,12 +236,15 @@ def test_unsupported_combinations_are_refused(settings, message):
         ServerConfig(**settings)
 
 
-def test_the_ssd_tier_is_refused_at_the_command_line(tmp_path):
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--pipeline-parallel", "2", "--prompt-cache", "1GB"), "--ssd-cache is not available with --pipeline-parallel"),
+    (("--tensor-parallel", "2", "--checkpoint-interval", "64"), "generation checkpoints are not available with"),
+])
+def test_ssd_tier_settings_ranks_cannot_share_are_refused_at_the_command_line(tmp_path, flags, message):
     done = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(free_port()),
-                           "--tensor-parallel", "2", "--ssd-cache", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+                           *flags, "--ssd-cache", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "--ssd-cache is not available with --tensor-parallel" in done.stderr
+    assert message in done.stderr
 
 
 def test_a_taken_port_is_refused_before_ranks_start():
