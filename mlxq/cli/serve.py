@@ -165,8 +165,7 @@ def serve(
             kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none")
             else flag_bytes("--kv-budget", kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
-            prompt_cache_bytes=0 if pipeline_parallel > 1 and prompt_cache.strip().lower() == "auto"
-            else _prompt_cache_bytes(prompt_cache),
+            prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
             memory_limit_bytes=None if memory_limit.strip().lower() in ("auto", "off")
             else flag_bytes("--memory-limit", memory_limit),
             memory_limit_auto=memory_limit.strip().lower() == "auto",

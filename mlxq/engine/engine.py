@@ -442,7 +442,7 @@ class Engine:
             names = sorted({type(c).__name__ for c in caches})
             self.prompt_cache_off_reason = f"no prompt-cache support for cache classes {names}"
         else:
-            self.prompt_cache = PromptCache(cap)
+            self.prompt_cache = PromptCache(cap, charge=self._pipeline_charge())
         if self.config.ssd is None:
             self.cold_off_reason = "off (start with --ssd-cache DIR)"
         elif self.prompt_cache is None:
@@ -455,6 +455,14 @@ class Engine:
             self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name,
                                        kv_scheme=self.scheme.key, prototype=self._prototype, ranks=self._ranks())
             self.checkpoints = open_checkpointing(self.config.ssd, self.cold.store, self.scheme.key)
+
+    def _pipeline_charge(self):
+        """Pipeline parallel: rank 0's bytes per token and per snapshot, so every rank evicts alike."""
+        if self.lockstep is None or self.lockstep.world.mode != "pipeline":
+            return None
+        from mlxq.store.charge import measure_charge
+
+        return self.lockstep.from_leader(measure_charge(self._prototype))
 
     def _ranks(self):
         """Tensor parallel: this rank's place and the collective its SSD restores agree through."""

@@ -113,9 +113,6 @@ class ServerConfig:
         if self.world_size > 1 and self.ssd is not None and self.ssd.checkpoint_interval:
             raise ValueError("generation checkpoints are not available with --tensor-parallel: pass "
                              "--checkpoint-interval 0 (its default there); the SSD prompt tier works")
-        if self.pipeline_parallel > 1 and self.prompt_cache_bytes != 0:
-            raise ValueError("--prompt-cache is not available with --pipeline-parallel yet (each rank caches "
-                             "other layers, so their byte caps would evict apart); leave it at auto (off)")
         if self.world_size > 1 and self.adapters:
             raise ValueError(f"--adapter is not available with --{self.parallel_mode}-parallel yet (an adapter's "
                              "weights would need the same split as the model's)")
