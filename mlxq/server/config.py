@@ -113,9 +113,8 @@ class ServerConfig:
         if self.world_size > 1 and self.ssd is not None and self.ssd.checkpoint_interval:
             raise ValueError("generation checkpoints are not available with --tensor-parallel: pass "
                              "--checkpoint-interval 0 (its default there); the SSD prompt tier works")
-        if self.world_size > 1 and self.adapters:
-            raise ValueError(f"--adapter is not available with --{self.parallel_mode}-parallel yet (an adapter's "
-                             "weights would need the same split as the model's)")
+        if self.pipeline_parallel > 1 and self.adapters:
+            raise ValueError("--adapter is not available with --pipeline-parallel (--tensor-parallel has it)")
         if self.pipeline_parallel > 1 and self.kv_quant == "config":
             raise ValueError("--kv-quant config is not available with --pipeline-parallel (its bits are by "
                              "layer number, and each rank numbers only its own layers)")

@@ -270,7 +270,7 @@ def test_under_mlx_launch_and_stopped_by_rank_0(shardable):
     ({"pipeline_parallel": 2, "prompt_cache_bytes": 0, "kv_quant": "config"}, "--kv-quant config is not available"),
     ({"tensor_parallel": 0}, "--tensor-parallel and --pipeline-parallel must be >= 1"),
     ({"tensor_parallel": 2, "distributed_backend": "tcp"}, "--distributed-backend must be one of"),
-    ({"tensor_parallel": 2, "adapters": ("sql=./sql",)}, "--adapter is not available with --tensor-parallel"),
+    ({"pipeline_parallel": 2, "adapters": ("sql=./sql",)}, "--adapter is not available with --pipeline-parallel"),
 ])
 def test_unsupported_combinations_are_refused(settings, message):
     from mlxq.server.config import ServerConfig
