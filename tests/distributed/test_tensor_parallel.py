@@ -300,3 +300,12 @@ def test_a_taken_port_is_refused_before_ranks_start():
                                str(port)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"port {port} is in use" in done.stderr
+
+
+def test_random_weights_drawn_on_each_rank_generate_what_one_process_does():
+    """`--model random:PRESET` (no weights on disk): every rank draws the same weights and keeps its shard."""
+    with ServerProcess("--model", "random:default", *SERVE) as one:
+        alone = _run_c4(one.url)
+    with ServerProcess("--model", "random:default", "--tensor-parallel", "2", *SERVE) as two:
+        sharded = _run_c4(two.url)
+    assert [b["logprobs"]["tokens"] for b in sharded] == [a["logprobs"]["tokens"] for a in alone]
