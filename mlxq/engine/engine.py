@@ -472,8 +472,12 @@ class Engine:
         return Ranks(world.rank, world.size, self.lockstep.gather_one) if world is not None else None
 
     def _background_work(self) -> bool:
-        """SSD work waiting (asked only when idle: never a cost on the decode loop)."""
-        return self.cold is not None and self.cold.has_work(flushing=bool(self._flushes))
+        """SSD work waiting (asked only when idle: never a cost on the decode loop), here or, for a flush,
+        on another rank (which writes at this rank's pace)."""
+        if self.cold is None:
+            return False
+        others = bool(self._flushes) and self.lockstep is not None and self.lockstep.others_busy
+        return others or self.cold.has_work(flushing=bool(self._flushes))
 
     def _persist(self) -> None:
         """SSD work: one tensor per iteration, only when idle unless a flush is waiting."""
