@@ -1,6 +1,6 @@
 """The SSD tier under `--tensor-parallel 2` (CPU, ring over loopback): each rank writes its shard of every
-entry in its own folder, a restart restores a prefix on both ranks, and an entry missing on one rank is a
-clean miss everywhere; `mlxq cache` reports such an entry broken and prunes it."""
+entry in its own folder, a restart restores a prefix on both ranks, and an entry missing or corrupt on one
+rank is a clean miss everywhere; `mlxq cache` reports an entry missing a rank's file broken and prunes it."""
 
 from __future__ import annotations
 
@@ -90,6 +90,19 @@ def test_a_restart_restores_on_both_ranks_or_on_neither(llama, tmp_path):
     assert stats["failure"] is None
 
     assert _rank_files(directory)["tp2-rank1"] == files["tp2-rank1"]  # rank 1 wrote its part again
+
+    # Both files present, rank 1's with flipped bytes: found on both ranks, read whole on rank 0 only, so
+    # dropped on both (rank 1 removes its bad file and writes it again).
+    flipped = next(directory.rglob("tp2-rank1/*/*.mlxkv"))
+    data = bytearray(flipped.read_bytes())
+    data[-16:] = bytes(b ^ 0xFF for b in data[-16:])
+    flipped.write_bytes(bytes(data))
+    with ServerProcess(*args) as two:
+        unread = _complete(two.url)
+        ssd = httpx.get(f"{two.url}/stats", timeout=10).json()["ssd_cache"]
+    assert _cached(unread) == 0 and unread["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert ssd["restores_ranks_apart"] == 1
+    assert _rank_files(directory)["tp2-rank1"] == files["tp2-rank1"]
 
     next(directory.rglob("tp2-rank1/*/*.mlxkv")).unlink()
     pruned = _cli("cache", "prune", str(directory), "--older-than", "7d")
