@@ -34,6 +34,7 @@ from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
 from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.cold_tier import FlushResult
+from mlxq.store.rank_restore import flush_state
 from mlxq.store.ssd_config import SsdConfig
 
 log = logging.getLogger("mlxq.engine")
@@ -476,7 +477,7 @@ class Engine:
         on another rank (which writes at this rank's pace)."""
         if self.cold is None:
             return False
-        others = bool(self._flushes) and self.lockstep is not None and self.lockstep.others_busy
+        others = bool(self._flushes) and self.lockstep is not None and not self.lockstep.others_flushed
         return others or self.cold.has_work(flushing=bool(self._flushes))
 
     def _persist(self) -> None:
@@ -488,9 +489,11 @@ class Engine:
             if cold.has_work(flushing=True):
                 cold.step()
                 return
-            if self.lockstep is not None and self.lockstep.others_busy:
+            if self.lockstep is not None and not self.lockstep.others_flushed:
                 return  # the flush is durable once every rank's part is
             result = cold.flush_result()
+            if self.lockstep is not None and not self.lockstep.others_durable:
+                result = replace(result, durable=False)
             for flush in self._flushes:
                 flush.result = result
                 flush.done.set()
@@ -544,9 +547,8 @@ class Engine:
         scheduler = self.scheduler
         digest = [len(self._waiting), scheduler.num_rows if scheduler else 0,
                   scheduler.num_prefilling if scheduler else 0, self.stats.generated_tokens]
-        busy = self.cold is not None and self.cold.has_work(flushing=bool(self._flushes))
         arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest,
-                                          flush=bool(flushes), busy=busy)
+                                          flush=bool(flushes), ssd_state=flush_state(self.cold, bool(self._flushes)))
         for flush in (flushes or [_Flush()]) if arrivals.flush else ():  # a follower's: nobody waits on it
             self._take_flush(flush)
         for work in works:

@@ -34,6 +34,7 @@ from mlxq.distributed.channel import agree_min, gather_ints, share_bytes, share_
 from mlxq.distributed.world import RankInfo, World
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, TokenEvent
+from mlxq.store.rank_restore import NOT_DURABLE, WRITING
 
 log = logging.getLogger("mlxq.engine")
 
@@ -75,7 +76,8 @@ class Lockstep:
         self.world = world
         self.ranks: list[RankInfo] = []  # every rank, after start-up
         self.rank_memory: list[tuple[int, int]] = []  # (active, peak) bytes per rank, as of the last iteration
-        self.rank_busy: list[int] = []  # per rank, as of the last iteration: SSD writes still to do (1) or not (0)
+        self.rank_ssd: list[int] = []  # per rank, as of the last iteration: store.rank_restore.flush_state
+        self._flush_shared_at = 0  # the iteration that last shared a flush
         self.failure: str | None = None  # why serving stopped (a rank lost), for /health
         self.iterations = 0
         self.exchange_s = 0.0  # wall time in exchange(): the collectives, and the wait for the step in flight
@@ -127,9 +129,13 @@ class Lockstep:
         return [row[0] for row in gather_ints(self.world.group, [int(value)])]
 
     @property
-    def others_busy(self) -> bool:
-        """Another rank still had SSD writes to do at this iteration's start (a flush waits for every rank)."""
-        return any(self.rank_busy[1:])
+    def others_flushed(self) -> bool:
+        """Every other rank had taken the flush and had no SSD write left at this iteration's start."""
+        return self.iterations > self._flush_shared_at and WRITING not in self.rank_ssd[1:]
+
+    @property
+    def others_durable(self) -> bool:
+        return NOT_DURABLE not in self.rank_ssd[1:]
 
     def from_leader(self, value):
         """Rank 0's ``value`` on every rank: sizes every rank must plan alike (under pipeline parallelism
@@ -168,32 +174,34 @@ class Lockstep:
 
     # --- the engine thread, every rank, once per loop iteration ---------------------------
     def exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool = False,
-                 busy: bool = False) -> Arrivals:
+                 ssd_state: int = 0) -> Arrivals:
         """Share rank 0's arrivals, cancellations, flush and stop; check every rank's ``digest`` (and the
-        checksum of the tokens it handed out) matches rank 0's; gather whether each rank is ``busy``
-        writing to its SSD tier."""
+        checksum of the tokens it handed out) matches rank 0's; gather each rank's ``ssd_state``
+        (store.rank_restore.flush_state)."""
 
         self.iterations += 1
         started = time.perf_counter()
         try:
-            return self._exchange(taken, stop, digest, flush, busy)
+            return self._exchange(taken, stop, digest, flush, ssd_state)
         finally:
             self.exchange_s += time.perf_counter() - started
 
-    def _exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool, busy: bool) -> Arrivals:
+    def _exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool, ssd: int) -> Arrivals:
         import mlx.core as mx
 
         payload = self._payload(taken, stop, flush) if self.world.is_leader else b""
         digest = [*digest, self._token_checksum]
-        rows = gather_ints(self.world.group, [len(payload), *digest, int(busy), mx.get_active_memory(),
+        rows = gather_ints(self.world.group, [len(payload), *digest, ssd, mx.get_active_memory(),
                                               mx.get_peak_memory()])
         self.rank_memory = [(row[-2], row[-1]) for row in rows]
-        self.rank_busy = [row[-3] for row in rows]
+        self.rank_ssd = [row[-3] for row in rows]
         self._check_digests(rows)
         size = rows[0][0]
         if size == 0:
             return Arrivals()
         message = pickle.loads(share_sized(self.world.group, payload, size))  # rank 0's own bytes: trusted
+        if message["flush"]:
+            self._flush_shared_at = self.iterations
         if self.world.is_leader:
             self._apply_cancels(message["cancels"])
             return Arrivals(stop=message["stop"], flush=message["flush"])

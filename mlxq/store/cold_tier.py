@@ -90,6 +90,7 @@ class ColdTier:
     _last_demote_check: float = 0.0
     _flush_failures_at: int = 0
     _flush_started: float = 0.0
+    last_flush_durable: bool = True  # the last reported flush's answer (tensor parallel: rank 0 asks the others)
     read_bytes_per_s: float | None = None  # measured on restores
     prefill_tok_s: float | None = None  # measured on cold prefills (note_prefill)
     _restoring: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # PendingRestores in progress
@@ -279,6 +280,12 @@ class ColdTier:
         self._failed.clear()  # retry what failed before, once
         self._flush_failures_at = self.counters.failed
         self._flush_started = time.monotonic()
+        self.last_flush_durable = True
+
+    def durable_now(self) -> bool:
+        """Nothing pending, being written, dropped or failed since the flush began."""
+        return not (self._dirty or self._spills or self._lost or self._job is not None
+                    or self.counters.failed > self._flush_failures_at)
 
     def flush_result(self, *, timed_out: bool = False, report: bool = True) -> FlushResult:
         """The state of durability now; ``report`` also resets the lost-since-last-flush count."""
@@ -286,15 +293,18 @@ class ColdTier:
             self.store.forget_vanished()
         pending = len(self._dirty) + len(self._spills)
         failed = self.counters.failed - self._flush_failures_at
-        lost = self._lost
+        lost, durable = self._lost, not timed_out and self.durable_now()
         if report:
             self._lost = 0
-        return FlushResult(
-            durable=not timed_out and pending == 0 and lost == 0 and failed == 0 and self._job is None,
+        result = FlushResult(
+            durable=durable,
             pending=pending, dropped=lost, failed=failed, entries=len(self.store.files),
             longest_durable_prefix_tokens=self.store.longest_prefix,
             elapsed_s=round(time.monotonic() - self._flush_started, 3), timed_out=timed_out,
         )
+        if report:
+            self.last_flush_durable = result.durable
+        return result
 
     def as_dict(self) -> dict:
         store = self.store

@@ -1,4 +1,5 @@
-"""Tensor parallel: each rank restores its shard of an entry, and either every rank restores it or none does.
+"""Tensor parallel: each rank restores its shard of an entry, and either every rank restores it or none does;
+a flush is durable once every rank's part is.
 
 Each rank keeps its own files (its share of the KV heads) in its own folder,
 written in the same engine iterations as the other ranks'. They can still
@@ -25,6 +26,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mlxq.store.cold_tier import ColdTier
     from mlxq.store.ssd_restore import PendingRestore
+
+
+WRITING = 1  # flush_state: SSD writes still to do
+NOT_DURABLE = 2  # flush_state: idle, but the last flush on this rank failed, dropped or timed out
+
+
+def flush_state(tier: ColdTier | None, flushing: bool) -> int:
+    """What this rank tells rank 0 at each iteration: WRITING, NOT_DURABLE or 0 (idle and durable)."""
+    if tier is None:
+        return 0
+    if tier.has_work(flushing=flushing):
+        return WRITING
+    # Flushing: this iteration's answer (the rank resolves its flush after the exchange); else the last one's.
+    return 0 if (tier.durable_now() if flushing else tier.last_flush_durable) else NOT_DURABLE
 
 
 @dataclass(frozen=True)

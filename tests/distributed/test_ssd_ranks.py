@@ -1,6 +1,7 @@
 """The SSD tier under `--tensor-parallel 2` (CPU, ring over loopback): each rank writes its shard of every
 entry in its own folder, a restart restores a prefix on both ranks, and an entry missing or corrupt on one
-rank is a clean miss everywhere; `mlxq cache` reports an entry missing a rank's file broken and prunes it."""
+rank is a clean miss everywhere; `mlxq cache` reports an entry missing a rank's file broken and prunes it;
+a flush is durable only once every rank's part is."""
 
 from __future__ import annotations
 
@@ -108,3 +109,13 @@ def test_a_restart_restores_on_both_ranks_or_on_neither(llama, tmp_path):
     pruned = _cli("cache", "prune", str(directory), "--older-than", "7d")
     assert pruned.returncode == 0 and "1 files" in pruned.stdout, pruned.stdout
     assert _rank_files(directory) == {}
+
+    # Rank 1 cannot write (its namespace folder is a file now): the flush waits for it and is not durable.
+    folder = next(p for p in directory.glob("*/tp2-rank1/*") if p.is_dir())
+    folder.rmdir()
+    folder.write_text("not a folder")
+    with ServerProcess(*args) as two:
+        _complete(two.url)
+        flushed = _cli("cache", "flush", "--url", two.url)
+    assert flushed.returncode == 1 and json.loads(flushed.stdout)["durable"] is False, flushed.stdout
+    assert sorted(_rank_files(directory)) == ["tp2-rank0"]
