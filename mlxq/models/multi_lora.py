@@ -120,53 +120,61 @@ def adapter_names(model) -> list[str]:
 class SharedShrink:
     """The shrink ``x @ A`` of sibling layers that read the same input (q/k/v, gate/up), once per input.
 
-    The siblings' A blocks sit side by side (``[members * R, input_dims]``); the first
-    sibling called with an input computes every sibling's columns in one matmul (and, for
-    mixed rows, masks them once), the others slice theirs. A different input object (the
-    attention output reaching o_proj) or another route computes afresh. The input is held
-    by a weak reference: a cache that kept it would keep a prefill chunk's activations of
-    every layer alive until the next forward (gigabytes on an 8B model)."""
+    The siblings' A blocks sit side by side, member by member: ``every`` is ``[input_dims,
+    members * R]`` (adapter k's columns of member m at ``m * R + offsets[k]``) and ``each[k]``
+    ``[input_dims, members * r_k]`` (adapter k's alone, for a route with every row on k). The first
+    sibling called with an input computes every sibling's columns in one matmul (and, for mixed
+    rows, masks them once); each sibling's expand then reads the whole product through a B that is
+    zero outside its own rows (``_padded``). Slicing its columns out instead would hand the
+    expand a strided operand, which MLX's matmul copies first: one more kernel, and one more op
+    for the host to build, per layer. A different input object (the attention output reaching
+    o_proj) or another route computes afresh. The input is held by a weak reference: a cache that
+    kept it would keep a prefill chunk's activations of every layer alive until the next forward
+    (gigabytes on an 8B model)."""
 
-    def __init__(self, a_t: mx.array, members: int):
-        self.a = a_t.T
-        self.members = members
-        mx.eval(self.a)
+    def __init__(self, a_blocks: Sequence[mx.array], routing: AdapterRouting):
+        self.members = len(a_blocks)
+        self.every = mx.concatenate(a_blocks).T
+        self.each = [mx.concatenate([a[o : o + r] for a in a_blocks]).T
+                     for o, r in zip(routing.offsets, routing.ranks, strict=True)]
+        mx.eval(self.every, self.each)
         self._key: tuple = (lambda: None, None)  # (weak reference to the input, route)
-        self._h: mx.array | None = None  # [rows, tokens, members * R]: small
+        self._h: mx.array | None = None  # [rows, tokens, members * columns]: small
 
     def of(self, x: mx.array, route: Route) -> mx.array:
         if self._key[0]() is not x or self._key[1] is not route:
-            h = x @ self.a
-            if route.mask is not None:
-                h = h * route.tiled_mask(self.members)
+            if route.mask is None:
+                h = x @ self.each[route.slot]
+            else:
+                h = (x @ self.every) * route.tiled_mask(self.members)
             self._key, self._h = (weakref.ref(x), route), h
         return self._h
 
 
 class MultiLoRALinear(nn.Module):
     def __init__(self, base: nn.Module, routing: AdapterRouting, pieces: Sequence[LowRank | None],
-                 shrink: SharedShrink, member: int, lora_a_t: mx.array):
+                 shrink: SharedShrink, member: int):
         super().__init__()
         self.base = base
         self._routing = routing
         self._shrink = shrink
-        self._columns = member * sum(routing.ranks)  # where this layer's columns start in the shrink
         out_dims = next(p for p in pieces if p is not None).lora_b.shape[1]
         dtype = routing.dtype
         self._adapted = [p is not None for p in pieces]
         self._dora = [p is not None and p.gain is not None for p in pieces]
-        self.lora_a_t = lora_a_t  # a view of the shrink's A: counted here, stored once
+        width = sum(routing.ranks)
+        self.lora_a_t = shrink.every[:, member * width : (member + 1) * width]  # a view: counted here, stored there
         # The scale goes into B (the last bits differ from mlx-lm's scale-after-product).
-        self.lora_b = mx.concatenate([(p.scale * p.lora_b if p else mx.zeros((r, out_dims))).astype(dtype)
-                                      for p, r in zip(pieces, routing.ranks, strict=True)])
+        blocks = [(p.scale * p.lora_b if p else mx.zeros((r, out_dims))).astype(dtype)
+                  for p, r in zip(pieces, routing.ranks, strict=True)]
+        self.lora_b = _padded(mx.concatenate(blocks), member, shrink.members)  # mixed rows: every adapter
+        self._b = [_padded(b, member, shrink.members) for b in blocks]  # every row on adapter k
         self.gains = None
         if any(self._dora):
             ones = mx.ones((out_dims,))
             self.gains = mx.stack([p.gain if p is not None and p.gain is not None else ones for p in pieces]
                                   + [ones]).astype(dtype)
-        mx.eval(self.lora_b, self.gains)
-        self._b = [self.lora_b[o : o + r] for o, r in zip(routing.offsets, routing.ranks, strict=True)]
-        mx.eval(self._b)  # views: evaluated slices share lora_b
+        mx.eval(self.lora_b, self._b, self.gains)
 
     def __call__(self, x: mx.array) -> mx.array:
         route = self._routing.route
@@ -175,8 +183,7 @@ class MultiLoRALinear(nn.Module):
         slot = route.slot
         if slot is None or not self._adapted[slot]:
             return self.base(x)
-        start = self._columns + self._routing.offsets[slot]
-        h = self._shrink.of(x, route)[..., start : start + self._routing.ranks[slot]]
+        h = self._shrink.of(x, route)
         if self._dora[slot]:  # DoRALinear.__call__, its magnitude precomputed (models/adapters.py)
             out = self.gains[slot] * mx.addmm(x @ _dequantized(self.base).T, h, self._b[slot])
             return out + self.base.bias if "bias" in self.base else out
@@ -185,7 +192,7 @@ class MultiLoRALinear(nn.Module):
     def _mixed(self, x: mx.array, route: Route) -> mx.array:
         if x.ndim != 3 or x.shape[0] != route.mask.shape[0]:
             raise RuntimeError(f"adapter routing for {route.mask.shape[0]} rows met an input of shape {x.shape}")
-        h = self._shrink.of(x, route)[..., self._columns : self._columns + self.lora_b.shape[0]]
+        h = self._shrink.of(x, route)
         out = mx.addmm(self.base(x), h, self.lora_b)
         if self.gains is None:
             return out
@@ -193,6 +200,12 @@ class MultiLoRALinear(nn.Module):
         if "bias" not in self.base:
             return gain * out
         return gain * (out - self.base.bias) + self.base.bias
+
+
+def _padded(b: mx.array, member: int, members: int) -> mx.array:
+    """B ``[r, out]`` for the ``member``-th of ``members`` blocks of a shrink: zero rows elsewhere."""
+    rank = b.shape[0]
+    return mx.pad(b, [(member * rank, (members - member - 1) * rank), (0, 0)])
 
 
 def _dequantized(linear: nn.Module) -> mx.array:
@@ -215,14 +228,11 @@ def install_adapters(model: nn.Module, names: Sequence[str], adapters: Sequence[
     routing = AdapterRouting(names, ranks, _compute_dtype(modules[paths[0]]))
     replaced = []
     for group in _sibling_groups(paths, adapters):
-        blocks = [_a_block([pieces.get(path) for pieces in adapters], routing) for path in group]
-        a_t = mx.concatenate(blocks)
-        shrink = SharedShrink(a_t, len(group))
-        width = sum(ranks)
+        shrink = SharedShrink([_a_block([pieces.get(path) for pieces in adapters], routing) for path in group],
+                              routing)
         for member, path in enumerate(group):
-            view = a_t[member * width : (member + 1) * width]
             replaced.append((path, MultiLoRALinear(modules[path], routing, [pieces.get(path) for pieces in adapters],
-                                                   shrink, member, view)))
+                                                   shrink, member)))
     model.update_modules(tree_unflatten(replaced))
     mx.eval(model.parameters())
     setattr(model, ROUTING_ATTRIBUTE, routing)
