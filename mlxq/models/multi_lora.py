@@ -29,7 +29,6 @@ Sibling layers that read one input (q/k/v, gate/up) share one shrink matmul
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -52,12 +51,17 @@ class Route:
     slot: int | None = None  # every row on this adapter (None with mask None: every row on the base)
     mask: mx.array | None = None  # mixed rows: [rows, 1, R], 1 on each row's own adapter's columns
     indices: mx.array | None = None  # mixed rows: each row's adapter (len(adapters) for the base), for DoRA
-    tiled: dict = field(default_factory=dict, compare=False)  # members -> the mask repeated for sibling layers
+    flat: dict = field(default_factory=dict, compare=False)  # (members, tokens) -> the mask for a flat shrink
 
-    def tiled_mask(self, members: int) -> mx.array:
-        if members not in self.tiled:
-            self.tiled[members] = mx.tile(self.mask, (1, 1, members)) if members > 1 else self.mask
-        return self.tiled[members]
+    def flat_mask(self, members: int, tokens: int) -> mx.array:
+        """The mask of a shrink of ``members`` siblings, ``tokens`` a row: ``[rows * tokens, members * R]``."""
+        if (members, tokens) not in self.flat:
+            if len(self.flat) >= RECENT_ROUTES:  # prefill chunks of many lengths
+                self.flat.clear()
+            rows, _, width = self.mask.shape
+            tiled = mx.tile(self.mask, (1, tokens, members)) if tokens * members > 1 else self.mask
+            self.flat[members, tokens] = tiled.reshape(rows * tokens, members * width)
+        return self.flat[members, tokens]
 
 
 BASE = Route()
@@ -72,6 +76,7 @@ class AdapterRouting:
         self.offsets = [int(o) for o in np.cumsum([0, *ranks])[:-1]]
         self.dtype = dtype  # the adapted layers' dtype: the mask must not promote their products
         self.route = BASE
+        self.shrinks: list[SharedShrink] = []  # install_adapters registers them: their caches end with a forward
         # Recent compositions: decode steps repeat the batch's, joiners' prefills interleave their own,
         # and a route's masks (tiled per sibling group) are built once.
         self._recent: dict[tuple[str, ...], Route] = {}
@@ -103,6 +108,8 @@ class AdapterRouting:
             yield
         finally:
             self.route = previous
+            for shrink in self.shrinks:
+                shrink.forget()
 
 
 def adapter_rows(model, names: Sequence[str]):
@@ -128,9 +135,8 @@ class SharedShrink:
     zero outside its own rows (``_padded``). Slicing its columns out instead would hand the
     expand a strided operand, which MLX's matmul copies first: one more kernel, and one more op
     for the host to build, per layer. A different input object (the attention output reaching
-    o_proj) or another route computes afresh. The input is held by a weak reference: a cache that
-    kept it would keep a prefill chunk's activations of every layer alive until the next forward
-    (gigabytes on an 8B model)."""
+    o_proj) or another route computes afresh. The cache lives for one forward: the routing's
+    ``rows`` context drops it on exit (see ``forget``)."""
 
     def __init__(self, a_blocks: Sequence[mx.array], routing: AdapterRouting):
         self.members = len(a_blocks)
@@ -138,17 +144,24 @@ class SharedShrink:
         self.each = [mx.concatenate([a[o : o + r] for a in a_blocks]).T
                      for o, r in zip(routing.offsets, routing.ranks, strict=True)]
         mx.eval(self.every, self.each)
-        self._key: tuple = (lambda: None, None)  # (weak reference to the input, route)
-        self._h: mx.array | None = None  # [rows, tokens, members * columns]: small
+        self.forget()
 
-    def of(self, x: mx.array, route: Route) -> mx.array:
-        if self._key[0]() is not x or self._key[1] is not route:
+    def forget(self) -> None:
+        """Drop the cached shrink: it holds a view of its input (a prefill chunk's activations of
+        every layer, gigabytes on an 8B model), so it lives only for the forward that made it."""
+        self._x = self._route = self._rows = self._h = None
+
+    def of(self, x: mx.array, route: Route) -> tuple[mx.array, mx.array]:
+        """``x`` as ``[rows * tokens, input_dims]`` and its shrink: 2-D operands keep every
+        matmul of the layer a single node (a 3-D one adds a flatten, an unflatten and a broadcast)."""
+        if self._x is not x or self._route is not route:
+            rows = x.reshape(-1, x.shape[-1])
             if route.mask is None:
-                h = x @ self.each[route.slot]
+                h = rows @ self.each[route.slot]
             else:
-                h = (x @ self.every) * route.tiled_mask(self.members)
-            self._key, self._h = (weakref.ref(x), route), h
-        return self._h
+                h = (rows @ self.every) * route.flat_mask(self.members, x.shape[-2])
+            self._x, self._route, self._rows, self._h = x, route, rows, h
+        return self._rows, self._h
 
 
 class MultiLoRALinear(nn.Module):
@@ -183,17 +196,20 @@ class MultiLoRALinear(nn.Module):
         slot = route.slot
         if slot is None or not self._adapted[slot]:
             return self.base(x)
-        h = self._shrink.of(x, route)
+        rows, h = self._shrink.of(x, route)
         if self._dora[slot]:  # DoRALinear.__call__, its magnitude precomputed (models/adapters.py)
-            out = self.gains[slot] * mx.addmm(x @ _dequantized(self.base).T, h, self._b[slot])
-            return out + self.base.bias if "bias" in self.base else out
-        return mx.addmm(self.base(x), h, self._b[slot])
+            out = self.gains[slot] * mx.addmm(rows @ _dequantized(self.base).T, h, self._b[slot])
+            out = out + self.base.bias if "bias" in self.base else out
+        else:
+            out = mx.addmm(self.base(rows), h, self._b[slot])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _mixed(self, x: mx.array, route: Route) -> mx.array:
         if x.ndim != 3 or x.shape[0] != route.mask.shape[0]:
             raise RuntimeError(f"adapter routing for {route.mask.shape[0]} rows met an input of shape {x.shape}")
-        h = self._shrink.of(x, route)
-        out = mx.addmm(self.base(x), h, self.lora_b)
+        rows, h = self._shrink.of(x, route)
+        out = mx.addmm(self.base(rows), h, self.lora_b)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
         if self.gains is None:
             return out
         gain = self.gains[route.indices][:, None, :]
@@ -230,6 +246,7 @@ def install_adapters(model: nn.Module, names: Sequence[str], adapters: Sequence[
     for group in _sibling_groups(paths, adapters):
         shrink = SharedShrink([_a_block([pieces.get(path) for pieces in adapters], routing) for path in group],
                               routing)
+        routing.shrinks.append(shrink)
         for member, path in enumerate(group):
             replaced.append((path, MultiLoRALinear(modules[path], routing, [pieces.get(path) for pieces in adapters],
                                                    shrink, member)))
