@@ -134,6 +134,7 @@ def _expand_source(members: int) -> str:
 
 
 _kernels: dict = {}
+_no_mask: dict = {}  # dtype -> a one-element stand-in for the mask input, made once (not a node per call)
 
 
 def _shrink_kernel():
@@ -160,8 +161,11 @@ def _blocks(count: int, per_block: int) -> int:
 def shrink(x: mx.array, a: mx.array, mask: mx.array | None) -> mx.array:
     """``(x @ a.T) * mask``: x ``[N, D]``, a ``[C, D]``, mask ``[N, C]`` or None; ``[N, C]`` in x's dtype."""
     rows, columns = x.shape[0], a.shape[0]
+    if mask is None and x.dtype not in _no_mask:
+        _no_mask[x.dtype] = mx.zeros((1,), x.dtype)
+        mx.eval(_no_mask[x.dtype])
     return _shrink_kernel()(
-        inputs=[x, a, mask if mask is not None else mx.zeros((1,), x.dtype)],
+        inputs=[x, a, mask if mask is not None else _no_mask[x.dtype]],
         template=[("T", x.dtype), ("ROWS", ROWS), ("COLS", COLUMNS), ("THREADS", THREADS),
                   ("HAS_MASK", mask is not None)],
         grid=(_blocks(columns, COLUMNS) * THREADS, _blocks(rows, ROWS), 1), threadgroup=(THREADS, 1, 1),
