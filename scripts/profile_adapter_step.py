@@ -15,11 +15,7 @@ where building the next step overlaps the device's work on this one):
 - mixed:      row i on adapter i mod N (the gathered update)
 - mixed+base: row i on the base or one of the adapters, in turn
 
-``--paths ops,kernel`` times each adapter routing both ways on CUDA: the MLX ops
-path and the sibling groups' CUDA kernels (models/lora_kernel.py), as ``one/ops``,
-``one/kernel``...
-
-    python scripts/profile_adapter_step.py [--model PATH] [--rows 8,32] [--adapters 2] [--rank 16] [--paths ops]
+    python scripts/profile_adapter_step.py [--model PATH] [--rows 8,32] [--adapters 2] [--rank 16]
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlxq.models import multi_lora
 from mlxq.models.adapters import AdapterSpec
 from mlxq.models.default import ensure_default_model
 from mlxq.models.loader import load_model
@@ -38,31 +33,23 @@ from mlxq.models.multi_lora import adapter_rows, attach_adapters
 from mlxq.models.tiny_adapter import make_tiny_adapter
 
 
-def routings(rows: int, names: list[str], paths: list[str]) -> dict[str, tuple[list[str], str]]:
-    """Routing label -> (adapter per row, path); the base routing runs once (no adapter arithmetic)."""
+def routings(rows: int, names: list[str]) -> dict[str, list[str]]:
     everyone = ["", *names]
-    mixes = {"one": [names[0]] * rows, "mixed": [names[i % len(names)] for i in range(rows)],
-             "mixed+base": [everyone[i % len(everyone)] for i in range(rows)]}
-    plan = {"base": ([""] * rows, paths[0])}
-    for name, row_names in mixes.items():
-        for path in paths:
-            plan[name if len(paths) == 1 else f"{name}/{path}"] = (row_names, path)
-    return plan
+    return {"base": [""] * rows, "one": [names[0]] * rows, "mixed": [names[i % len(names)] for i in range(rows)],
+            "mixed+base": [everyone[i % len(everyone)] for i in range(rows)]}
 
 
-def time_steps(model, rows: int, names: list[str], context: int, steps: int,
-               paths: list[str]) -> dict[str, list[tuple]]:
+def time_steps(model, rows: int, names: list[str], context: int, steps: int) -> dict[str, list[tuple]]:
     import mlx.core as mx  # after mlxq: its fast BLAS loads before mlx
     from mlx_lm.models.cache import make_prompt_cache
 
     caches = make_prompt_cache(model)
     mx.eval(model(mx.ones((rows, context), dtype=mx.uint32), cache=caches))
     token = mx.ones((rows, 1), dtype=mx.uint32)
-    plan = routings(rows, names, paths)
+    plan = routings(rows, names)
     times: dict[str, list[tuple]] = {name: [] for name in plan}
     for step in range(steps + 2):
-        for name, (row_names, path) in plan.items():
-            multi_lora.USE_KERNEL = path == "kernel"
+        for name, row_names in plan.items():
             start, cpu = time.perf_counter(), time.process_time()
             with adapter_rows(model, row_names):
                 logits = model(token, cache=caches)
@@ -89,7 +76,6 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--paths", default="ops", help="ops, kernel or ops,kernel (the kernel path needs CUDA)")
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else ensure_default_model()
     work = Path(tempfile.mkdtemp(prefix="mlxq-adapters-"))
@@ -102,7 +88,7 @@ def main() -> None:
           "| graph build ms (median) |", flush=True)
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
-        times = time_steps(loaded.model, rows, names, args.context, args.steps, args.paths.split(","))
+        times = time_steps(loaded.model, rows, names, args.context, args.steps)
         base = summary(times["base"])
         for name, samples in times.items():
             wall, best, cpu, build = summary(samples)

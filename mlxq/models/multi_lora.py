@@ -11,8 +11,8 @@ from the shared ``AdapterRouting``, which the engine sets around every model
 call (``adapter_rows``):
 
 - every row on the base: the base layer alone (no cost);
-- every row on one adapter k: ``addmm(base(x), x @ A_k, B_k)`` on views of
-  the blocks (two more kernels per layer);
+- every row on one adapter k: ``addmm(base(x), x @ A_k, B_k)`` (adapter k's
+  own A blocks: its columns alone; two more kernels per layer);
 - mixed rows: ``addmm(base(x), (x @ A) * mask, B)``: the base matmul once for
   all rows, every adapter's shrink in one narrow matmul, a per-row mask that
   keeps each row's own adapter's columns (none for base rows), one expand.
@@ -24,7 +24,11 @@ call (``adapter_rows``):
   batches like LoRA.
 
 Sibling layers that read one input (q/k/v, gate/up) share one shrink matmul
-(``SharedShrink``): on a GPU each kernel costs host time whatever its size.
+(``SharedShrink``): on a GPU each graph node costs host time whatever its
+size, and the adapter step is host-bound. For that, operands are 2-D and no
+matmul gets a strided operand (which it would copy first): A is stored twice
+(every adapter's columns, and each adapter's alone) and each sibling's B is
+zero outside its rows of the group's shrink (members times its size).
 """
 
 from __future__ import annotations
@@ -38,14 +42,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from mlxq.models import lora_kernel
 from mlxq.models.adapters import LowRank
 
 ROUTING_ATTRIBUTE = "mlxq_adapter_routing"  # set on the model object by install_adapters
 RECENT_ROUTES = 16
-# Sibling groups without DoRA take their update from models/lora_kernel.py on CUDA (two nodes a
-# group instead of ~4 a layer: the GPU step is host-bound); False keeps the ops path everywhere.
-USE_KERNEL = True
 # Layers the models (mlx-lm's) call on the same input object, one after another.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkvz", "in_proj_ba"))
 
@@ -144,48 +144,30 @@ class SharedShrink:
     o_proj) or another route computes afresh. The cache lives for one forward: the routing's
     ``rows`` context drops it on exit (see ``forget``)."""
 
-    def __init__(self, a_blocks: Sequence[mx.array], routing: AdapterRouting, fused: bool):
+    def __init__(self, a_blocks: Sequence[mx.array], routing: AdapterRouting):
         self.members = len(a_blocks)
-        self.every_rows = mx.concatenate(a_blocks)  # [members * R, input_dims]: the kernel's operand
-        self.every = self.every_rows.T  # the same buffer: the ops path's operand
-        self.each_rows = [mx.concatenate([a[o : o + r] for a in a_blocks])
-                          for o, r in zip(routing.offsets, routing.ranks, strict=True)]
-        self.each = [a.T for a in self.each_rows]
-        self.fused = fused  # the group's update by the CUDA kernels
-        self.layers: list[MultiLoRALinear] = []  # the siblings, in member order (install_adapters)
-        mx.eval(self.every, self.each)  # views of the rows: evaluated once, not in every step's graph
+        self.every = mx.concatenate(a_blocks).T
+        self.each = [mx.concatenate([a[o : o + r] for a in a_blocks]).T
+                     for o, r in zip(routing.offsets, routing.ranks, strict=True)]
+        mx.eval(self.every, self.each)  # transposed views, evaluated once: not a node in every step's graph
         self.forget()
 
     def forget(self) -> None:
         """Drop the cached shrink: it holds a view of its input (a prefill chunk's activations of
         every layer, gigabytes on an 8B model), so it lives only for the forward that made it."""
-        self._x = self._route = self._rows = self._h = self._outputs = None
+        self._x = self._route = self._rows = self._h = None
 
     def of(self, x: mx.array, route: Route) -> tuple[mx.array, mx.array]:
         """``x`` as ``[rows * tokens, input_dims]`` and its shrink: 2-D operands keep every
         matmul of the layer a single node (a 3-D one adds a flatten, an unflatten and a broadcast)."""
-        if self._x is not x or self._route is not route or self._h is None:
+        if self._x is not x or self._route is not route:
             rows = x.reshape(-1, x.shape[-1])
             if route.mask is None:
                 h = rows @ self.each[route.slot]
             else:
                 h = (rows @ self.every) * route.flat_mask(self.members, x.shape[-2])
-            self._x, self._route, self._rows, self._h, self._outputs = x, route, rows, h, None
+            self._x, self._route, self._rows, self._h = x, route, rows, h
         return self._rows, self._h
-
-    def output(self, x: mx.array, route: Route, member: int) -> mx.array:
-        """Member ``member``'s output, every sibling's computed at once by the CUDA kernels."""
-        if self._x is not x or self._route is not route or self._outputs is None:
-            rows = x.reshape(-1, x.shape[-1])
-            if route.mask is None:
-                h = lora_kernel.shrink(rows, self.each_rows[route.slot], None)
-            else:
-                h = lora_kernel.shrink(rows, self.every_rows, route.flat_mask(self.members, x.shape[-2]))
-            outputs = lora_kernel.expand(h, [layer.base(rows) for layer in self.layers],
-                                         [layer.kernel_b(route) for layer in self.layers])
-            self._outputs = [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outputs]
-            self._x, self._route, self._rows, self._h = x, route, None, None
-        return self._outputs[member]
 
 
 class MultiLoRALinear(nn.Module):
@@ -195,31 +177,23 @@ class MultiLoRALinear(nn.Module):
         self.base = base
         self._routing = routing
         self._shrink = shrink
-        self._member = member
         out_dims = next(p for p in pieces if p is not None).lora_b.shape[1]
         dtype = routing.dtype
         self._adapted = [p is not None for p in pieces]
         self._dora = [p is not None and p.gain is not None for p in pieces]
         width = sum(routing.ranks)
-        self.lora_a_t = shrink.every[:, member * width : (member + 1) * width]  # a view: counted here, stored there
+        self.lora_a_t = shrink.every.T[member * width : (member + 1) * width]  # a view: counted here, stored there
         # The scale goes into B (the last bits differ from mlx-lm's scale-after-product).
         blocks = [(p.scale * p.lora_b if p else mx.zeros((r, out_dims))).astype(dtype)
                   for p, r in zip(pieces, routing.ranks, strict=True)]
         self.lora_b = _padded(mx.concatenate(blocks), member, shrink.members)  # mixed rows: every adapter
         self._b = [_padded(b, member, shrink.members) for b in blocks]  # every row on adapter k
-        if shrink.fused:  # the kernel reads the unpadded blocks
-            self._kernel_b = [mx.concatenate(blocks), *blocks]
-            mx.eval(self._kernel_b)
         self.gains = None
         if any(self._dora):
             ones = mx.ones((out_dims,))
             self.gains = mx.stack([p.gain if p is not None and p.gain is not None else ones for p in pieces]
                                   + [ones]).astype(dtype)
         mx.eval(self.lora_b, self._b, self.gains)
-
-    def kernel_b(self, route: Route) -> mx.array:
-        """B for the kernel path: every adapter's blocks for mixed rows, else the route's adapter's."""
-        return self._kernel_b[0] if route.mask is not None else self._kernel_b[1 + route.slot]
 
     def __call__(self, x: mx.array) -> mx.array:
         route = self._routing.route
@@ -228,8 +202,6 @@ class MultiLoRALinear(nn.Module):
         slot = route.slot
         if slot is None or not self._adapted[slot]:
             return self.base(x)
-        if self._shrink.fused and USE_KERNEL:
-            return self._shrink.output(x, route, self._member)
         rows, h = self._shrink.of(x, route)
         if self._dora[slot]:  # DoRALinear.__call__, its magnitude precomputed (models/adapters.py)
             out = self.gains[slot] * mx.addmm(rows @ _dequantized(self.base).T, h, self._b[slot])
@@ -241,8 +213,6 @@ class MultiLoRALinear(nn.Module):
     def _mixed(self, x: mx.array, route: Route) -> mx.array:
         if x.ndim != 3 or x.shape[0] != route.mask.shape[0]:
             raise RuntimeError(f"adapter routing for {route.mask.shape[0]} rows met an input of shape {x.shape}")
-        if self._shrink.fused and USE_KERNEL:
-            return self._shrink.output(x, route, self._member)
         rows, h = self._shrink.of(x, route)
         out = mx.addmm(self.base(rows), h, self.lora_b)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
@@ -272,26 +242,20 @@ def _compute_dtype(linear: nn.Module):
     return linear.scales.dtype if isinstance(linear, nn.QuantizedLinear) else linear.weight.dtype
 
 
-def install_adapters(model: nn.Module, names: Sequence[str], adapters: Sequence[dict[str, LowRank]],
-                     fused: bool | None = None) -> AdapterRouting:
-    """Replace every linear layer any adapter touches; the adapters' slots follow ``names``.
-    ``fused``: sibling groups without DoRA update by models/lora_kernel.py (None: on CUDA)."""
+def install_adapters(model: nn.Module, names: Sequence[str], adapters: Sequence[dict[str, LowRank]]) -> AdapterRouting:
+    """Replace every linear layer any adapter touches; the adapters' slots follow ``names``."""
     modules = dict(model.named_modules())
     paths = sorted({path for pieces in adapters for path in pieces})
     ranks = [next(iter(pieces.values())).lora_a.shape[1] for pieces in adapters]
     routing = AdapterRouting(names, ranks, _compute_dtype(modules[paths[0]]))
     replaced = []
-    if fused is None:
-        fused = mx.cuda.is_available() and mx.default_device() == mx.gpu
     for group in _sibling_groups(paths, adapters):
-        dora = any(pieces[path].gain is not None for path in group for pieces in adapters if path in pieces)
         shrink = SharedShrink([_a_block([pieces.get(path) for pieces in adapters], routing) for path in group],
-                              routing, fused=fused and not dora)
+                              routing)
         routing.shrinks.append(shrink)
         for member, path in enumerate(group):
-            layer = MultiLoRALinear(modules[path], routing, [pieces.get(path) for pieces in adapters], shrink, member)
-            shrink.layers.append(layer)
-            replaced.append((path, layer))
+            replaced.append((path, MultiLoRALinear(modules[path], routing, [pieces.get(path) for pieces in adapters],
+                                                   shrink, member)))
     model.update_modules(tree_unflatten(replaced))
     mx.eval(model.parameters())
     setattr(model, ROUTING_ATTRIBUTE, routing)
