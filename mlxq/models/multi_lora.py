@@ -33,6 +33,7 @@ zero outside its rows of the group's shrink (members times its size).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -82,7 +83,6 @@ class AdapterRouting:
         self.offsets = [int(o) for o in np.cumsum([0, *ranks])[:-1]]
         self.dtype = dtype  # the adapted layers' dtype: the mask must not promote their products
         self.route = BASE
-        self.shrinks: list[SharedShrink] = []  # install_adapters registers them: their caches end with a forward
         # Recent compositions: decode steps repeat the batch's, joiners' prefills interleave their own,
         # and a route's masks (tiled per sibling group) are built once.
         self._recent: dict[tuple[str, ...], Route] = {}
@@ -114,8 +114,6 @@ class AdapterRouting:
             yield
         finally:
             self.route = previous
-            for shrink in self.shrinks:
-                shrink.forget()
 
 
 def adapter_rows(model, names: Sequence[str]):
@@ -141,8 +139,10 @@ class SharedShrink:
     zero outside its own rows (``_padded``). Slicing its columns out instead would hand the
     expand a strided operand, which MLX's matmul copies first: one more kernel, and one more op
     for the host to build, per layer. A different input object (the attention output reaching
-    o_proj) or another route computes afresh. The cache lives for one forward: the routing's
-    ``rows`` context drops it on exit (see ``forget``)."""
+    o_proj) or another route computes afresh. The input is held by a weak reference and its
+    flattened view only as long as the input lives (the caller's forward): a cache that kept them
+    would keep a prefill chunk's activations of every layer alive through the chunk's evaluation
+    (gigabytes on an 8B model)."""
 
     def __init__(self, a_blocks: Sequence[mx.array], routing: AdapterRouting):
         self.members = len(a_blocks)
@@ -150,24 +150,24 @@ class SharedShrink:
         self.each = [mx.concatenate([a[o : o + r] for a in a_blocks]).T
                      for o, r in zip(routing.offsets, routing.ranks, strict=True)]
         mx.eval(self.every, self.each)  # transposed views, evaluated once: not a node in every step's graph
-        self.forget()
-
-    def forget(self) -> None:
-        """Drop the cached shrink: it holds a view of its input (a prefill chunk's activations of
-        every layer, gigabytes on an 8B model), so it lives only for the forward that made it."""
-        self._x = self._route = self._rows = self._h = None
+        self._key: tuple = (lambda: None, None)  # (weak reference to the input, route)
+        self._rows: mx.array | None = None  # the input flattened: a view, dropped with the input
+        self._h: mx.array | None = None  # [rows * tokens, members * columns]: small
 
     def of(self, x: mx.array, route: Route) -> tuple[mx.array, mx.array]:
         """``x`` as ``[rows * tokens, input_dims]`` and its shrink: 2-D operands keep every
         matmul of the layer a single node (a 3-D one adds a flatten, an unflatten and a broadcast)."""
-        if self._x is not x or self._route is not route:
+        if self._rows is None or self._key[0]() is not x or self._key[1] is not route:
             rows = x.reshape(-1, x.shape[-1])
             if route.mask is None:
                 h = rows @ self.each[route.slot]
             else:
                 h = (rows @ self.every) * route.flat_mask(self.members, x.shape[-2])
-            self._x, self._route, self._rows, self._h = x, route, rows, h
+            self._key, self._rows, self._h = (weakref.ref(x, self._input_gone), route), rows, h
         return self._rows, self._h
+
+    def _input_gone(self, _reference) -> None:
+        self._rows = None
 
 
 class MultiLoRALinear(nn.Module):
@@ -252,7 +252,6 @@ def install_adapters(model: nn.Module, names: Sequence[str], adapters: Sequence[
     for group in _sibling_groups(paths, adapters):
         shrink = SharedShrink([_a_block([pieces.get(path) for pieces in adapters], routing) for path in group],
                               routing)
-        routing.shrinks.append(shrink)
         for member, path in enumerate(group):
             replaced.append((path, MultiLoRALinear(modules[path], routing, [pieces.get(path) for pieces in adapters],
                                                    shrink, member)))
