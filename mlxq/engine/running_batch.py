@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from mlxq.engine.prefix_sharing import Group, row_groups
 from mlxq.engine.rows import Row
+from mlxq.kv import attention_route
 from mlxq.kv.batch_ops import check_extendable, extend_batch, extract_row, keep_rows, merge_solo_rows, view_rows
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import PrefixSpec, SharingPlan, prefix_from_spans, share_groups
@@ -52,6 +53,11 @@ class RunningBatch:
     batched: bool = False
     pending: Pending | None = None
     groups: tuple[Group, ...] = ()  # rows reading a shared prefix, per prefix (none: every row holds its own)
+
+    def __setattr__(self, name, value) -> None:
+        super().__setattr__(name, value)
+        if name == "groups":  # the model's attention goes through the seam only while a group runs
+            attention_route.use_shared(bool(value))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -104,11 +110,13 @@ class RunningBatch:
         self.pending = self.pending.take(keep)
         if self.batched:
             keep_rows(self.caches, keep)  # a group no row reads any more leaves the caches too
-            self.groups = tuple(g for g in (group.keep(keep) for group in self.groups) if g.rows)
+            groups = tuple(g for g in (group.keep(keep) for group in self.groups) if g.rows)
             if len(keep) == 1:
                 self.caches, self.batched, self.groups = extract_row(self.caches, 0), False, ()
-            elif self.groups and sum(group.rows for group in self.groups) < 2:
-                self._unshare()
+            elif self.groups and sum(group.rows for group in groups) < 2:
+                self._unshare()  # also when every group left: strays alone go back to per-row caches
+            else:
+                self.groups = groups
 
     def clear(self) -> list[Row]:
         """Drop every row's KV and pending state; the rows are returned to be finished or requeued."""

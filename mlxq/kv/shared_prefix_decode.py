@@ -43,6 +43,7 @@ AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-m
 PATHS = ("ops", "full", "split")
 
 _enabled = False
+_checked = False  # enable() ran its self-check
 _grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
 
@@ -139,8 +140,9 @@ def grouped_self_check(dtype=mx.bfloat16) -> float:
 def enable() -> bool:
     """Let the kernels run from now on, if CUDA is here and both self-checks agree with the plain
     path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path."""
-    global _enabled
-    if not _enabled and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
+    global _enabled, _checked
+    if not _checked and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
+        _checked = True  # once: a batch forming groups again does not repeat a failed check
         try:
             errors = self_check()
         except Exception as exc:  # no compiler, an unsupported GPU: the plain path stays

@@ -179,3 +179,33 @@ def test_building_a_group_never_holds_the_batch_kv_twice(load_tiny):
     out = {}
     decode(model, batch, out, 2)
     assert [out[i] for i in range(len(rows))] == [solo(model, p, 2) for p in rows]
+
+
+def test_strays_left_without_a_group_go_back_to_per_row_caches_and_unrouted_attention(load_tiny):
+    """When every row of every group has left, the strays must not keep running on shared-prefix
+    caches (attention through the seam, the grouped kernels): they return to per-row batched caches
+    and the model's attention calls are those of ``off`` again."""
+    from mlx_lm.models import llama
+
+    from mlxq.kv.sharing_plan import PrefixSpec, share_groups
+    from tests.kv.test_shared_prefix_groups import two_groups
+
+    model, tokenizer = load_tiny("llama")
+    lengths, rows, _ = two_groups(tokenizer)
+    extra = tokenizer.encode("Another request that shares nothing with the others.")
+    plan = plan_sharing(model)
+    names = [0, 3, 2, "x"]  # rows 0 and 3 on prefix A; 2 and "x" strays
+    prompts_ = [rows[0], rows[3], rows[2], extra]
+    batch, out = RunningBatch(), {}
+    batch.join(names, share_groups(plan, [prefilled(model, p) for p in prompts_], [PrefixSpec(lengths[0])],
+                                   [0, 0, -1, -1]), True, pending(prompts_))
+    batch.groups = (Group(None, lengths[0], (True, True, False, False)),)
+    assert llama.scaled_dot_product_attention is attention_route.route
+    decode(model, batch, out, 2)
+
+    batch.keep([2, 3])  # both group rows leave
+    assert batch.groups == () and not shared_layers(batch)
+    assert llama.scaled_dot_product_attention is not attention_route.route
+    decode(model, batch, out, 2)
+    for name, prompt in zip(names, prompts_, strict=True):
+        assert out[name] == solo(model, prompt, len(out[name])), name
