@@ -28,8 +28,8 @@ on a 2.2k prefix (35k group tokens) decoded slower shared (ITL p50 12.5 vs
 CPU sharing measured at parity with copies (the exponentials, not the
 reads, bound it there), so it says no. Since copies decode through
 kv/gqa_decode_kernel.py too (kv/cuda_attention.py), the per-layer gap
-narrowed: 64 x 2k + 300 copies 0.27 ms, shared (gqa) 0.23; 16 x 12k 0.41
-vs 0.30; 64 x 16k 1.69 vs 0.93 (split); the whole-model gate was not
+narrowed: 64 x 2k + 300 copies 0.25 ms, shared (gqa) 0.22; 16 x 12k 0.39
+vs 0.29; 64 x 16k 1.57 vs 0.88 (split); the whole-model gate was not
 measured again.
 """
 
@@ -47,8 +47,8 @@ from mlxq.kv.shared_prefix_attention import Quant, RowGroups, grouped_shared_pre
 log = logging.getLogger("mlxq.kv")
 
 SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path wins (H200, 8B layer)
-# Below this the gqa path beats the split path (H200, 8B layer: 64 x 2k 0.23 vs 0.37 ms, 16 x 12k 0.30 vs
-# 0.37); at 64 x 16k (1M) the split path's GEMMs win (0.93 vs 1.43). Between the two: not measured.
+# Below this the gqa path beats the split path (H200, 8B layer: 64 x 2k 0.22 vs 0.37-0.49 ms, 16 x 12k
+# 0.29 vs 0.37-0.52); at 64 x 16k (1M) the split path's GEMMs win (0.88 vs 1.31). Between: not measured.
 GQA_MAX_GROUP_TOKENS = 524_288
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
 PATHS = ("ops", "full", "split", "gqa")
