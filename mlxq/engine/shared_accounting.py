@@ -15,9 +15,9 @@ is about to be, and per row otherwise (conservative):
 - ``--shared-prefix-attention off``, a model that declines sharing, or no
   prompt cache: nobody.
 
-What is not counted: a joiner prefills its tail on its own solo caches (the
-lease's copy of the prefix) for the step before it joins; that transient
-is the headroom the budget leaves (engine/memory.py).
+A joiner still prefills its tail on its own solo caches (the lease's copy
+of the prefix) until it joins: the KV budget leaves that out, the memory
+room counts it (``step_plan.fits_memory``), so a burst joins in waves.
 """
 
 from __future__ import annotations

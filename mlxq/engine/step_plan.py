@@ -118,12 +118,16 @@ class Sizing:
 def fits_memory(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> bool:
     """While anything runs, a newcomer's whole KV and its prefill step must fit the memory left.
 
-    Checked only while busy, so a request is never refused for it: it waits."""
+    Joiners that the KV budget counts as reading a shared prefix by reference (``Extent.prefix``)
+    still prefill their tails on a copy of it and hold that copy until they join: the copies of
+    those not yet joined count here, so a burst of agents on a long prefix joins in waves that
+    fit rather than all at once. Checked only while busy, so a request is never refused for it: it waits."""
     if limits.memory_room is None or not (load.running or load.prefilling):
         return True
     prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
     transient = sizing.transient_bytes(prompts, limits.prefill_budget, limits.group_cap)
-    need = sizing.footprint.row_bytes(extent.total, extent.prompt) + transient
+    copies = sum(sizing.footprint.batch_bytes([e.prompt]) for e in load.prefilling if e.prefix is not None)
+    need = sizing.footprint.row_bytes(extent.total, extent.prompt) + transient + copies
     return need <= limits.memory_room
 
 
