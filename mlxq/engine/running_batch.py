@@ -127,14 +127,29 @@ class RunningBatch:
     def share(self, groups: tuple[Group, ...], plan: SharingPlan) -> None:
         """Rebuild the batched caches so each group's rows hold only their tails past its prefix
         (read from its node chain) and every other row its whole history."""
-        rows = view_rows(self.caches, len(self.rows))
-        specs = [PrefixSpec(g.prefix_length, prefix_from_spans(g.prefix_lease().layer_spans())) for g in groups]
-        self.caches = share_groups(plan, rows, specs, row_groups(groups, len(self.rows)))
+        self.caches = _grouped_caches(plan, view_rows(self.caches, len(self.rows)), groups)
         # No layer may share (e.g. quantized KV on a GPU backend): the caches are per row again.
         self.groups = groups if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else ()
+
+    def start_grouped(self, rows: list[Row], solo_caches: list[list], groups: tuple[Group, ...], plan: SharingPlan,
+                      pending: Pending) -> None:
+        """Into an empty batch: rows (solo cache lists) grouped at once, each group's rows keeping only
+        their tails; the batch of every row's whole history that ``join`` then ``share`` would build
+        first (a second copy of each row's prefix, for a moment) is never made."""
+        if self.rows:
+            raise ValueError("start_grouped needs an empty batch")
+        caches = _grouped_caches(plan, solo_caches, groups)
+        self.rows, self.caches, self.batched, self.pending = list(rows), caches, True, pending
+        self.groups = groups if any(isinstance(c, SharedPrefixBatchCache) for c in caches) else ()
 
     def _unshare(self) -> None:
         """Back to per-row batched caches (each group row's copy of its prefix plus its tail)."""
         if self.groups:
             self.caches = merge_solo_rows([extract_row(self.caches, i) for i in range(len(self.rows))])
             self.groups = ()
+
+
+def _grouped_caches(plan: SharingPlan, rows: list[list], groups: tuple[Group, ...]) -> list:
+    """Batched caches for ``rows`` (solo cache lists or views) with ``groups`` reading their node chains' spans."""
+    specs = [PrefixSpec(g.prefix_length, prefix_from_spans(g.prefix_lease().layer_spans())) for g in groups]
+    return share_groups(plan, rows, specs, row_groups(groups, len(rows)))

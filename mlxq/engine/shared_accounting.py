@@ -54,7 +54,7 @@ def credits(leases: Sequence[Lease | None], running: int, groups: tuple[Group, .
         return [NO_CREDIT] * len(leases)
     if not groups:
         predicted = choose_groups(list(leases), policy)
-        return [*running_credits(predicted, len(leases))]
+        return running_credits(predicted, len(leases))
     out = running_credits(groups, running) + [NO_CREDIT] * (len(leases) - running)
     for g, group in enumerate(groups):
         last = group.prefix_length - 1
