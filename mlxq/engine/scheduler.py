@@ -243,7 +243,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
                     keep.remove(i)
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
         if self.checkpoints is not None:
-            self._publish_checkpoints(keep, done_now, next_tokens)
+            self._publish_checkpoints(keep, done_now, next_tokens, [None if pending.emitted[i] else t
+                                                                    for i, t in enumerate(tokens)])
         self.sharing_stats.count_step(batch.groups)
         if len(keep) < len(batch.rows):
             self._evict(keep)

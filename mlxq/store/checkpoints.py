@@ -42,7 +42,7 @@ class CheckpointRecord:
 
     key: str  # the request key's digest (the file's name)
     prompt_tokens: int  # the prompt's length; the caches cover prompt + emitted
-    emitted: tuple[int, ...]  # tokens handed out to the client so far (EOS never among them)
+    emitted: tuple[int, ...]  # tokens generated before ``pending`` (EOS never among them)
     pending: int  # the next token, sampled but not handed out (fed to the caches next)
     rng_key: tuple[int, ...] | None  # MLX's global key before the draw after ``pending`` (seeded rows)
     created: float = 0.0  # unix time
