@@ -169,6 +169,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         row.output.finish(reason, error=error)
         self._on_finish(row)
 
+    def requests_held(self) -> list[Request]:
+        """Every request decoding, prefilling or preempted here."""
+        return [row.request for row in (*self.batch.rows, *(j.row for j in self.joiners), *self._preempted)]
+
     def fail_all(self, message: str) -> None:
         rows = self.batch.clear() + [j.row for j in self.joiners.clear()] + self._preempted
         self._preempted = []

@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from mlxq.server import admin, messages_route, responses_route, routes
+from mlxq.server import admin, admin_adapters, messages_route, responses_route, routes
 from mlxq.server.errors import (
     APIError,
     error_response,
@@ -117,6 +117,8 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             Route("/dashboard", routes.dashboard, methods=["GET"]),
             Route("/stats", routes.stats, methods=["GET"]),
             Route("/admin/cache/flush", admin.flush_cache, methods=["POST"]),
+            Route("/admin/adapters", admin_adapters.load_adapter, methods=["POST"]),
+            Route("/admin/adapters/{name:path}", admin_adapters.unload_adapter, methods=["DELETE"]),
         ],
         middleware=[
             Middleware(Guard, policy=GuardPolicy.of(state.config)),
