@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -127,8 +128,6 @@ def test_an_adapter_with_a_running_request_is_not_unloaded(tiny_model_dirs, adap
         refused = unload(url, "A")
         thread.join(300)
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "adapter_in_use", refused.text
-        import json
-
         chunks = [json.loads(line[6:]) for line in result["lines"] if line.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks) == reference
         assert unload(url, "A").status_code == 200
