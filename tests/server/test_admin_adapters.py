@@ -11,6 +11,7 @@ import pytest
 from mlxq.golden.cases import LONG
 from mlxq.models.adapters import adapter_identity
 from mlxq.models.default import ensure_default_model
+from mlxq.models.tiny import build_tiny_model
 from mlxq.models.tiny_adapter import make_tiny_adapter
 from tests.conftest import ServerProcess
 from tests.server.test_adapters import MAX_TOKENS, oracle_text
@@ -131,3 +132,16 @@ def test_an_adapter_with_a_running_request_is_not_unloaded(tiny_model_dirs, adap
         chunks = [json.loads(line[6:]) for line in result["lines"] if line.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks) == reference
         assert unload(url, "A").status_code == 200
+
+
+def test_ranks_serving_together_refuse_runtime_adapters(tmp_path, adapters):
+    """Under --tensor-parallel an adapter would need the model's split on every rank: a clear 409."""
+    model = build_tiny_model("llama", tmp_path / "m", preset="default")  # heads that split in two
+    with ServerProcess("--model", str(model), "--tensor-parallel", "2", "--warmup", "off",
+                       "--log-level", "warning") as server:
+        loaded = httpx.post(server.url + "/admin/adapters", json={"name": "A", "path": str(adapters["lora"])},
+                            timeout=60)
+        unloaded = httpx.delete(server.url + "/admin/adapters/A", timeout=60)
+    assert loaded.status_code == 409 and loaded.json()["error"]["code"] == "unsupported"
+    assert "--tensor-parallel" in loaded.json()["error"]["message"]
+    assert unloaded.status_code == 409
