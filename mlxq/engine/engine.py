@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from mlxq.engine.admission import AdmissionError, check_fits_alone
+from mlxq.engine.engine_calls import EngineCall
 from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
 from mlxq.engine.grammar_timing import GrammarTiming
@@ -32,7 +33,7 @@ from mlxq.engine.output import EmitFn
 from mlxq.engine.serial_resume import SerialPreempted, SerialRun, backing_off
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
-from mlxq.models.multi_lora import adapter_rows
+from mlxq.models.multi_lora import adapter_names, adapter_rows
 from mlxq.store.cold_tier import FlushResult
 from mlxq.store.rank_restore import flush_state
 from mlxq.store.ssd_config import SsdConfig
@@ -151,7 +152,8 @@ class Engine:
         self.cold_off_reason: str | None = None
         self.checkpoints = None  # engine.checkpointing.Checkpointing, with --ssd-cache and --checkpoint-interval > 0
         self._flushes: list[_Flush] = []
-        self._inbox: queue.Queue[_Work | _Flush | None] = queue.Queue()
+        self._inbox: queue.Queue[_Work | _Flush | EngineCall | None] = queue.Queue()
+        self._calls: list[EngineCall] = []  # taken in, run when the loop stands between iterations
         self._waiting: collections.deque[_Work] = collections.deque()
         self._serial_running: Request | None = None
         self._stopping = threading.Event()
@@ -221,6 +223,20 @@ class Engine:
             return flush.result
         return self.cold.flush_result(timed_out=True, report=False)
 
+    def call_between_steps(self, fn: Callable[[], object], timeout: float) -> object:
+        """Run ``fn`` on the engine thread between two steps and return its result (any thread; raises
+        what ``fn`` raises, or engine_calls.EngineCallTimeout when the engine did not get to it)."""
+        if not self.is_alive:
+            raise RuntimeError("the engine is not running")
+        call = EngineCall(fn)
+        self._inbox.put(call)
+        return call.wait(timeout)
+
+    def requests_held(self) -> list[Request]:
+        """Engine thread: every request it holds, waiting, prefilling, decoding or preempted."""
+        held = [work.request for work in self._waiting]
+        return held + (self.scheduler.requests_held() if self.scheduler is not None else [])
+
     def stop(self, timeout: float | None = None) -> None:
         """Stop after the current step; queued and running requests are cancelled."""
         self._stopping.set()
@@ -257,6 +273,7 @@ class Engine:
                 self._beat()
                 if not self._intake(block=self._idle() and not self._background_work()):
                     break
+                self._run_calls()
                 self._schedule()
                 self._persist()
         except BaseException as exc:  # the thread must not die silently: /health reports it
@@ -517,6 +534,10 @@ class Engine:
                 return False
             if isinstance(work, _Flush):
                 self._take_flush(work)
+            elif isinstance(work, EngineCall):
+                self._calls.append(work)  # not here: the serial lane takes its inbox in mid-request
+            elif work.request.adapter and work.request.adapter not in adapter_names(self.loaded.model):
+                self._fail(work, f"model {work.request.adapter!r} was unloaded before this request started")
             else:
                 self._admit_to_fifo(work)
         return True
@@ -525,6 +546,15 @@ class Engine:
         if not self._flushes:
             self.cold.begin_flush()
         self._flushes.append(flush)
+
+    def _run_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for call in calls:
+            call.run()
+
+    def _fail(self, work: _Work, message: str) -> None:
+        work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.ERROR, error=message))
+        self._done(work.request, work.placement.lane, FinishReason.ERROR, None, message)
 
     def _drain_inbox(self, block: bool) -> list[_Work | _Flush | None]:
         """What was submitted, up to a stop (None); waits a moment for the first item when ``block``."""
@@ -590,8 +620,7 @@ class Engine:
             message = "the request does not fit the KV budget"
         except AdmissionError as exc:
             message = str(exc)
-        work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.ERROR, error=message))
-        self._done(work.request, work.placement.lane, FinishReason.ERROR, None, message)
+        self._fail(work, message)
 
     def _drop_cancelled_waiting(self) -> None:
         if not any(w.request.cancelled.is_set() for w in self._waiting):

@@ -183,6 +183,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         row.output.finish(reason, error=error)
         self._on_finish(row)
 
+    def requests_held(self) -> list[Request]:
+        """Every request decoding, prefilling or preempted here."""
+        return [row.request for row in (*self.batch.rows, *(j.row for j in self.joiners), *self._preempted)]
+
     def fail_all(self, message: str) -> None:
         rows = self.batch.clear() + [j.row for j in self.joiners.clear()] + self._preempted
         self._preempted = []
@@ -257,7 +261,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
                     keep.remove(i)
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
         if self.checkpoints is not None:
-            self._publish_checkpoints(keep, done_now, next_tokens)
+            self._publish_checkpoints(keep, done_now, next_tokens, [None if pending.emitted[i] else t
+                                                                    for i, t in enumerate(tokens)])
         self.sharing_stats.count_step(batch.groups)
         if len(keep) < len(batch.rows):
             self._evict(keep)
