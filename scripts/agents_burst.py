@@ -7,7 +7,9 @@ a cold prefix); later waves reuse the system prompt with fresh questions (the
 prefix is cached) and their finished agents pile up in the RAM tier. While a
 wave runs, ``/stats`` is read every ``--poll-ms``; the server's request log
 (JSON lines, when this script starts the server) gives each request's queue
-time. Outliers (more than ``--outlier-factor`` times the wave's median first-
+time and its way from admission to the first token in phases
+(engine/ttft_phases.py), summarized as p50 / p95 per wave and over the
+cached waves. Outliers (more than ``--outlier-factor`` times the wave's median first-
 token time, and at least ``--outlier-min-ms``) are named with their cause
 (mlxq/bench/burst_causes.py).
 
@@ -94,8 +96,8 @@ async def run_wave(url: str, wave: int, system: str, questions: list[str], args)
     return list(records), samples, wall
 
 
-def server_queue_times(log_path: Path | None) -> dict[str, float]:
-    """request id -> queue_ms, from the server's JSON request log."""
+def server_request_log(log_path: Path | None) -> dict[str, dict]:
+    """request id -> its request-log fields (queue_ms, ttft_<phase>_ms, ...), from the server's JSON request log."""
     if log_path is None or not log_path.exists():
         return {}
     out = {}
@@ -106,8 +108,15 @@ def server_queue_times(log_path: Path | None) -> dict[str, float]:
         except ValueError:
             continue
         if "queue_ms" in fields and "id" in fields:
-            out[fields["id"]] = fields["queue_ms"]
+            out[fields["id"]] = fields
     return out
+
+
+def phases_of(fields: dict) -> dict[str, float] | None:
+    """The request's time from admission to token 0 in phases (engine/ttft_phases.py), None if not logged."""
+    phases = {key[5:-3]: value for key, value in fields.items()
+              if key.startswith("ttft_") and key.endswith("_ms") and key != "ttft_ms"}
+    return phases or None
 
 
 async def run(url: str, args, log_path: Path | None) -> None:
@@ -122,9 +131,10 @@ async def run(url: str, args, log_path: Path | None) -> None:
         questions = [_text(rng, words, args.question_words) for _ in range(args.agents)]
         records, samples, wall = await run_wave(url, wave, system, questions, args)
         await asyncio.sleep(0.3)  # the request log's last lines
-        queue = server_queue_times(log_path)
+        logged = server_request_log(log_path)
         for r in records:
-            r.queue_ms = queue.get(r.id)
+            fields = logged.get(r.id, {})
+            r.queue_ms, r.phases_ms = fields.get("queue_ms"), phases_of(fields)
         mark_outliers(records, samples, args.outlier_factor, args.outlier_min_ms, args.batch, args.prompt_concurrency)
         async with httpx.AsyncClient(timeout=30) as client:
             stats = await read_stats(client, url)
@@ -132,10 +142,15 @@ async def run(url: str, args, log_path: Path | None) -> None:
         waves.append(summary)
         all_records += records
         print(f"wave {wave}: {json.dumps(summary)}", flush=True)
+        print(f"  admission -> token 0 by phase (ms p50/p95): {phase_line(summary['ttft_phases_ms'])}", flush=True)
         for r in sorted(records, key=lambda r: r.sent_s):
             if r.outlier:
                 print(f"  outlier {r.id}: ttft {r.ttft_ms:.0f} ms, queue {r.queue_ms} ms: {r.outlier}", flush=True)
         write_results(args, waves, all_records)  # after every wave: a cut-short run keeps what it measured
+
+
+def phase_line(phases: dict) -> str:
+    return ", ".join(f"{name} {v['p50']:.0f}/{v['p95']:.0f}" for name, v in phases.items()) or "not logged"
 
 
 def write_results(args, waves: list[dict], records: list[Record]) -> None:

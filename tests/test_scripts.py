@@ -204,5 +204,17 @@ def test_agents_burst_times_every_request_and_names_each_outliers_cause(small_mo
     assert summary["waves"][1]["cached_share"] > 0.5  # the second wave found the system prompt cached
     records = json.loads((tmp_path / "requests.json").read_text())
     assert len(records) == 6 and all(r["queue_ms"] is not None for r in records)
+    assert all(r["phases_ms"]["join"] >= 0 and "lease" in r["phases_ms"] for r in records)  # the request log's
+    for phase in ("lease", "join"):
+        assert summary["waves"][1]["ttft_phases_ms"][phase]["p95"] >= 0
+        assert summary["overall"]["cached_ttft_phases_ms"][phase]["p50"] >= 0
     # Three agents on two rows: one of them queued for a row, and the report says so.
     assert any("rows were taken" in o["cause"] for w in summary["waves"] for o in w["outliers"])
+
+
+def test_burst_tail_prefill_times_each_stage(small_model, tmp_path):
+    run("burst_tail_prefill.py", "--model", str(small_model), "--rows", "3", "--prefix", "64", "--rounds", "1",
+        "--out", str(tmp_path / "probe.json"))
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    for stage in ("merge_ms", "forward_ms", "rows_moved_by_gather_ms", "rows_moved_by_slices_ms"):
+        assert len(probe[stage]) == 1 and probe[stage][0] >= 0

@@ -44,6 +44,7 @@ class Record:
     cached_tokens: int
     completion_tokens: int
     queue_ms: float | None = None  # the server's: submit -> engine pickup (from its request log)
+    phases_ms: dict[str, float] | None = None  # the server's: pickup -> token 0 by phase (engine/ttft_phases.py)
     outlier: str | None = None  # the cause, for an outlier
 
 
@@ -118,7 +119,20 @@ def wave_summary(records: list[Record], samples: list[Sample], wall: float, stat
             "shared_prefills": (stats.get("batch") or {}).get("shared_prefills"),
             "preemptions": (stats.get("batch") or {}).get("faults", {}).get("preemptions"),
             "max_pending": max((s.pending for s in samples), default=0),
+            "queue_ms": spread([r.queue_ms for r in records if r.queue_ms is not None]),
+            "ttft_phases_ms": phase_spread(records),
             "outliers": [{"id": r.id, "ttft_ms": round(r.ttft_ms), "cause": r.outlier} for r in records if r.outlier]}
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    return {"p50": round(pct(values, 0.5), 1), "p95": round(pct(values, 0.95), 1)} if values else None
+
+
+def phase_spread(records: list[Record]) -> dict[str, dict[str, float]]:
+    """Per phase of admission -> token 0 (the server's request log), p50 / p95 over the requests that had it."""
+    names = list(dict.fromkeys(name for r in records for name in (r.phases_ms or {})))  # the server's order
+    return {name: spread([r.phases_ms[name] for r in records if r.phases_ms and name in r.phases_ms])
+            for name in names}
 
 
 def overall_summary(records: list[Record], waves: list[dict], cold_waves: int) -> dict:
@@ -130,6 +144,8 @@ def overall_summary(records: list[Record], waves: list[dict], cold_waves: int) -
             "cached_ttft_ms": {"p50": round(pct(cached, 0.5), 1), "p95": round(pct(cached, 0.95), 1)}
             if cached else None,
             "cached_out_tok_s": [w["out_tok_s"] for w in waves[cold_waves:]],
+            "cached_queue_ms": spread([r.queue_ms for r in records if r.wave >= cold_waves and r.queue_ms is not None]),
+            "cached_ttft_phases_ms": phase_spread([r for r in records if r.wave >= cold_waves]),
             "ram_entries_before_eviction": max(held, default=None),
             "ram_entries_last": waves[-1]["ram_tier"]["entries"] if waves else None,
             "outliers": sum(len(w["outliers"]) for w in waves)}

@@ -44,6 +44,7 @@ class Intake:
                                                                       lease.cached)
             if joiner.restore is None:
                 self._follow_a_leader(joiner)
+        joiner.row.output.phases.mark("leased")
         self.joiners.add(joiner)
 
     def _follow_a_leader(self, joiner: Joiner) -> None:

@@ -10,7 +10,7 @@ one through a ``JoinerView``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -34,6 +34,15 @@ class Joiner:
     followers: int = 0  # joiners waiting on this one
     restore: PendingRestore | None = None  # reading a longer prefix from disk
     resumed: bool = False  # a preempted row recomputing its KV: its usage keeps its first cached count
+    # (id of the caches list, is_trimmable): the planner asks per joiner per admission and step
+    _trimmable: tuple[int, bool] | None = field(default=None, repr=False)
+
+    @property
+    def trimmable(self) -> bool:
+        """Every layer of its caches full attention (``is_trimmable``), computed once per caches list."""
+        if self._trimmable is None or self._trimmable[0] != id(self.caches):
+            self._trimmable = (id(self.caches), is_trimmable(self.caches))
+        return self._trimmable[1]
 
     def start_from(self, caches: list, cached: int) -> None:
         """Continue from a cached prefix of ``cached`` tokens. Only before the joiner advanced:
@@ -64,7 +73,7 @@ class Joiner:
 
     def prefix_view(self) -> PrefixView:
         request = self.row.request
-        return PrefixView(request.namespace, self.prompt, self.done, is_trimmable(self.caches), request.snapshot_at,
+        return PrefixView(request.namespace, self.prompt, self.done, self.trimmable, request.snapshot_at,
                           can_lead=self.leader is None and self.restore is None)
 
 

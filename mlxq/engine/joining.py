@@ -62,7 +62,7 @@ class Joining:
         if not self.batch and self._start_grouped([j.row for j in joining], [j.caches for j in joining], pending):
             return
         try:
-            caches, batched = _gathered(joining)
+            caches, batched = self._joining_caches(joining)
         except Exception as exc:
             self._fail_joiners(joining, "join", exc)
             return
@@ -84,7 +84,7 @@ class Joining:
             return
         keys = [j.row.key for j in ready]
         try:
-            caches, batched = _gathered(ready)
+            caches, batched = self._joining_caches(ready)
             lasts = mx.array([j.prompt[-1] for j in ready])
             with mx.stream(generation_stream), adapter_rows(self.model, [j.row.request.adapter for j in ready]):
                 logits = self.model(lasts[:, None], cache=caches)[:, -1, :]
@@ -123,6 +123,18 @@ class Joining:
             return
         self.batch.join(rows, caches, batched, pending)
         self._share_prefix()
+
+    def _joining_caches(self, joiners: list[Joiner]) -> tuple[list, bool]:
+        """(caches, batched) for ``joiners``: the batch their last chunks ran in when it holds exactly
+        them (engine/wave_caches.py: no copy), else their own caches gathered."""
+        kept, self._prefilled_together = self._prefilled_together, None
+        copies = self.batch.copies
+        if kept is not None and len(joiners) > 1 and kept.serves(joiners):
+            copies.kept += len(joiners)
+            return kept.caches, True
+        if len(joiners) > 1:
+            copies.gathered += len(joiners)
+        return _gathered(joiners)
 
     def _join_group(self, rows: list[Row], solo_caches, pending: Pending) -> bool:
         """Rows join the running shared-prefix groups in place (``solo_caches()``: their solo cache

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from mlxq.engine.stops import StopStringMatcher
+from mlxq.engine.ttft_phases import FirstTokenPhases
 from mlxq.engine.types import FinishReason, Request, TokenEvent, TopLogprob, Usage
 
 EmitFn = Callable[[TokenEvent], None]
@@ -29,6 +30,7 @@ class RequestOutput:
         self.tokens: list[int] = []  # generated ids, EOS excluded
         self.finished: FinishReason | None = None
         self._started_at = time.monotonic()
+        self.phases = FirstTokenPhases(self._started_at)  # the batch lane marks its way to token 0
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._gaps: list[float] = []  # seconds between successive tokens (inter-token latency)
@@ -95,6 +97,7 @@ class RequestOutput:
             decode_s=(last - first) if first and last else 0.0,
             inter_token_s=tuple(self._gaps),
             checkpoint_tokens=self.checkpoint_tokens,
+            ttft_phases_ms=self.phases.durations_ms(first),
         )
 
     def _logprobs(self, token: int, logprobs) -> tuple[float | None, tuple[TopLogprob, ...]]:

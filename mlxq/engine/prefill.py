@@ -15,13 +15,14 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import BatchKVCache
 
 from mlxq.engine.faults import MemoryFault
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.step_plan import PrefillPlan
-from mlxq.kv.batch_ops import extract_row, merge_solo_rows
-from mlxq.kv.capabilities import is_trimmable
+from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
+from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import boundary_snapshot, system_snapshot
 
@@ -38,6 +39,8 @@ class Prefilling:
             self._restore_step(joiner)
         if not group:
             return
+        for joiner, _ in group:
+            joiner.row.output.phases.mark("prefill")
         start = time.perf_counter()
         alone = self._advance_together_or_fewer(group) if plan.together else group
         if alone:
@@ -101,7 +104,7 @@ class Prefilling:
         if self.prompt_cache is None:
             return None
         return system_snapshot(len(joiner.prompt), joiner.row.request.snapshot_at, joiner.done,
-                               is_trimmable(joiner.caches))
+                               joiner.trimmable)
 
     def _advance(self, joiner: Joiner, n: int) -> None:
         """One chunk of prompt[:-1] (``n`` tokens) on the joiner's own caches."""
@@ -118,13 +121,19 @@ class Prefilling:
 
         Rows are merged (history right-aligned), the chunks right-padded and the
         caches told the real lengths (``prepare``/``finalize``, so padding never
-        displaces a ring's tokens or a recurrent state), then each row is extracted.
+        displaces a ring's tokens or a recurrent state), then each row is extracted,
+        or, after every row's last chunk, the batch is kept for their join
+        (engine/wave_caches.py).
         """
         group, lengths = [j for j, _ in planned], [n for _, n in planned]
         longest = max(lengths)
         chunks = [j.prompt[j.done : j.done + n] for j, n in zip(group, lengths, strict=True)]
+        last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
         with mx.stream(generation_stream):
-            caches = merge_solo_rows([j.caches for j in group])
+            # Room for this chunk, and for the decode steps after it when the rows join as they are.
+            sources = self._lease_sources(group)
+            caches = merge_with_room([j.caches for j in group], longest + (BatchKVCache.step if last else 0),
+                                     sources)
             padding = [longest - n for n in lengths]
             if any(padding):
                 for cache in caches:
@@ -134,12 +143,28 @@ class Prefilling:
                 self.model(tokens, cache=caches)
             if any(padding):
                 for cache in caches:
-                    cache.finalize()
+                    finalize_chunks(cache)
             self.faults.run("prefill", lambda: mx.eval([c.state for c in caches]))
-            rows = [extract_row(caches, i) for i in range(len(group))]
+            # Joining next: the rows stay in this batch, the joiners read views into it (no copy).
+            rows = view_rows(caches, len(group)) if last else [extract_row(caches, i) for i in range(len(group))]
+        self.batch.copies.broadcast += same_as_previous(sources)
+        if last:
+            self._prefilled_together = PrefilledTogether(tuple(group), caches)
+        else:
+            self.batch.copies.extracted += len(group)
         for joiner, row_caches, n in zip(group, rows, lengths, strict=True):  # only once everything succeeded
             joiner.caches = row_caches
             self._advanced(joiner, n)
+
+    def _lease_sources(self, group: list[Joiner]) -> list:
+        """Per joiner, (its lease's node, tokens) while it holds exactly what its lease lent (nothing of
+        its own yet), else None: joiners with equal sources hold the same K/V (one stored chain)."""
+        out = []
+        for joiner in group:
+            lease = self._leases.get(joiner.row.request.request_id)
+            untouched = lease is not None and lease.node is not None and joiner.caches is lease.caches
+            out.append((id(lease.node), lease.cached) if untouched and joiner.done == lease.cached else None)
+        return out
 
     def _advanced(self, joiner: Joiner, n: int) -> None:
         """Bookkeeping after a chunk: processor history, snapshot at a system-prompt end, allocator."""
@@ -147,6 +172,8 @@ class Prefilling:
         split = self._split_at(joiner)
         joiner.row.feed_history(mx.array(prompt[joiner.done : joiner.done + n]))
         joiner.done += n
+        if joiner.is_prefilled:
+            joiner.row.output.phases.mark("prefilled")  # after the chunk's evaluation
         if split is not None and joiner.done == split:
             # The end of a shared system prompt: other agents start from this entry.
             self.prompt_cache.put(joiner.row.request.namespace, prompt[:split], joiner.caches)
@@ -158,10 +185,14 @@ class Prefilling:
 
     def _snapshot(self, joiner: Joiner) -> None:
         """At the prompt boundary (all but the last token), store what the prefix policy asks for:
-        rings and recurrent state always, full attention when the prompt is likely shared."""
+        rings and recurrent state always, full attention when the prompt is likely shared (followers
+        wait for it, or its system prompt was not stored yet)."""
         if self.prompt_cache is None:
             return
-        shared = joiner.followers > 0 or joiner.row.request.snapshot_at is not None
-        boundary = boundary_snapshot(len(joiner.prompt), is_trimmable(joiner.caches), shared)
+        system = joiner.row.request.snapshot_at
+        # A system prompt it found stored already needs no second publication: its tail alone is
+        # stored when it ends (a burst on a cached prompt skips a put per row before token 0).
+        shared = joiner.followers > 0 or (system is not None and joiner.row.output.cached_tokens < system)
+        boundary = boundary_snapshot(len(joiner.prompt), joiner.trimmable, shared)
         if boundary is not None:
             self.prompt_cache.put(joiner.row.request.namespace, joiner.prompt[:boundary], joiner.caches)

@@ -21,9 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
 from mlxq.engine.prefix_sharing import Group, row_groups
 from mlxq.engine.rows import Row
+from mlxq.engine.wave_caches import RowCopies
 from mlxq.kv import attention_route
 from mlxq.kv.batch_ops import check_extendable, extend_batch, extract_row, keep_rows, merge_solo_rows, view_rows
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
@@ -53,6 +55,7 @@ class RunningBatch:
     batched: bool = False
     pending: Pending | None = None
     groups: tuple[Group, ...] = ()  # rows reading a shared prefix, per prefix (none: every row holds its own)
+    copies: RowCopies = field(default_factory=RowCopies)  # whole-row copies around joins, counted
 
     def __setattr__(self, name, value) -> None:
         super().__setattr__(name, value)
@@ -77,6 +80,8 @@ class RunningBatch:
         if not self.batched:
             self.caches, self.batched = merge_solo_rows([self.caches]), True
         self._unshare()
+        self.copies.batch_extends += 1
+        self.copies.extended_rows += len(self.rows)
         extend_batch(self.caches, caches if batched else merge_solo_rows([caches]))
         self.pending = self.pending.extend(pending)
         self.rows += rows
@@ -100,6 +105,17 @@ class RunningBatch:
     def row_caches(self, index: int) -> list:
         """Row ``index``'s caches as solo caches: a copy out of a batch, the caches themselves when alone."""
         return extract_row(self.caches, index) if self.batched else self.caches
+
+    def leaving_caches(self, leaving: list[int]) -> dict[int, list]:
+        """Solo caches of the rows at ``leaving``, to store from before ``keep`` drops them: views into
+        the batch when every layer is plain full attention (the prompt cache copies only the tokens it
+        lacks, not each row whole), else ``row_caches``."""
+        if self.batched and leaving and all(type(c) is BatchKVCache for c in self.caches):
+            views = view_rows(self.caches, len(self.rows))
+            return {i: views[i] for i in leaving}
+        if self.batched:
+            self.copies.extracted += len(leaving)
+        return {i: self.row_caches(i) for i in leaving}
 
     def keep(self, keep: list[int]) -> None:
         """Only the rows at ``keep`` (indices, in order) go on; back to solo caches at one row."""

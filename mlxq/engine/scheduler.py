@@ -61,6 +61,7 @@ from mlxq.engine.step_sampling import sample_step
 from mlxq.engine.step_timing import DecodeTiming, PhaseTiming
 from mlxq.engine.transient import ModelShape
 from mlxq.engine.types import FinishReason, Request
+from mlxq.engine.wave_caches import PrefilledTogether
 from mlxq.kv.projection import KvFootprint
 from mlxq.kv.scheme import NATIVE, KvScheme
 from mlxq.models.multi_lora import adapter_rows
@@ -111,6 +112,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
 
         self._on_finish = finished
         self.joiners = Joiners()  # rows prefilling on their own caches, FIFO
+        self._prefilled_together: PrefilledTogether | None = None  # this step's joiners' batch (engine/wave_caches.py)
         self.batch = RunningBatch()  # rows decoding together
         self._leases: dict[str, Lease] = {}  # request id -> the prompt-cache prefix its row holds
         self.timing = DecodeTiming()  # each decode step timed in its parts (/stats.batch.decode_timing)
@@ -211,12 +213,18 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         if not self.joiners:
             return
         self.timing.interrupt()  # prefill work sits between these decode steps
+        self._prefilled_together = None  # set by this step's forward when it ends its joiners' prompts
         self._prefill(plan_prefill(self.joiners.views(self._chunk_len), self._limits(), self.scheme.quantized))
         ready = self.joiners.take_ready()
         if ready:
             start = time.perf_counter()
+            for joiner in ready:
+                joiner.row.output.phases.mark("joining")
             self._start_decoding(ready)
+            for joiner in ready:
+                joiner.row.output.phases.mark("joined")
             self.phases.add_join(time.perf_counter() - start)
+        self._prefilled_together = None  # joined with, or not needed: never held past its step
 
     def _decode_or_shed(self) -> None:
         keys = [row.key for row in self.batch.rows]  # sampler state before this step, should it be redone
@@ -292,10 +300,12 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         return not finished
 
     def _evict(self, keep: list[int]) -> None:
-        for i, row in enumerate(self.batch.rows):
-            if i not in keep:
-                if self.prompt_cache is not None:
-                    # A merged row is copied out before the filter drops it; a lone row lends its own.
-                    self._put(row, self.batch.row_caches(i))
-                self._on_finish(row)
+        leaving = [i for i in range(len(self.batch.rows)) if i not in keep]
+        # Read before the filter drops them: views where the store copies only what it lacks.
+        stored = self.batch.leaving_caches(leaving) if self.prompt_cache is not None else {}
+        for i in leaving:
+            row = self.batch.rows[i]
+            if i in stored:
+                self._put(row, stored[i])
+            self._on_finish(row)
         self.batch.keep(keep)

@@ -275,6 +275,9 @@ def choose_leader(joiner: PrefixView, candidates: Sequence[PrefixView]) -> Leade
         if not leader.can_lead or leader.namespace != joiner.namespace:
             continue
         theirs = leader.prompt
+        need = joiner.done + MIN_SHARED_PREFILL  # it must share this much; most candidates differ before
+        if len(theirs) <= need or prompt[joiner.done : need] != theirs[joiner.done : need]:
+            continue
         shared = common_prefix(prompt, theirs, min(len(prompt), len(theirs)) - 1)
         if leader.trimmable:
             wait_until = len(theirs) - 1

@@ -99,6 +99,7 @@ class Usage:
     decode_s: float  # first token -> last token
     inter_token_s: tuple[float, ...] = ()  # gaps between successive tokens, at the engine
     checkpoint_tokens: int = 0  # completion tokens restored from a generation checkpoint, not generated again
+    ttft_phases_ms: dict[str, float] | None = None  # batch lane: admission -> token 0 in phases (engine/ttft_phases.py)
 
     @property
     def prefill_s(self) -> float:

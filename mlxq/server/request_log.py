@@ -64,6 +64,8 @@ class RequestLogger:
             "ttft_ms": round(usage.ttft_s * 1000, 1) if usage else None,
             "decode_tok_s": round(usage.decode_tok_s, 1) if usage else None,
         }
+        for phase, ms in ((usage.ttft_phases_ms if usage else None) or {}).items():  # engine/ttft_phases.py
+            fields[f"ttft_{phase}_ms"] = ms
         if done.error:
             fields["error"] = done.error
         if self.log_prompts and (tokenizer := self._tokenizer_of()) is not None:

@@ -96,6 +96,8 @@ class ServerState:
             "decode_timing": scheduler.timing.as_dict() if scheduler else None,
             # wall time in prefill and joins, and each phase's share of the scheduler's busy time
             "phase_timing": scheduler.phases.as_dict(scheduler.timing) if scheduler else None,
+            # whole-row KV copies around joins (engine/wave_caches.py): what a burst of joiners costs per row
+            "row_copies": scheduler.batch.copies.as_dict() if scheduler else None,
             # rows reading one leased prefix once per decode step (engine/prefix_sharing.py)
             "shared_prefix": scheduler.sharing_stats.as_dict(scheduler.sharing, scheduler.timing.steps,
                                                              scheduler.batch.groups) if scheduler else None,

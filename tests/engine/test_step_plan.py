@@ -210,3 +210,27 @@ def test_the_newest_rows_are_shed_first_and_one_always_runs():
     assert rows_that_fit(active=200 * ROW, limit=limit, rows=8, kv_now=8 * ROW, kv_growth=0, step_per_row=0) == 1
     plan = plan_decode_preemption([0, 0, 0, 0], row_cap=8)
     assert plan.resume_first == (0, 1) and plan.held_back == (2, 3)  # the oldest resume first
+
+
+def test_common_prefix_is_exact_across_compare_blocks_and_sequence_types():
+    from mlxq.store.prefix import COMPARE_BLOCK, common_prefix
+
+    a = list(range(3 * COMPARE_BLOCK + 7))
+    for cut in (0, 1, COMPARE_BLOCK - 1, COMPARE_BLOCK, COMPARE_BLOCK + 1, 2 * COMPARE_BLOCK + 5, len(a) - 1):
+        b = a[:cut] + [-1] + a[cut + 1 :]
+        assert common_prefix(a, b, len(a)) == cut
+        assert common_prefix(a, tuple(b), len(a)) == cut  # a list against a tuple: token by token
+        assert common_prefix(a, b, cut // 2) == cut // 2
+    assert common_prefix(a, a[:10], len(a)) == 10 and common_prefix(a, a, 5) == 5
+
+
+def test_a_burst_on_a_cached_prefix_follows_no_leader_and_a_cold_one_follows_the_first():
+    """Candidates that differ within MIN_SHARED_PREFILL tokens past the joiner's cached part are skipped."""
+    system = list(range(1000, 3200))
+    agents = [system + [i] * 50 for i in range(4)]
+    cached = [PrefixView("ns", p, len(system), True, len(system)) for p in agents]
+    assert all(choose_leader(view, cached[:i]) is None for i, view in enumerate(cached))
+    cold = [PrefixView("ns", p, 0, True, len(system)) for p in agents]
+    choice = choose_leader(cold[3], cold[:3])
+    assert choice is not None
+    assert (choice.leader, choice.shared, choice.wait_until) == (0, len(system), len(agents[0]) - 1)

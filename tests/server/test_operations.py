@@ -149,8 +149,11 @@ def test_stats_split_each_decode_step(ops_server):
                for part in ("build", "submit", "device_wait", "output")}
     assert abs(sum(by_part.values()) - after["totals"]["step_s"]) < 1e-3
     # The prompt's one prefill chunk and its join, in /stats and /metrics.
-    phases = httpx.get(ops_server.url + "/stats").json()["batch"]["phase_timing"]
+    batch = httpx.get(ops_server.url + "/stats").json()["batch"]
+    phases = batch["phase_timing"]
     assert phases["prefill_iterations"] >= 1 and phases["joins"] >= 1
+    # Whole-row KV copies around joins, counted (tests/engine/test_wave_join.py checks the counts).
+    assert set(batch["row_copies"]) == {"kept", "broadcast", "gathered", "extracted", "batch_extends", "extended_rows"}
     assert abs(sum(phases["busy_share"].values()) - 1) < 1e-3
     assert scraped['mlxq:scheduler_phase_seconds_total{phase="prefill"}'] == phases["totals"]["prefill_s"]
 
@@ -168,6 +171,10 @@ def test_request_log_lines_are_json_without_prompts(tiny_model_dirs):
     assert len(lines) == 1
     assert {"id", "lane", "prompt_tokens", "cached_tokens", "generated_tokens", "queue_ms", "ttft_ms", "decode_tok_s",
             "finish_reason"} <= set(lines[0])
+    # The batch lane's way from admission to token 0, in phases that add up to ttft - queue.
+    phases = {k: v for k, v in lines[0].items() if k.startswith("ttft_") and k != "ttft_ms"}
+    assert lines[0]["lane"] == "continuous" and {"ttft_lease_ms", "ttft_prefill_ms", "ttft_join_ms"} <= set(phases)
+    assert abs(sum(phases.values()) - (lines[0]["ttft_ms"] - lines[0]["queue_ms"])) < 1.0  # each rounded to 0.1
     assert "SECRET-PROMPT" not in logs
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-prompts") as server:
         httpx.post(server.url + "/v1/completions", json={"prompt": "SECRET-PROMPT", "max_tokens": 3})

@@ -1,0 +1,70 @@
+"""A burst of agents on a cached system prompt joins in the batch its tails prefilled in: no row copied whole.
+
+Each row's cache holds its own copy of the prefix; every further copy of it
+(extracting a row from a batch, merging rows again) is a new buffer of the
+row's whole KV. The scheduler counts them (/stats.batch.row_copies), and
+every row still computes exactly what the serial lane computes on the same
+prompt cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mlxq.engine.scheduler import SchedulerConfig
+from mlxq.engine.types import Request, SamplingParams
+from mlxq.golden.cases import LONG
+from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
+
+
+def wave(tokenizer, shared: list[int], name: str, agents: int, lead: str) -> list[Request]:
+    """Agents on one system prompt, each with its own question (tails of different lengths)."""
+    return [Request(f"{name}-{i}", shared + tokenizer.encode(f" {lead}" + " number" * i + f" {i} asks about {name}?"),
+                    SamplingParams(), 6, ignore_eos=True, snapshot_at=len(shared)) for i in range(agents)]
+
+
+def run_wave(scheduler, requests: list[Request]) -> None:
+    for r in requests:  # all at once, before a step: one burst
+        scheduler.add(replace(r), lambda e: None)
+    while not scheduler.is_idle:
+        scheduler.step()
+
+
+@pytest.mark.parametrize("token0_in_decode", [True, False])
+def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_tiny, token0_in_decode):
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=token0_in_decode)
+    scheduler, finished = recording_scheduler(model, tokenizer, config)
+    # The cached wave's questions share no token with the stored ones: each leases the system prompt alone.
+    cold, cached = wave(tokenizer, shared, "cold", 3, "Agent"), wave(tokenizer, shared, "cached", 5, "Please")
+    run_wave(scheduler, cold)
+    before, puts = scheduler.batch.copies.as_dict(), scheduler.prompt_cache.stats.puts
+    run_wave(scheduler, cached)
+    after = scheduler.batch.copies.as_dict()
+    # The system prompt was stored: each agent stores once, when it ends, not also at its prompt boundary.
+    assert scheduler.prompt_cache.stats.puts - puts == len(cached)
+    delta = {k: after[k] - before[k] for k in after}
+    # One forward for the five tails on one merged copy of the stored prefix (written once, broadcast),
+    # the batch kept for the join, rows stored from views as they leave.
+    assert delta == {"kept": 5, "broadcast": 4, "gathered": 0, "extracted": 0, "batch_extends": 0,
+                     "extended_rows": 0}
+    assert scheduler._prefilled_together is None  # the kept batch is the running batch's now, not held twice
+    for r in cached:
+        assert finished[r.request_id][1] >= len(shared)  # the prefix came from the RAM tier
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_rows_move_right_by_their_padding_as_mlx_lm_rolls_them():
+    import mlx.core as mx
+    from mlx_lm.models.cache import dynamic_roll
+
+    from mlxq.engine.wave_caches import roll_rows
+
+    x = mx.random.normal((6, 2, 11, 3))
+    for shifts in ([0, 3, 3, 10, 0, 1], [0] * 6, [2] * 6, [11, 12, 0, 5, 5, 5]):
+        assert mx.array_equal(roll_rows(x, shifts), dynamic_roll(x, mx.array(shifts)[:, None], axis=2)), shifts
