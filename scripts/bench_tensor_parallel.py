@@ -6,7 +6,10 @@ both, then runs `mlxq bench serving-load --compare` at each concurrency (alterna
 servers), printing each table as it comes and writing the summaries under --out.
 
     python scripts/bench_tensor_parallel.py --model /tmp/m8 --out $OUT --levels 1:4,64:128
-    python scripts/bench_tensor_parallel.py --model /tmp/m70 --out $OUT --tp-only --levels 1:4,8:16,32:64,64:128
+    python scripts/bench_tensor_parallel.py --model random:llama3-70b --out $OUT --tp-only \
+        --levels 1:4,8:16,32:64,64:128 --serve-args "--batch 64 --warmup off" --ready-timeout 300
+
+(``random:llama3-70b``: the 70B shape's weights drawn on each rank at load, none on disk.)
 """
 
 from __future__ import annotations

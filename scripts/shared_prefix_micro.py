@@ -8,13 +8,19 @@ One decode step (one query per row) of one attention layer, for each case
 
 - ``copies_masked``: MLX's fused attention over per-row copies [prefix ; tail]
   with the rows' left-padding mask (what mlx-lm runs on every backend);
-- ``copies_kernel``: mlxq's CUDA decode kernel on the same copies (what the
-  batch lane runs on CUDA today; CUDA only);
+- ``copies_kernel``: mlxq's CUDA decode kernel on the same copies (one
+  block per row and query head: kv/decode_kernel.py; CUDA only);
+- ``copies_gqa``: kv/gqa_decode_kernel.py on the same copies (one block per
+  row and KV head, 16-byte loads; CUDA only), ``gqa_diff`` its max
+  difference to ``copies_masked``, ``gqa_tbps`` the K/V bytes it read per
+  second (TB/s);
 - ``shared_ops``: kv/shared_prefix_attention.py as plain MLX operations;
 - ``shared_compiled``: the same under ``mx.compile`` (fewer launches);
 - ``shared_full``: kv/shared_prefix_kernel.py, one CUDA kernel (CUDA only);
 - ``shared_split``: kv/tail_merge_kernel.py, prefix GEMMs + one kernel for
-  the tails and the merge (CUDA only).
+  the tails and the merge (CUDA only);
+- ``shared_gqa``: kv/gqa_decode_kernel.py, one block per (row, KV head) over
+  the prefix then the tail (CUDA only).
 
 Each timing is the mean of ``reps`` calls evaluated together after one
 warm-up; ``diff`` / ``full_diff`` / ``split_diff`` are each path's max
@@ -65,6 +71,7 @@ class Row:
     kv_mb: float  # per-row copies' K+V bytes for this layer, MB
     copies_masked_ms: float
     copies_kernel_ms: float | None
+    copies_gqa_ms: float | None
     shared_ops_ms: float | None
     shared_compiled_ms: float | None
     shared_full_ms: float | None
@@ -72,6 +79,10 @@ class Row:
     diff: float | None  # plain shared path vs copies_masked, max abs
     full_diff: float | None
     split_diff: float | None
+    gqa_diff: float | None = None
+    gqa_tbps: float | None = None
+    shared_gqa_ms: float | None = None
+    shared_gqa_diff: float | None = None
 
 
 def timed(fn, reps: int) -> float:
@@ -103,12 +114,20 @@ def measure(shape: Shape, rows: int, prefix: int, own: int) -> Row:
     mask = (mx.arange(prefix + own)[None, :] >= starts[:, None])[:, None, None, :]
     mx.eval(q, keys, values, mask, tail_k, tail_v)
     masked = timed(lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask), shape.reps)
-    kernel = ops = compiled = diff = None
+    kernel = gqa = gqa_diff = ops = compiled = diff = None
     paths: dict[str, tuple[float, float]] = {}
     if mx.cuda.is_available():
         from mlxq.kv.decode_kernel import masked_decode_attention
+        from mlxq.kv.gqa_decode_kernel import gqa_decode_attention
 
         kernel = timed(lambda: masked_decode_attention(q, keys, values, starts, scale), shape.reps)
+        try:
+            gqa = timed(lambda: gqa_decode_attention(q, keys, values, starts, scale), shape.reps)
+            want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+            got = gqa_decode_attention(q, keys, values, starts, scale)
+            gqa_diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        except Exception as exc:  # a kernel that does not build must not cost the other columns
+            print(f"GQA decode kernel failed: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
     if prefix:
         mx.eval(pk, pv)
 
@@ -120,16 +139,21 @@ def measure(shape: Shape, rows: int, prefix: int, own: int) -> Row:
         compiled = timed(lambda: fused(q, pk, pv, tail_k, tail_v, starts, scale), shape.reps)
         want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
         diff = mx.abs(shared().astype(mx.float32) - want.astype(mx.float32)).max().item()
-        for path in ("full", "split") if mx.cuda.is_available() else ():
-            with shared_prefix_decode.forced(path):
-                got = shared_prefix_decode.attention(q, pk, pv, tail_k, tail_v, starts, scale)
-                paths[path] = (timed(lambda: shared_prefix_decode.attention(  # noqa: B023
-                    q, pk, pv, tail_k, tail_v, starts, scale), shape.reps),
-                    mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
+        for path in ("full", "split", "gqa") if mx.cuda.is_available() else ():
+            try:
+                with shared_prefix_decode.forced(path):
+                    got = shared_prefix_decode.attention(q, pk, pv, tail_k, tail_v, starts, scale)
+                    paths[path] = (timed(lambda: shared_prefix_decode.attention(  # noqa: B023
+                        q, pk, pv, tail_k, tail_v, starts, scale), shape.reps),
+                        mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
+            except Exception as exc:  # a kernel that does not build must not cost the other columns
+                print(f"shared path {path} failed: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
     kv_mb = (keys.nbytes + values.nbytes) / 1e6
     full, split = paths.get("full", (None, None)), paths.get("split", (None, None))
-    return Row(rows, prefix, own, round(kv_mb, 1), masked, kernel, ops, compiled, full[0], split[0], diff,
-               full[1], split[1])
+    shared_gqa = paths.get("gqa", (None, None))
+    tbps = None if gqa is None else round(kv_mb / 1e6 / (gqa / 1e3), 2)
+    return Row(rows, prefix, own, round(kv_mb, 1), masked, kernel, gqa, ops, compiled, full[0], split[0], diff,
+               full[1], split[1], gqa_diff, tbps, shared_gqa[0], shared_gqa[1])
 
 
 def float32_check() -> float:
@@ -172,10 +196,17 @@ def quantized_check(rows: int = 8, prefix: int = 2048, tail: int = 40) -> dict[i
     return out
 
 
+def parse_case(text: str) -> tuple[int, int, int]:
+    rows, rest = text.split("x")
+    prefix, own = rest.split("+")
+    return int(rows), int(prefix), int(own)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     parser.add_argument("--json", help="write the rows here as JSON")
+    parser.add_argument("--cases", help="only these cases, e.g. 64x2048+300,64x0+2048 (rows x prefix + own)")
     parser.add_argument("--quantized-check", action="store_true",
                         help="only compare quantized shared attention with mlx-lm's over copies (bf16)")
     args = parser.parse_args()
@@ -191,8 +222,17 @@ def main() -> None:
         kernel_check = {"float32": shared_prefix_decode.self_check(mx.float32),
                         "bfloat16": shared_prefix_decode.self_check(mx.bfloat16)}
         print(f"shared-prefix kernels' self-checks (max |kernel - plain|): {kernel_check}", flush=True)
+    if mx.cuda.is_available():
+        from mlxq.kv import gqa_decode_kernel
+
+        try:
+            print(f"GQA decode kernel self-check (max |kernel - MLX|): {gqa_decode_kernel.self_check():.3g}",
+                  flush=True)
+        except Exception as exc:
+            print(f"GQA decode kernel self-check failed: {type(exc).__name__}: {str(exc)[:3000]}", flush=True)
+    cases = shape.cases if not args.cases else [parse_case(c) for c in args.cases.split(",")]
     out = []
-    for rows, prefix, own in shape.cases:
+    for rows, prefix, own in cases:
         row = measure(shape, rows, prefix, own)
         out.append(row)
         print(json.dumps(asdict(row)), flush=True)

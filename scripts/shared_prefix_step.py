@@ -10,10 +10,12 @@ decode steps of the whole model are timed for:
 
 - ``copies``: every row holds its own copy of the prefix in a BatchKVCache
   (today's batch lane; on CUDA its decode attention is mlxq's decode
-  kernel), skipped when the copies would not fit in ``--max-copies-gb``;
+  kernel: kv/gqa_decode_kernel.py), skipped when the copies would not fit
+  in ``--max-copies-gb``; on CUDA also ``copies_per_head``, the same
+  through kv/decode_kernel.py (one block per row and query head);
 - ``shared_ops``: SharedPrefixBatchCache with the plain-operations path;
-- ``shared_full`` / ``shared_split``: the same with each CUDA path of
-  kv/shared_prefix_decode.py (CUDA only).
+- ``shared_full`` / ``shared_split`` / ``shared_gqa``: the same with each
+  CUDA path of kv/shared_prefix_decode.py (CUDA only; ``--paths`` picks).
 
 Also: the first step's max logit difference of each shared path to the
 copies (bf16 rounding carried through the layers on the GPU).
@@ -82,7 +84,7 @@ def time_steps(model, caches: list, rows: int, steps: int) -> tuple[float, mx.ar
     return 1000 * (time.perf_counter() - start) / steps, first
 
 
-def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb) -> dict:
+def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb, paths) -> dict:
     mx.random.seed(0)
     prefix_cache = prefill_prefix(model, prefix, vocab)
     layers = len(prefix_cache)
@@ -93,8 +95,14 @@ def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb) -> dict:
     if result["copies_gb"] <= max_copies_gb:
         result["copies_ms"], reference = time_steps(model, caches_for(prefix_cache, rows, own, False), rows, steps)
         mx.clear_cache()
-    paths = ("ops", "full", "split") if shared_prefix_decode.is_enabled() else ("ops",)
-    for path in paths:
+        if cuda_attention._gqa:
+            cuda_attention._gqa = False  # the per-head kernel, side by side
+            ms, logits = time_steps(model, caches_for(prefix_cache, rows, own, False), rows, steps)
+            cuda_attention._gqa = True
+            result["copies_per_head_ms"], result["copies_per_head_logit_diff"] = ms, mx.abs(
+                logits - reference).max().item()
+            mx.clear_cache()
+    for path in paths if shared_prefix_decode.is_enabled() else ("ops",):
         name = f"shared_{path}"
         with shared_prefix_decode.forced(path):
             ms, logits = time_steps(model, caches_for(prefix_cache, rows, own, True), rows, steps)
@@ -115,6 +123,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--max-copies-gb", type=float, default=60.0)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--paths", default="ops,full,split,gqa", help="shared paths to time (CUDA)")
     args = parser.parse_args()
     import mlx_lm
 
@@ -127,7 +136,8 @@ def main() -> None:
     attention_route.install()
     results = []
     for case in args.cases.split(","):
-        results.append(run_case(model, len(tokenizer.vocab), *parse_case(case), args.steps, args.max_copies_gb))
+        results.append(run_case(model, len(tokenizer.vocab), *parse_case(case), args.steps, args.max_copies_gb,
+                                args.paths.split(",")))
         print(json.dumps(results[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

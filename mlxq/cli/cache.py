@@ -34,7 +34,7 @@ def _row(item: CacheFile, root: Path, now: float) -> dict:
         "start": h.start if h else None, "tokens": len(h.tokens) if h else None, "end": h.end if h else None,
         "trimmable": h.trimmable if h else None, "snapshot": h.snapshot if h else None, "bytes": item.bytes,
         "durable": item.problem is None, "age_s": round(now - item.mtime, 1), "problem": item.problem,
-        "kind": "checkpoint" if item.is_checkpoint else "node",
+        "kind": "checkpoint" if item.is_checkpoint else "node", "rank": item.rank[0] if item.rank else None,
         "checkpoint": _checkpoint_fields(h.checkpoint) if item.is_checkpoint and h and h.checkpoint else None,
     }
 
@@ -139,7 +139,8 @@ def prune(
     dry_run: Annotated[bool, typer.Option(help="Print what would be removed; remove nothing.")] = False,
 ) -> None:
     """Remove entries by age, total size or model fingerprint (least recently used first); generation
-    checkpoints are files of their own and go by the same rules (``--checkpoints``: only they)."""
+    checkpoints are files of their own and go by the same rules (``--checkpoints``: only they). Tensor-parallel
+    entries missing a rank's file (never restored) are removed by any prune."""
     from mlxq.cli.units import parse_bytes
 
     if max_bytes is None and older_than is None and fingerprint is None and not checkpoints:
@@ -168,14 +169,16 @@ def _doomed(files: list[CacheFile], candidates: set, older_than: float | None, c
             now: float) -> list[CacheFile]:
     """Whole subtrees only: a file goes only with every file below it, so no kept child loses its parent.
 
-    By age: the candidate subtrees all of whose files are unused for ``older_than``; by size: least
-    recently used candidate leaves, one at a time (a parent becomes a leaf when its last child goes).
+    A tensor-parallel rank's file whose entry is incomplete (another rank's file missing or bad, so never
+    restored) goes in any case, and so does what is below it (bad too). By age: the candidate subtrees all
+    of whose files are unused for ``older_than``; by size: least recently used candidate leaves, one at a
+    time (a parent becomes a leaf when its last child goes).
     """
-    doomed: list[CacheFile] = []
+    doomed: list[CacheFile] = [f for f in files if f.rank is not None and f.problem and f in candidates]
     if older_than is not None:
-        doomed = [f for f in files if all(x in candidates and now - x.mtime > older_than for x in f.subtree())]
+        doomed += [f for f in files if all(x in candidates and now - x.mtime > older_than for x in f.subtree())]
     elif cap is None:
-        doomed = [f for f in files if all(x in candidates for x in f.subtree())]  # --fingerprint alone
+        doomed += [f for f in files if all(x in candidates for x in f.subtree())]  # --fingerprint alone
     if cap is not None:
         gone = set(doomed)
         total = sum(f.bytes for f in files if f not in gone)
@@ -187,7 +190,7 @@ def _doomed(files: list[CacheFile], candidates: set, older_than: float | None, c
             gone.add(victim)
             doomed.append(victim)
             total -= victim.bytes
-    return sorted(doomed, key=lambda f: -f.depth)  # children before their parents
+    return sorted(dict.fromkeys(doomed), key=lambda f: -f.depth)  # children before their parents
 
 
 @app.command("flush")

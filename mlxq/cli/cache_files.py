@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from mlxq.store.ssd_config import CHECKPOINT_DIR
+from mlxq.store.ssd_config import CHECKPOINT_DIR, parse_rank_dir
 
 if TYPE_CHECKING:
     from mlxq.store.mlxkv import EntryHeader
@@ -27,6 +27,7 @@ class CacheFile:
     mtime: float
     header: EntryHeader | None = None  # when readable
     problem: str | None = None  # its own (header, tensors, name), or its chain's
+    rank: tuple[int, int] | None = None  # (rank, size): one rank's shard of a tensor-parallel entry
     parent: CacheFile | None = None
     children: list[CacheFile] = field(default_factory=list)
 
@@ -53,8 +54,9 @@ class CacheFile:
 
 
 def scan_files(directory: Path, *, verify: bool = False) -> list[CacheFile]:
-    """Every ``.mlxkv`` (and leftover ``.tmp``) under any level of DIR/<fingerprint>-<scheme>/<namespace>/,
-    linked into trees, parents before children."""
+    """Every ``.mlxkv`` (and leftover ``.tmp``) under any level of DIR/<fingerprint>-<scheme>/<namespace>/
+    (or DIR/<fingerprint>-<scheme>/tp<N>-rank<r>/<namespace>/ for tensor-parallel ranks), linked into trees,
+    parents before children."""
     if not directory.is_dir():
         typer.echo(f"error: {directory} is not a directory", err=True)
         raise typer.Exit(2)
@@ -66,11 +68,36 @@ def scan_files(directory: Path, *, verify: bool = False) -> list[CacheFile]:
     return _in_tree_order(_link(files))
 
 
+def _entry_key(f: CacheFile) -> tuple:
+    """What a rank file shares with the other ranks' files of its entry: all of its path but the rank."""
+    return f.path.parent.parent.parent, f.rank[1], f.path.parent.name, f.path.name
+
+
+def _check_ranks(files: list[CacheFile]) -> None:
+    """A tensor-parallel entry restores on every rank or on none: each rank's file is bad when another
+    rank's is missing or bad itself."""
+    entries: dict[tuple, dict[int, CacheFile]] = {}
+    for f in files:
+        if f.rank is not None and not f.is_checkpoint:
+            entries.setdefault(_entry_key(f), {})[f.rank[0]] = f
+    for (_, size, _, _), ranks in entries.items():
+        missing = [k for k in range(size) if k not in ranks]
+        bad = [k for k, f in ranks.items() if f.problem]
+        for f in ranks.values():
+            if missing:
+                f.problem = f.problem or f"rank {missing[0]}'s file is missing (an entry restores on every rank " \
+                                         "or on none)"
+            elif bad and f.rank[0] not in bad:
+                f.problem = f"rank {bad[0]}'s file is bad (an entry restores on every rank or on none)"
+
+
 def _read(path: Path, verify: bool) -> CacheFile:
     from mlxq.store.mlxkv import MlxkvError, read_header, verify_file
 
     st = path.stat()
-    item = CacheFile(path, path.parent.parent.name, st.st_size, st.st_mtime)
+    rank = parse_rank_dir(path.parent.parent.name)
+    item = CacheFile(path, (path.parents[2] if rank else path.parent.parent).name, st.st_size, st.st_mtime,
+                     rank=rank)
     if path.name.endswith(".tmp"):
         item.problem = "unfinished write (.tmp)"
         return item
@@ -103,6 +130,7 @@ def _link(files: list[CacheFile]) -> list[CacheFile]:
         parent.children.append(f)
         if parent.header.end != h.start:
             f.problem = f.problem or f"it starts at {h.start}, but its parent {h.parent} ends at {parent.header.end}"
+    _check_ranks(files)
     for f in files:
         if f.parent is None and not f.is_checkpoint:  # a checkpoint's digest names its request, not a prefix
             _propagate(f, None)

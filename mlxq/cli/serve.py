@@ -150,6 +150,8 @@ def serve(
     from mlxq.server.run import serve as run_server
 
     try:
+        if checkpoint_interval is None and tensor_parallel * pipeline_parallel > 1:
+            checkpoint_interval = 0  # no generation checkpoints across ranks (docs/distributed.md)
         ssd = _ssd_config(ssd_cache, ssd_cache_max, ssd_cache_verify, ssd_demote_idle, checkpoint_interval)
         config = ServerConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,
@@ -163,8 +165,7 @@ def serve(
             kv_budget_bytes=None if kv_budget.strip().lower() in ("auto", "off", "none")
             else flag_bytes("--kv-budget", kv_budget),
             kv_budget_auto=kv_budget.strip().lower() == "auto",
-            prompt_cache_bytes=0 if pipeline_parallel > 1 and prompt_cache.strip().lower() == "auto"
-            else _prompt_cache_bytes(prompt_cache),
+            prompt_cache_bytes=_prompt_cache_bytes(prompt_cache),
             memory_limit_bytes=None if memory_limit.strip().lower() in ("auto", "off")
             else flag_bytes("--memory-limit", memory_limit),
             memory_limit_auto=memory_limit.strip().lower() == "auto",

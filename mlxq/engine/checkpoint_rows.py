@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlxq.engine.checkpointing import Checkpointing, restore_output
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.rows import Row, resume_row
+from mlxq.engine.types import FinishReason
 
 
 class RowCheckpoints:
@@ -43,16 +44,35 @@ class RowCheckpoints:
         joiner.start_from(restored.caches, len(joiner.prompt) - 1)
         return joiner
 
-    def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array) -> None:
-        """Rows going on whose interval is up publish; ``handed_out``: their next token already went out
-        (token 0 in the step that computed it), so they are not at a checkpoint boundary this step."""
-        rows = self.batch.rows
-        due = [i for i in keep if rows[i].checkpoint is not None and not handed_out[i]
-               and rows[i].checkpoint.is_due(rows[i].output)]
-        if not due:
+    def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array,
+                             fed: list[int | None]) -> None:
+        """Rows going on whose interval is up publish, the longest without a checkpoint first, while the
+        lane's byte budget allows (engine/checkpoint_budget.py; the others stay due); ``handed_out``: their
+        next token already went out (token 0 in the step that computed it), so they are not at a
+        checkpoint boundary this step. Rows cancelled in this step publish their last checkpoint:
+        ``fed[i]``, this step's input, was not handed out (None: it had been), and ``next_tokens[i]``
+        was drawn after it."""
+        rows, budget = self.batch.rows, self.checkpoints.batch_budget
+        due = sorted((i for i in keep if rows[i].checkpoint is not None and not handed_out[i]
+                      and rows[i].checkpoint.is_due(rows[i].output)),
+                     key=lambda i: rows[i].checkpoint.last - rows[i].output.num_generated)
+        kept = set(keep)
+        cancelled = [i for i, row in enumerate(rows) if i not in kept and row.checkpoint is not None
+                     and fed[i] is not None and row.output.finished is FinishReason.CANCELLED]
+        if not cancelled and not (due and budget.allows()):
             return
         pending = next_tokens.tolist()
         for i in due:
+            if not budget.allows():
+                break
             row = rows[i]
-            key = None if row.key is None else tuple(row.key.tolist())
-            row.checkpoint.publish(row.output, pending[i], key, self.batch.row_caches(i))
+            budget.spend(row.checkpoint.publish(row.output, pending[i], _key_of(row), self.batch.row_caches(i)))
+        for i in cancelled:
+            row = rows[i]
+            budget.spend(row.checkpoint.at_cancel(row.output, fed[i], pending[i], _key_of(row),
+                                                  self.batch.row_caches(i)))
+
+
+def _key_of(row: Row) -> tuple[int, ...] | None:
+    """The row's own PRNG key before its next draw (seeded rows)."""
+    return None if row.key is None else tuple(row.key.tolist())

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlxq.engine.checkpoint_budget import ByteBudget
 from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
 from mlxq.engine.serial_resume import InexactResume
 from mlxq.engine.types import Request
@@ -41,6 +42,7 @@ class Checkpointing:
     store: CheckpointStore
     interval: int  # tokens handed out between checkpoints
     kv_scheme: str
+    batch_budget: ByteBudget = field(default_factory=ByteBudget)  # the batch lane's rows share it
 
     def key_for(self, request: Request) -> str | None:
         """The request's key digest, or None when it is not checkpointed."""
@@ -87,21 +89,39 @@ class RowCheckpoint:
     def is_due(self, output) -> bool:
         return is_due(output.num_generated, self.checkpointing.interval, self.last)
 
-    def publish(self, output, pending: int, rng_key: tuple[int, ...] | None, caches: list) -> None:
-        """Queue the state after ``output``'s tokens: ``caches`` hold the prompt and every one of them."""
+    def publish(self, output, pending: int, rng_key: tuple[int, ...] | None, caches: list,
+                drawn: tuple[int, ...] = ()) -> int:
+        """Queue the state after ``output``'s tokens and ``drawn`` (generated, not handed out yet): ``caches``
+        hold the prompt and every one of them; ``pending`` was drawn after them. The bytes copied."""
         self.last = output.num_generated
         request = output.request
-        record = CheckpointRecord(self.key, len(request.prompt_ids), tuple(output.tokens), pending, rng_key,
-                                  time.time())
-        self.checkpointing.store.publish(record, request.prompt_ids + output.tokens, owned_layers(caches),
-                                         is_trimmable(caches))
+        generated = (*output.tokens, *drawn)
+        record = CheckpointRecord(self.key, len(request.prompt_ids), generated, pending, rng_key, time.time())
+        layers = owned_layers(caches)
+        self.checkpointing.store.publish(record, request.prompt_ids + list(generated), layers, is_trimmable(caches))
+        return sum(a.nbytes for _, _, named in layers for _, a in named)
 
     def after_serial_token(self, run, caches: list) -> None:
         """The serial lane handed a token out and goes on: mlx-lm's loop already drew the next one."""
         if not self.is_due(run.output) or run.last_draw is None:
             return
-        rng = tuple(mx.random.state[0].tolist()) if run.draws is not None else None  # the key before the next draw
-        self.publish(run.output, int(run.last_draw.item()), rng, caches)
+        self.publish(run.output, int(run.last_draw.item()), _global_key(run), caches)
+
+    def at_cancel(self, output, token: int, pending: int, rng_key: tuple[int, ...] | None, caches: list) -> int:
+        """The request was cancelled before ``token`` was handed out, with the caches holding it and
+        ``pending`` drawn after it: its last checkpoint, so that the same request later recomputes nothing
+        (none when ``token`` is EOS: the request ended there). The bytes copied."""
+        return 0 if output.is_eos(token) else self.publish(output, pending, rng_key, caches, drawn=(token,))
+
+    def at_serial_cancel(self, run, token: int, caches: list) -> None:
+        """The serial lane saw a cancel before handing ``token`` out; mlx-lm's loop already drew the next one."""
+        if run.last_draw is not None:
+            self.at_cancel(run.output, token, int(run.last_draw.item()), _global_key(run), caches)
+
+
+def _global_key(run) -> tuple[int, ...] | None:
+    """MLX's global key before the draw after the pending token (seeded runs; None for the others)."""
+    return tuple(mx.random.state[0].tolist()) if run.draws is not None else None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from mlxq.engine.admission import AdmissionError, check_fits_alone
+from mlxq.engine.engine_calls import EngineCall
 from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
 from mlxq.engine.grammar_timing import GrammarTiming
@@ -32,8 +33,9 @@ from mlxq.engine.output import EmitFn
 from mlxq.engine.serial_resume import SerialPreempted, SerialRun, backing_off
 from mlxq.engine.types import FinishReason, Request, RequestDone, TokenEvent
 from mlxq.models.loader import LoadedModel
-from mlxq.models.multi_lora import adapter_rows
+from mlxq.models.multi_lora import adapter_names, adapter_rows
 from mlxq.store.cold_tier import FlushResult
+from mlxq.store.rank_restore import flush_state
 from mlxq.store.ssd_config import SsdConfig
 
 log = logging.getLogger("mlxq.engine")
@@ -150,7 +152,8 @@ class Engine:
         self.cold_off_reason: str | None = None
         self.checkpoints = None  # engine.checkpointing.Checkpointing, with --ssd-cache and --checkpoint-interval > 0
         self._flushes: list[_Flush] = []
-        self._inbox: queue.Queue[_Work | _Flush | None] = queue.Queue()
+        self._inbox: queue.Queue[_Work | _Flush | EngineCall | None] = queue.Queue()
+        self._calls: list[EngineCall] = []  # taken in, run when the loop stands between iterations
         self._waiting: collections.deque[_Work] = collections.deque()
         self._serial_running: Request | None = None
         self._stopping = threading.Event()
@@ -220,6 +223,20 @@ class Engine:
             return flush.result
         return self.cold.flush_result(timed_out=True, report=False)
 
+    def call_between_steps(self, fn: Callable[[], object], timeout: float) -> object:
+        """Run ``fn`` on the engine thread between two steps and return its result (any thread; raises
+        what ``fn`` raises, or engine_calls.EngineCallTimeout when the engine did not get to it)."""
+        if not self.is_alive:
+            raise RuntimeError("the engine is not running")
+        call = EngineCall(fn)
+        self._inbox.put(call)
+        return call.wait(timeout)
+
+    def requests_held(self) -> list[Request]:
+        """Engine thread: every request it holds, waiting, prefilling, decoding or preempted."""
+        held = [work.request for work in self._waiting]
+        return held + (self.scheduler.requests_held() if self.scheduler is not None else [])
+
     def stop(self, timeout: float | None = None) -> None:
         """Stop after the current step; queued and running requests are cancelled."""
         self._stopping.set()
@@ -256,6 +273,7 @@ class Engine:
                 self._beat()
                 if not self._intake(block=self._idle() and not self._background_work()):
                     break
+                self._run_calls()
                 self._schedule()
                 self._persist()
         except BaseException as exc:  # the thread must not die silently: /health reports it
@@ -442,7 +460,7 @@ class Engine:
             names = sorted({type(c).__name__ for c in caches})
             self.prompt_cache_off_reason = f"no prompt-cache support for cache classes {names}"
         else:
-            self.prompt_cache = PromptCache(cap)
+            self.prompt_cache = PromptCache(cap, charge=self._pipeline_charge())
         if self.config.ssd is None:
             self.cold_off_reason = "off (start with --ssd-cache DIR)"
         elif self.prompt_cache is None:
@@ -453,12 +471,31 @@ class Engine:
             from mlxq.store.cold_tier import open_cold_tier
 
             self.cold = open_cold_tier(self.config.ssd, self.prompt_cache, self.loaded.path, self.loaded.name,
-                                       kv_scheme=self.scheme.key, prototype=self._prototype)
+                                       kv_scheme=self.scheme.key, prototype=self._prototype, ranks=self._ranks())
             self.checkpoints = open_checkpointing(self.config.ssd, self.cold.store, self.scheme.key)
 
+    def _pipeline_charge(self):
+        """Pipeline parallel: rank 0's bytes per token and per snapshot, so every rank evicts alike."""
+        if self.lockstep is None or self.lockstep.world.mode != "pipeline":
+            return None
+        from mlxq.store.charge import measure_charge
+
+        return self.lockstep.from_leader(measure_charge(self._prototype))
+
+    def _ranks(self):
+        """Tensor parallel: this rank's place and the collective its SSD restores agree through."""
+        from mlxq.store.rank_restore import Ranks
+
+        world = self.lockstep.world if self.lockstep is not None else None
+        return Ranks(world.rank, world.size, self.lockstep.gather_one) if world is not None else None
+
     def _background_work(self) -> bool:
-        """SSD work waiting (asked only when idle: never a cost on the decode loop)."""
-        return self.cold is not None and self.cold.has_work(flushing=bool(self._flushes))
+        """SSD work waiting (asked only when idle: never a cost on the decode loop), here or, for a flush,
+        on another rank (which writes at this rank's pace)."""
+        if self.cold is None:
+            return False
+        others = bool(self._flushes) and self.lockstep is not None and not self.lockstep.others_flushed
+        return others or self.cold.has_work(flushing=bool(self._flushes))
 
     def _persist(self) -> None:
         """SSD work: one tensor per iteration, only when idle unless a flush is waiting."""
@@ -469,7 +506,11 @@ class Engine:
             if cold.has_work(flushing=True):
                 cold.step()
                 return
+            if self.lockstep is not None and not self.lockstep.others_flushed:
+                return  # the flush is durable once every rank's part is
             result = cold.flush_result()
+            if self.lockstep is not None and not self.lockstep.others_durable:
+                result = replace(result, durable=False)
             for flush in self._flushes:
                 flush.result = result
                 flush.done.set()
@@ -492,12 +533,28 @@ class Engine:
             if work is None:
                 return False
             if isinstance(work, _Flush):
-                if not self._flushes:
-                    self.cold.begin_flush()
-                self._flushes.append(work)
+                self._take_flush(work)
+            elif isinstance(work, EngineCall):
+                self._calls.append(work)  # not here: the serial lane takes its inbox in mid-request
+            elif work.request.adapter and work.request.adapter not in adapter_names(self.loaded.model):
+                self._fail(work, f"model {work.request.adapter!r} was unloaded before this request started")
             else:
                 self._admit_to_fifo(work)
         return True
+
+    def _take_flush(self, flush: _Flush) -> None:
+        if not self._flushes:
+            self.cold.begin_flush()
+        self._flushes.append(flush)
+
+    def _run_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for call in calls:
+            call.run()
+
+    def _fail(self, work: _Work, message: str) -> None:
+        work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.ERROR, error=message))
+        self._done(work.request, work.placement.lane, FinishReason.ERROR, None, message)
 
     def _drain_inbox(self, block: bool) -> list[_Work | _Flush | None]:
         """What was submitted, up to a stop (None); waits a moment for the first item when ``block``."""
@@ -515,11 +572,15 @@ class Engine:
     def _intake_lockstep(self, block: bool) -> bool:
         """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike."""
         taken = self._drain_inbox(block) if self.lockstep.world.is_leader else []
-        works = [work for work in taken if isinstance(work, _Work)]  # no _Flush: no SSD tier here
+        works = [work for work in taken if isinstance(work, _Work)]
+        flushes = [work for work in taken if isinstance(work, _Flush)]
         scheduler = self.scheduler
         digest = [len(self._waiting), scheduler.num_rows if scheduler else 0,
                   scheduler.num_prefilling if scheduler else 0, self.stats.generated_tokens]
-        arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest)
+        arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest,
+                                          flush=bool(flushes), ssd_state=flush_state(self.cold, bool(self._flushes)))
+        for flush in (flushes or [_Flush()]) if arrivals.flush else ():  # a follower's: nobody waits on it
+            self._take_flush(flush)
         for work in works:
             self._admit_to_fifo(work)
         for request, emit in arrivals.requests:
@@ -559,8 +620,7 @@ class Engine:
             message = "the request does not fit the KV budget"
         except AdmissionError as exc:
             message = str(exc)
-        work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.ERROR, error=message))
-        self._done(work.request, work.placement.lane, FinishReason.ERROR, None, message)
+        self._fail(work, message)
 
     def _drop_cancelled_waiting(self) -> None:
         if not any(w.request.cancelled.is_set() for w in self._waiting):

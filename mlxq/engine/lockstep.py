@@ -34,6 +34,7 @@ from mlxq.distributed.channel import agree_min, gather_ints, share_bytes, share_
 from mlxq.distributed.world import RankInfo, World
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, TokenEvent
+from mlxq.store.rank_restore import NOT_DURABLE, WRITING
 
 log = logging.getLogger("mlxq.engine")
 
@@ -52,6 +53,7 @@ class Arrivals:
 
     requests: list[tuple[Request, EmitFn]] = field(default_factory=list)  # followers: rank 0's, rebuilt here
     stop: bool = False
+    flush: bool = False  # rank 0 was asked to put the SSD tier's dirty entries on disk: every rank does
 
 
 @dataclass
@@ -74,6 +76,8 @@ class Lockstep:
         self.world = world
         self.ranks: list[RankInfo] = []  # every rank, after start-up
         self.rank_memory: list[tuple[int, int]] = []  # (active, peak) bytes per rank, as of the last iteration
+        self.rank_ssd: list[int] = []  # per rank, as of the last iteration: store.rank_restore.flush_state
+        self._flush_shared_at = 0  # the iteration that last shared a flush
         self.failure: str | None = None  # why serving stopped (a rank lost), for /health
         self.iterations = 0
         self.exchange_s = 0.0  # wall time in exchange(): the collectives, and the wait for the step in flight
@@ -120,6 +124,19 @@ class Lockstep:
     def agree_min(self, value: int | None) -> int | None:
         return agree_min(self.world.group, value)
 
+    def gather_one(self, value: int) -> list[int]:
+        """Every rank's ``value``, by rank (a collective: every rank calls it at the same point)."""
+        return [row[0] for row in gather_ints(self.world.group, [int(value)])]
+
+    @property
+    def others_flushed(self) -> bool:
+        """Every other rank had taken the flush and had no SSD write left at this iteration's start."""
+        return self.iterations > self._flush_shared_at and WRITING not in self.rank_ssd[1:]
+
+    @property
+    def others_durable(self) -> bool:
+        return NOT_DURABLE not in self.rank_ssd[1:]
+
     def from_leader(self, value):
         """Rank 0's ``value`` on every rank: sizes every rank must plan alike (under pipeline parallelism
         each rank holds other layers; rank 0 holds the most, so its sizes are the safe ones)."""
@@ -156,33 +173,39 @@ class Lockstep:
         return len(opened)
 
     # --- the engine thread, every rank, once per loop iteration ---------------------------
-    def exchange(self, taken: list[Request], stop: bool, digest: list[int]) -> Arrivals:
-        """Share rank 0's arrivals, cancellations and stop; check every rank's ``digest`` (and the
-        checksum of the tokens it handed out) matches rank 0's."""
+    def exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool = False,
+                 ssd_state: int = 0) -> Arrivals:
+        """Share rank 0's arrivals, cancellations, flush and stop; check every rank's ``digest`` (and the
+        checksum of the tokens it handed out) matches rank 0's; gather each rank's ``ssd_state``
+        (store.rank_restore.flush_state)."""
 
         self.iterations += 1
         started = time.perf_counter()
         try:
-            return self._exchange(taken, stop, digest)
+            return self._exchange(taken, stop, digest, flush, ssd_state)
         finally:
             self.exchange_s += time.perf_counter() - started
 
-    def _exchange(self, taken: list[Request], stop: bool, digest: list[int]) -> Arrivals:
+    def _exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool, ssd: int) -> Arrivals:
         import mlx.core as mx
 
-        payload = self._payload(taken, stop) if self.world.is_leader else b""
+        payload = self._payload(taken, stop, flush) if self.world.is_leader else b""
         digest = [*digest, self._token_checksum]
-        rows = gather_ints(self.world.group, [len(payload), *digest, mx.get_active_memory(), mx.get_peak_memory()])
+        rows = gather_ints(self.world.group, [len(payload), *digest, ssd, mx.get_active_memory(),
+                                              mx.get_peak_memory()])
         self.rank_memory = [(row[-2], row[-1]) for row in rows]
+        self.rank_ssd = [row[-3] for row in rows]
         self._check_digests(rows)
         size = rows[0][0]
         if size == 0:
             return Arrivals()
         message = pickle.loads(share_sized(self.world.group, payload, size))  # rank 0's own bytes: trusted
+        if message["flush"]:
+            self._flush_shared_at = self.iterations
         if self.world.is_leader:
             self._apply_cancels(message["cancels"])
-            return Arrivals(stop=message["stop"])
-        arrivals = Arrivals(stop=message["stop"])
+            return Arrivals(stop=message["stop"], flush=message["flush"])
+        arrivals = Arrivals(stop=message["stop"], flush=message["flush"])
         for spec in message["arrivals"]:
             request = Request(**spec)
             self._open[request.request_id] = _Open(request, request, _discard)
@@ -190,7 +213,7 @@ class Lockstep:
         self._apply_cancels(message["cancels"])
         return arrivals
 
-    def _payload(self, taken: list[Request], stop: bool) -> bytes:
+    def _payload(self, taken: list[Request], stop: bool, flush: bool = False) -> bytes:
         with self._lock:
             cancels = []
             for entry in self._open.values():
@@ -200,9 +223,10 @@ class Lockstep:
             for request in taken:
                 if request.request_id in self._open:
                     self._open[request.request_id].shared = True
-        if not taken and not cancels and not stop:
+        if not taken and not cancels and not stop and not flush:
             return b""
-        return pickle.dumps({"arrivals": [_spec(r) for r in taken], "cancels": cancels, "stop": stop})
+        return pickle.dumps({"arrivals": [_spec(r) for r in taken], "cancels": cancels, "stop": stop,
+                             "flush": flush})
 
     def _apply_cancels(self, request_ids: list[str]) -> None:
         with self._lock:

@@ -35,6 +35,10 @@ class RequestOutput:
         self._last_token_at: float | None = None
         self._gaps: list[float] = []  # seconds between successive tokens (inter-token latency)
 
+    def is_eos(self, token: int) -> bool:
+        """``token`` would end the request as its end-of-sequence."""
+        return token in self._eos
+
     def add_token(self, token: int, logprobs=None) -> bool:
         """Account one sampled token; returns True when the request is finished."""
         now = time.monotonic()

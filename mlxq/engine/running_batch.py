@@ -26,6 +26,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlxq.engine.prefix_sharing import Group, row_groups
 from mlxq.engine.rows import Row
 from mlxq.engine.wave_caches import RowCopies
+from mlxq.kv import attention_route
 from mlxq.kv.batch_ops import check_extendable, extend_batch, extract_row, keep_rows, merge_solo_rows, view_rows
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import PrefixSpec, SharingPlan, prefix_from_spans, share_groups
@@ -55,6 +56,11 @@ class RunningBatch:
     pending: Pending | None = None
     groups: tuple[Group, ...] = ()  # rows reading a shared prefix, per prefix (none: every row holds its own)
     copies: RowCopies = field(default_factory=RowCopies)  # whole-row copies around joins, counted
+
+    def __setattr__(self, name, value) -> None:
+        super().__setattr__(name, value)
+        if name == "groups":  # the model's attention goes through the seam only while a group runs
+            attention_route.use_shared(bool(value))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -120,11 +126,13 @@ class RunningBatch:
         self.pending = self.pending.take(keep)
         if self.batched:
             keep_rows(self.caches, keep)  # a group no row reads any more leaves the caches too
-            self.groups = tuple(g for g in (group.keep(keep) for group in self.groups) if g.rows)
+            groups = tuple(g for g in (group.keep(keep) for group in self.groups) if g.rows)
             if len(keep) == 1:
                 self.caches, self.batched, self.groups = extract_row(self.caches, 0), False, ()
-            elif self.groups and sum(group.rows for group in self.groups) < 2:
-                self._unshare()
+            elif self.groups and sum(group.rows for group in groups) < 2:
+                self._unshare()  # also when every group left: strays alone go back to per-row caches
+            else:
+                self.groups = groups
 
     def clear(self) -> list[Row]:
         """Drop every row's KV and pending state; the rows are returned to be finished or requeued."""
@@ -135,14 +143,29 @@ class RunningBatch:
     def share(self, groups: tuple[Group, ...], plan: SharingPlan) -> None:
         """Rebuild the batched caches so each group's rows hold only their tails past its prefix
         (read from its node chain) and every other row its whole history."""
-        rows = view_rows(self.caches, len(self.rows))
-        specs = [PrefixSpec(g.prefix_length, prefix_from_spans(g.prefix_lease().layer_spans())) for g in groups]
-        self.caches = share_groups(plan, rows, specs, row_groups(groups, len(self.rows)))
+        self.caches = _grouped_caches(plan, view_rows(self.caches, len(self.rows)), groups)
         # No layer may share (e.g. quantized KV on a GPU backend): the caches are per row again.
         self.groups = groups if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else ()
+
+    def start_grouped(self, rows: list[Row], solo_caches: list[list], groups: tuple[Group, ...], plan: SharingPlan,
+                      pending: Pending) -> None:
+        """Into an empty batch: rows (solo cache lists) grouped at once, each group's rows keeping only
+        their tails; the batch of every row's whole history that ``join`` then ``share`` would build
+        first (a second copy of each row's prefix, for a moment) is never made."""
+        if self.rows:
+            raise ValueError("start_grouped needs an empty batch")
+        caches = _grouped_caches(plan, solo_caches, groups)
+        self.rows, self.caches, self.batched, self.pending = list(rows), caches, True, pending
+        self.groups = groups if any(isinstance(c, SharedPrefixBatchCache) for c in caches) else ()
 
     def _unshare(self) -> None:
         """Back to per-row batched caches (each group row's copy of its prefix plus its tail)."""
         if self.groups:
             self.caches = merge_solo_rows([extract_row(self.caches, i) for i in range(len(self.rows))])
             self.groups = ()
+
+
+def _grouped_caches(plan: SharingPlan, rows: list[list], groups: tuple[Group, ...]) -> list:
+    """Batched caches for ``rows`` (solo cache lists or views) with ``groups`` reading their node chains' spans."""
+    specs = [PrefixSpec(g.prefix_length, prefix_from_spans(g.prefix_lease().layer_spans())) for g in groups]
+    return share_groups(plan, rows, specs, row_groups(groups, len(rows)))

@@ -45,6 +45,7 @@ from mlxq.engine.prefill import Prefilling
 from mlxq.engine.prefix_sharing import SharingPolicy, SharingStats
 from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending, RunningBatch
+from mlxq.engine.shared_accounting import credited, credits, shares_layers
 from mlxq.engine.shedding import MemoryShedding, resumed_size
 from mlxq.engine.step_plan import (
     Extent,
@@ -102,7 +103,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         self.grammar_timing = grammar_timing  # rows with a grammar add their mask time here
         self.footprint = footprint
         self.config = config
-        self.sizing = Sizing(footprint, config.shape)
+        self.sizing = Sizing(footprint, config.shape, sharing.plan.shared if shares_layers(sharing) else ())
 
         def finished(row: Row) -> None:
             self._times_preempted.pop(row.request.request_id, None)
@@ -144,12 +145,12 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         return not self.batch and not self.joiners and not self._preempted
 
     def can_admit(self, request: Request) -> bool:
-        return can_admit(self._load(), Extent(len(request.prompt_ids), request.max_tokens), self._limits(),
-                         self.sizing, self._own_prefill(request))
+        load, extent = self._kv_load(Extent(len(request.prompt_ids), request.max_tokens), request)
+        return can_admit(load, extent, self._limits(), self.sizing, self._own_prefill(request))
 
     def projected_bytes(self) -> int:
         """Worst-case KV bytes of every row at prompt + max_tokens, plus the joiners' ring transients."""
-        return self.sizing.projected_bytes(self._load())
+        return self.sizing.projected_bytes(self._kv_load()[0])
 
     def transient_bytes(self) -> int:
         """The worst prefill step of the joiners: activations, logits, attention scores."""
@@ -161,6 +162,19 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
         running = [Extent(len(r.request.prompt_ids), r.request.max_tokens) for r in self.batch.rows]
         return load_of(running, self.joiners.views(self._chunk_len), len(self._preempted))
 
+    def _kv_load(self, extent: Extent | None = None, request: Request | None = None) -> tuple[Load, Extent | None]:
+        """The load (and a request asking in) with the rows that read a shared prefix by reference
+        marked: the KV budget counts that prefix once (engine/shared_accounting.py)."""
+        load = self._load()
+        if not shares_layers(self.sharing) or self.prompt_cache is None:
+            return load, extent
+        rows = [r.request for r in self.batch.rows] + [j.row.request for j in self.joiners]
+        leases = [self._leases.get(r.request_id) for r in rows]
+        if request is not None:
+            nodes, cached = self.prompt_cache.held_path(request.namespace, request.prompt_ids)
+            leases.append(Lease(cached, None, nodes[-1]) if nodes else None)  # unpinned: a view to compare
+        return credited(load, extent, credits(leases, len(self.batch.rows), self.batch.groups, self.sharing))
+
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes
         room = None if limit is None else limit * SHED_AT - mx.get_active_memory()
@@ -170,6 +184,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
     def _finish(self, row: Row, reason: FinishReason, error: str | None = None) -> None:
         row.output.finish(reason, error=error)
         self._on_finish(row)
+
+    def requests_held(self) -> list[Request]:
+        """Every request decoding, prefilling or preempted here."""
+        return [row.request for row in (*self.batch.rows, *(j.row for j in self.joiners), *self._preempted)]
 
     def fail_all(self, message: str) -> None:
         rows = self.batch.clear() + [j.row for j in self.joiners.clear()] + self._preempted
@@ -251,7 +269,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
                     keep.remove(i)
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
         if self.checkpoints is not None:
-            self._publish_checkpoints(keep, done_now, next_tokens)
+            self._publish_checkpoints(keep, done_now, next_tokens, [None if pending.emitted[i] else t
+                                                                    for i, t in enumerate(tokens)])
         self.sharing_stats.count_step(batch.groups)
         if len(keep) < len(batch.rows):
             self._evict(keep)

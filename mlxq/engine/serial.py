@@ -248,6 +248,8 @@ def _hand_out(run: SerialRun, steps, evaluator: Evaluator, on_step, caches) -> N
         for token, logprobs in steps:
             on_step()
             if request.cancelled.is_set():
+                if run.checkpoint is not None:
+                    run.checkpoint.at_serial_cancel(run, token, caches)
                 output.finish(FinishReason.CANCELLED)
                 break
             if run.retrying:  # the resumed loop got as far as a new token: the retry worked

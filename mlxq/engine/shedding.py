@@ -17,6 +17,8 @@ import mlx.core as mx
 from mlxq.engine.faults import MemoryFault, release_cached_memory
 from mlxq.engine.preempt import MAX_PREEMPTIONS, plan_decode_preemption, rows_that_fit
 from mlxq.engine.rows import Row
+from mlxq.engine.shared_accounting import running_credits
+from mlxq.engine.step_plan import Extent
 from mlxq.engine.transient import decode_step_bytes
 from mlxq.engine.types import FinishReason
 
@@ -64,8 +66,10 @@ class MemoryShedding:
         if limit is None:
             return
         lengths = [len(r.output.request.prompt_ids) + r.output.num_generated for r in self.batch.rows]
-        kv_now = self.footprint.batch_bytes(lengths)
-        growth = self.footprint.batch_bytes([n + 1 for n in lengths]) - kv_now + kv_now // len(self.footprint.layers)
+        shared = running_credits(self.batch.groups, len(lengths))  # a group's prefix is held once
+        kv_now = self.sizing.kv_bytes([Extent(n, 0, *credit) for n, credit in zip(lengths, shared, strict=True)])
+        grown = self.sizing.kv_bytes([Extent(n, 1, *credit) for n, credit in zip(lengths, shared, strict=True)])
+        growth = grown - kv_now + kv_now // len(self.footprint.layers)
         keep = rows_that_fit(mx.get_active_memory(), limit, len(lengths), kv_now, growth,
                              decode_step_bytes(self.config.shape, max(lengths)))
         if keep < len(self.batch):

@@ -47,10 +47,15 @@ class Extent:
 
     prompt: int  # tokens
     max_tokens: int  # tokens
+    shared: int = 0  # leading prompt tokens it reads by reference from a shared prefix (counted once)
+    prefix: int | None = None  # which shared prefix (any key equal for the rows of one group)
 
     @property
     def total(self) -> int:
         return self.prompt + self.max_tokens
+
+    def sharing(self, shared: int, prefix: int | None) -> Extent:
+        return Extent(self.prompt, self.max_tokens, shared, prefix)
 
 
 @dataclass(frozen=True)
@@ -85,12 +90,25 @@ class Sizing:
 
     footprint: KvFootprint
     shape: ModelShape | None = None
+    shared_layers: tuple[bool, ...] = ()  # per layer: a shared prefix is held by reference (kv/sharing_plan.py)
 
     def projected_bytes(self, load: Load) -> int:
-        """Worst-case KV of every row at prompt + max_tokens, plus the joiners' ring transients."""
-        lengths = [e.total for e in load.running + load.prefilling]
-        return self.footprint.batch_bytes(lengths) + sum(self.footprint.prefill_bytes(e.prompt)
-                                                          for e in load.prefilling)
+        """Worst-case KV of every row at prompt + max_tokens, plus the joiners' ring transients.
+
+        Rows in a shared-prefix group (``Extent.prefix``) count their tails, the prefix once."""
+        return self.kv_bytes(load.running + load.prefilling) + sum(self.footprint.prefill_bytes(e.prompt)
+                                                                    for e in load.prefilling)
+
+    def kv_bytes(self, extents: Sequence[Extent]) -> int:
+        lengths = [e.total for e in extents]
+        if not self.shared_layers or all(e.prefix is None for e in extents):
+            return self.footprint.batch_bytes(lengths)
+        prefixes: dict[int, int] = {}
+        for e in extents:
+            if e.prefix is not None:
+                prefixes[e.prefix] = max(prefixes.get(e.prefix, 0), e.shared)
+        shared = [e.shared if e.prefix is not None else 0 for e in extents]
+        return self.footprint.grouped_bytes(lengths, shared, list(prefixes.values()), self.shared_layers)
 
     def transient_bytes(self, prompts: list[int], chunk_cap: int, group_cap: int) -> int:
         """The worst prefill step of joiners with these prompt lengths (engine/transient.py)."""
@@ -100,12 +118,16 @@ class Sizing:
 def fits_memory(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> bool:
     """While anything runs, a newcomer's whole KV and its prefill step must fit the memory left.
 
-    Checked only while busy, so a request is never refused for it: it waits."""
+    Joiners that the KV budget counts as reading a shared prefix by reference (``Extent.prefix``)
+    still prefill their tails on a copy of it and hold that copy until they join: the copies of
+    those not yet joined count here, so a burst of agents on a long prefix joins in waves that
+    fit rather than all at once. Checked only while busy, so a request is never refused for it: it waits."""
     if limits.memory_room is None or not (load.running or load.prefilling):
         return True
     prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
     transient = sizing.transient_bytes(prompts, limits.prefill_budget, limits.group_cap)
-    need = sizing.footprint.row_bytes(extent.total, extent.prompt) + transient
+    copies = sum(sizing.footprint.batch_bytes([e.prompt]) for e in load.prefilling if e.prefix is not None)
+    need = sizing.footprint.row_bytes(extent.total, extent.prompt) + transient + copies
     return need <= limits.memory_room
 
 

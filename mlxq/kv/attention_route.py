@@ -13,6 +13,10 @@ module to ``route``, with no change to mlx-lm's files:
 mlx-lm's quantized attention scales its ``queries`` argument in place
 (``queries *= scale``): ``route`` hands it a fresh array object, so no
 caller ever sees its queries scaled.
+
+The batch lane routes only while its batch holds a group (``use_shared``,
+set on every change of ``RunningBatch.groups``): with no group the model's
+attention calls are exactly those of ``off``, with no extra call per layer.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from mlxq.kv import cuda_attention, shared_prefix_decode
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 _mlx_lm_attention = base.scaled_dot_product_attention
+_routing = False  # ``install`` ran and ``uninstall`` did not since
 
 
 def route(queries, keys, values, cache, scale, mask, sinks=None):
@@ -51,6 +56,8 @@ def install() -> None:
 
     Call after the model is loaded: its module must already be imported. On CUDA this also
     turns on the shared-prefix decode kernels once their self-checks pass."""
+    global _routing
+    _routing = True
     shared_prefix_decode.enable()
     for module in _model_modules():
         if module.scaled_dot_product_attention in (_mlx_lm_attention, cuda_attention.route):
@@ -59,8 +66,16 @@ def install() -> None:
 
 def uninstall() -> None:
     """Give each module back the function it had (the CUDA router where that is installed)."""
+    global _routing
+    _routing = False
     previous = cuda_attention.route if cuda_attention._installed else _mlx_lm_attention
     for module in _model_modules():
         if module.scaled_dot_product_attention is route:
             module.scaled_dot_product_attention = previous
 
+
+
+def use_shared(groups: bool) -> None:
+    """Route while some shared-prefix group runs, and not otherwise (decided per batch change)."""
+    if groups != _routing:
+        install() if groups else uninstall()

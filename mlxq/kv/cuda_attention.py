@@ -12,7 +12,10 @@ Measured on the H200 with MLX 0.32.4 (docs/benchmarks.md, "H200: attention routi
   build is small next to the work and the scores would be large, stay on
   cuDNN.
 - Batched one-token decode carries a left-padding mask, which sends MLX's
-  CUDA attention to its unfused fallback: kv/decode_kernel.py serves it.
+  CUDA attention to its unfused fallback: kv/gqa_decode_kernel.py serves it
+  (one block per row and KV head) where it takes the shape and its own
+  self-check agrees with MLX, else kv/decode_kernel.py (one block per row
+  and query head).
 
 ``install()`` routes mlx-lm's attention entry point (the
 ``scaled_dot_product_attention`` every mlx-lm model module imports) through
@@ -33,6 +36,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache
 
+from mlxq.kv import gqa_decode_kernel
 from mlxq.kv.decode_kernel import HEAD_DIMS, masked_decode_attention, self_check
 
 log = logging.getLogger("mlxq.kv")
@@ -44,6 +48,7 @@ OPS_MAX_SCORES = 1024 * 2048
 
 _mlx_lm_attention = base.scaled_dot_product_attention
 _installed = False
+_gqa = False  # kv/gqa_decode_kernel.py passed its self-check: decode steps run it where it takes the shape
 _bypass = False  # set inside mlx_lm_only(): every call goes to mlx-lm's function
 
 
@@ -82,6 +87,8 @@ def route(queries, keys, values, cache, scale, mask, sinks=None):
             dim = queries.shape[-1]
             if (type(cache) is BatchKVCache and isinstance(mask, mx.array) and dim in HEAD_DIMS
                     and keys.shape[-1] == values.shape[-1] == dim and queries.shape[1] % keys.shape[1] == 0):
+                if _gqa and gqa_decode_kernel.can_run(queries, keys, values):
+                    return gqa_decode_kernel.gqa_decode_attention(queries, keys, values, cache.left_padding, scale)
                 return masked_decode_attention(queries, keys, values, cache.left_padding, scale)
         elif length * keys.shape[2] <= OPS_MAX_SCORES:
             return ops_attention(queries, keys, values, scale, mask)
@@ -97,6 +104,18 @@ def mlx_lm_only():
         yield
     finally:
         _bypass = False
+
+
+def _enable_gqa() -> None:
+    global _gqa
+    try:
+        error = gqa_decode_kernel.self_check()
+    except Exception as exc:
+        log.warning("GQA decode kernel unavailable (%s: %s); using the per-head kernel", type(exc).__name__, exc)
+        return
+    _gqa = error < 2e-2
+    if not _gqa:
+        log.warning("GQA decode kernel disagrees with MLX (max diff %g); using the per-head kernel", error)
 
 
 def install() -> bool:
@@ -118,6 +137,7 @@ def install() -> bool:
             return False
         _installed = True
         log.info("CUDA attention routing on (decode kernel self-check max diff %.2g)", error)
+        _enable_gqa()
     for module in list(sys.modules.values()):
         name = getattr(module, "__name__", "") or ""
         if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is \

@@ -10,6 +10,10 @@ Sliding-window layers hold their window once a row decodes, but while a
 prompt chunk of n tokens is written a ring holds window - 1 + n tokens (the
 chunk must attend to the window before it): a prefilling row pays that
 transient on top (``prefill_bytes``).
+
+Rows that read a shared prefix by reference (kv/shared_prefix_cache.py)
+hold only their tails in the shared layers: ``grouped_bytes`` counts each
+prefix once and the rows' tails padded to the longest tail.
 """
 
 from __future__ import annotations
@@ -45,19 +49,34 @@ class KvFootprint:
 
     def batch_bytes(self, row_tokens: list[int]) -> int:
         """Rows padded to the longest, as the batch lane stores them."""
+        return self.grouped_bytes(row_tokens, [0] * len(row_tokens), [], ())
+
+    def grouped_bytes(self, row_tokens: list[int], row_shared: list[int], prefixes: list[int],
+                      shared_layers: tuple[bool, ...]) -> int:
+        """Rows of which ``row_shared[i]`` leading tokens are read by reference from a shared prefix.
+
+        ``prefixes``: each shared prefix's tokens, counted once; ``shared_layers``: per layer,
+        whether it holds the prefix by reference (kv/sharing_plan.py; others keep per-row copies)."""
         if not row_tokens:
             return 0
-        rows, longest = len(row_tokens), max(row_tokens)
-        padded = -(-longest // GROWTH_STEP) * GROWTH_STEP
+        rows = len(row_tokens)
+        padded = _padded(max(row_tokens))
+        tails = _padded(max(t - s for t, s in zip(row_tokens, row_shared, strict=True)))
         total = 0
-        for layer in self.layers:
-            if layer.kind is CacheKind.FULL:
+        for index, layer in enumerate(self.layers):
+            if layer.kind is CacheKind.FULL and index < len(shared_layers) and shared_layers[index]:
+                total += (rows * tails + sum(prefixes)) * layer.bytes_per_token
+            elif layer.kind is CacheKind.FULL:
                 total += rows * padded * layer.bytes_per_token
             elif layer.kind is CacheKind.ROTATING:
                 total += rows * min(padded, layer.window) * layer.bytes_per_token
             else:
                 total += rows * layer.fixed_bytes
         return total
+
+
+def _padded(tokens: int) -> int:
+    return -(-tokens // GROWTH_STEP) * GROWTH_STEP
 
 
 def measure_footprint(model, prefill_chunk: int = 2048, scheme=None, probe: list | None = None) -> KvFootprint:

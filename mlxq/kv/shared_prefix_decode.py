@@ -6,7 +6,11 @@
 - ``full``: kv/shared_prefix_kernel.py, one CUDA kernel per layer (small
   groups, where the split path's dozen launches dominate);
 - ``split``: kv/tail_merge_kernel.py, the prefix as stacked GEMMs plus one
-  CUDA kernel for the tails and the merge (large groups).
+  CUDA kernel for the tails and the merge (large groups);
+- ``gqa``: kv/gqa_decode_kernel.py, one block per (row, KV head) walking the
+  prefix (mostly from L2: every row's blocks read it at about the same
+  time) then the row's tail, one online softmax over both: below
+  ``GQA_MAX_GROUP_TOKENS``, where its own self-check passed.
 
 The kernels run only on CUDA, only after ``enable()``'s self-check agrees
 with the plain path, and only for one query per row with a head width they
@@ -22,7 +26,11 @@ on a 2.2k prefix (35k group tokens) decoded slower shared (ITL p50 12.5 vs
 10.7 ms), while whole-model steps were faster from 64 x 2k (131k) on
 (docs/benchmarks.md, "H200: shared-prefix attention end to end"). On the
 CPU sharing measured at parity with copies (the exponentials, not the
-reads, bound it there), so it says no.
+reads, bound it there), so it says no. Since copies decode through
+kv/gqa_decode_kernel.py too (kv/cuda_attention.py), the per-layer gap
+narrowed: 64 x 2k + 300 copies 0.25 ms, shared (gqa) 0.22; 16 x 12k 0.39
+vs 0.29; 64 x 16k 1.57 vs 0.88 (split); the whole-model gate was not
+measured again.
 """
 
 from __future__ import annotations
@@ -33,16 +41,21 @@ import os
 
 import mlx.core as mx
 
-from mlxq.kv import shared_prefix_kernel, tail_merge_kernel
+from mlxq.kv import gqa_decode_kernel, shared_prefix_kernel, tail_merge_kernel
 from mlxq.kv.shared_prefix_attention import Quant, RowGroups, grouped_shared_prefix_attention, shared_prefix_attention
 
 log = logging.getLogger("mlxq.kv")
 
 SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path wins (H200, 8B layer)
+# Below this the gqa path beats the split path (H200, 8B layer: 64 x 2k 0.22 vs 0.37-0.49 ms, 16 x 12k
+# 0.29 vs 0.37-0.52); at 64 x 16k (1M) the split path's GEMMs win (0.88 vs 1.31). Between: not measured.
+GQA_MAX_GROUP_TOKENS = 524_288
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
-PATHS = ("ops", "full", "split")
+PATHS = ("ops", "full", "split", "gqa")
 
 _enabled = False
+_gqa_enabled = False  # the gqa path's self-check passed (it is checked apart: a failure keeps the others)
+_checked = False  # enable() ran its self-check
 _grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
 
@@ -53,6 +66,9 @@ def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant 
     if quant is not None or not _enabled or not shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys,
                                                                               tail_values):
         return "ops"
+    tokens = queries.shape[0] * prefix_keys.shape[2]
+    if _gqa_enabled and tokens < GQA_MAX_GROUP_TOKENS and gqa_decode_kernel.can_run(queries, tail_keys, tail_values):
+        return "gqa"
     return "split" if queries.shape[0] * prefix_keys.shape[2] >= SPLIT_MIN_GROUP_TOKENS else "full"
 
 
@@ -72,6 +88,8 @@ def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_
         return shared_prefix_kernel.shared_prefix_decode(*args, shares)
     if path == "split":
         return tail_merge_kernel.split_shared_prefix_decode(*args, shares)
+    if path == "gqa":
+        return gqa_decode_kernel.gqa_shared_prefix_decode(*args, shares)
     return shared_prefix_attention(*args, quant, shares)
 
 
@@ -115,13 +133,20 @@ def self_check(dtype=mx.bfloat16) -> dict[str, float]:
     """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
     the group, tails as strided views."""
     q, pk, pv, tk, tv, starts, scale = _check_inputs(dtype)
-    worst = {"full": 0.0, "split": 0.0}
+    worst = {"full": 0.0, "split": 0.0, "gqa": 0.0}
     for sinks, shares in ((None, None), (mx.random.normal((q.shape[1],)),
                                          mx.array([True, False, True, True, False, True]))):
         want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
         for path in worst:
-            with forced(path):
-                got = attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
+            try:
+                with forced(path):
+                    got = attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
+            except Exception as exc:  # one kernel that does not build must not take the others down
+                if path != "gqa":
+                    raise
+                log.warning("gqa shared-prefix path unavailable (%s: %s)", type(exc).__name__, exc)
+                worst[path] = float("inf")
+                continue
             worst[path] = max(worst[path], mx.abs(got - want).max().item())
     return worst
 
@@ -139,15 +164,17 @@ def grouped_self_check(dtype=mx.bfloat16) -> float:
 def enable() -> bool:
     """Let the kernels run from now on, if CUDA is here and both self-checks agree with the plain
     path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path."""
-    global _enabled
-    if not _enabled and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
+    global _enabled, _checked, _gqa_enabled
+    if not _checked and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
+        _checked = True  # once: a batch forming groups again does not repeat a failed check
         try:
             errors = self_check()
         except Exception as exc:  # no compiler, an unsupported GPU: the plain path stays
             log.warning("shared-prefix kernels unavailable (%s: %s)", type(exc).__name__, exc)
             return False
-        _enabled = max(errors.values()) < 2e-2
-        if not _enabled:
+        _enabled = max(errors["full"], errors["split"]) < 2e-2
+        _gqa_enabled = _enabled and errors["gqa"] < 2e-2
+        if not _gqa_enabled:
             log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
     return _enabled
 

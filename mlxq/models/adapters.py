@@ -116,7 +116,6 @@ def read_adapter(model, info: AdapterInfo) -> dict[str, LowRank]:
     mlx-lm converts the layers and checks every tensor's name and shape against them
     (a wrong base model is a clear error here); only plain and quantized linear layers
     can be served per row (embeddings and mixture-of-experts layers are refused)."""
-    from mlx.utils import tree_unflatten
     from mlx_lm.tuner.dora import DoRALinear
     from mlx_lm.tuner.lora import LoRALinear
     from mlx_lm.tuner.utils import load_adapters
@@ -125,15 +124,25 @@ def read_adapter(model, info: AdapterInfo) -> dict[str, LowRank]:
     try:
         load_adapters(model, str(info.path))
     except (ValueError, KeyError, RuntimeError, OSError) as exc:  # mlx-lm's checks, an unreadable file
+        _unconvert(model)  # a server loading one at run time goes on serving the model as it was
         raise AdapterError(f"{where}: does not fit this model: {exc}") from None
-    converted = [(name, m) for name, m in model.named_modules() if type(m).__module__.startswith("mlx_lm.tuner")]
-    model.update_modules(tree_unflatten([(name, _base_of(m)) for name, m in converted]))
+    converted = _unconvert(model)
     unsupported = sorted({type(m).__name__ for _, m in converted if type(m) not in (LoRALinear, DoRALinear)})
     if unsupported:
         raise AdapterError(f"{where}: adapts {', '.join(unsupported)} layers; only linear layers are served")
     if not converted:
         raise AdapterError(f"{where}: adapts no layer of this model")
     return {name: _low_rank(m, isinstance(m, DoRALinear)) for name, m in converted}
+
+
+def _unconvert(model) -> list[tuple[str, object]]:
+    """Put back the base layers of every layer mlx-lm converted; the converted ones (path, module)."""
+    from mlx.utils import tree_unflatten
+
+    converted = [(name, m) for name, m in model.named_modules() if type(m).__module__.startswith("mlx_lm.tuner")]
+    if converted:
+        model.update_modules(tree_unflatten([(name, _base_of(m)) for name, m in converted]))
+    return converted
 
 
 def _base_of(module):

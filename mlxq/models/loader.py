@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxq.models.random_model import draws_weights, eval_by_layer, is_random_spec, load_random, random_model_dir
 from mlxq.models.tiny import read_manifest
 
 
@@ -53,7 +54,12 @@ def _hf_cache_dir() -> Path:
 
 
 def resolve_model_path(spec: str) -> Path:
-    """Map a local path or a cached HF repo id to a directory, offline."""
+    """Map a local path or a cached HF repo id to a directory, offline (``random:...``: models/random_model.py)."""
+    if is_random_spec(spec):
+        try:
+            return random_model_dir(spec)
+        except ValueError as exc:
+            raise ModelNotFoundError(f"--model {spec}: {exc}") from None
     local = Path(spec).expanduser()
     if local.is_file():
         raise ModelNotFoundError(f"{local} is a file; pass the directory that holds it ({local.parent})")
@@ -91,10 +97,17 @@ def load_model(spec: str, *, name: str | None = None, chat_template: str | None 
     # Belt and braces: nothing below may reach the network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer_config = {"chat_template": chat_template} if chat_template is not None else None
-    model, tokenizer, config = mlx_lm.load(str(path), tokenizer_config=tokenizer_config, return_config=True,
-                                           lazy=shard is not None)
+    drawn = draws_weights(path)
+    if drawn:
+        model, tokenizer, config = load_random(path, tokenizer_config)
+    else:
+        model, tokenizer, config = mlx_lm.load(str(path), tokenizer_config=tokenizer_config, return_config=True,
+                                               lazy=shard is not None)
     if shard is not None:
         shard(model)
+    if drawn:
+        eval_by_layer(model)  # a layer's draws at a time: the peak stays near this process's share
+    elif shard is not None:
         mx.eval(model.parameters())
     manifest = read_manifest(path)
     if manifest:

@@ -11,8 +11,8 @@ from the shared ``AdapterRouting``, which the engine sets around every model
 call (``adapter_rows``):
 
 - every row on the base: the base layer alone (no cost);
-- every row on one adapter k: ``addmm(base(x), x @ A_k, B_k)`` on views of
-  the blocks (two more kernels per layer);
+- every row on one adapter k: ``addmm(base(x), x @ A_k, B_k)`` (adapter k's
+  own A blocks: its columns alone; two more kernels per layer);
 - mixed rows: ``addmm(base(x), (x @ A) * mask, B)``: the base matmul once for
   all rows, every adapter's shrink in one narrow matmul, a per-row mask that
   keeps each row's own adapter's columns (none for base rows), one expand.
@@ -24,7 +24,11 @@ call (``adapter_rows``):
   batches like LoRA.
 
 Sibling layers that read one input (q/k/v, gate/up) share one shrink matmul
-(``SharedShrink``): on a GPU each kernel costs host time whatever its size.
+(``SharedShrink``): on a GPU each graph node costs host time whatever its
+size, and the adapter step is host-bound. For that, operands are 2-D and no
+matmul gets a strided operand (which it would copy first): A is stored twice
+(every adapter's columns, and each adapter's alone) and each sibling's B is
+zero outside its rows of the group's shrink (members times its size).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from mlxq.models.adapters import LowRank
 
 ROUTING_ATTRIBUTE = "mlxq_adapter_routing"  # set on the model object by install_adapters
 RECENT_ROUTES = 16
+# Layers the models (mlx-lm's) call on the same input object, one after another.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkvz", "in_proj_ba"))
 
 
 @dataclass(frozen=True)
@@ -52,12 +58,17 @@ class Route:
     slot: int | None = None  # every row on this adapter (None with mask None: every row on the base)
     mask: mx.array | None = None  # mixed rows: [rows, 1, R], 1 on each row's own adapter's columns
     indices: mx.array | None = None  # mixed rows: each row's adapter (len(adapters) for the base), for DoRA
-    tiled: dict = field(default_factory=dict, compare=False)  # members -> the mask repeated for sibling layers
+    flat: dict = field(default_factory=dict, compare=False)  # (members, tokens) -> the mask for a flat shrink
 
-    def tiled_mask(self, members: int) -> mx.array:
-        if members not in self.tiled:
-            self.tiled[members] = mx.tile(self.mask, (1, 1, members)) if members > 1 else self.mask
-        return self.tiled[members]
+    def flat_mask(self, members: int, tokens: int) -> mx.array:
+        """The mask of a shrink of ``members`` siblings, ``tokens`` a row: ``[rows * tokens, members * R]``."""
+        if (members, tokens) not in self.flat:
+            if len(self.flat) >= RECENT_ROUTES:  # prefill chunks of many lengths
+                self.flat.clear()
+            rows, _, width = self.mask.shape
+            tiled = mx.tile(self.mask, (1, tokens, members)) if tokens * members > 1 else self.mask
+            self.flat[members, tokens] = tiled.reshape(rows * tokens, members * width)
+        return self.flat[members, tokens]
 
 
 BASE = Route()
@@ -120,53 +131,69 @@ def adapter_names(model) -> list[str]:
 class SharedShrink:
     """The shrink ``x @ A`` of sibling layers that read the same input (q/k/v, gate/up), once per input.
 
-    The siblings' A blocks sit side by side (``[members * R, input_dims]``); the first
-    sibling called with an input computes every sibling's columns in one matmul (and, for
-    mixed rows, masks them once), the others slice theirs. A different input object (the
-    attention output reaching o_proj) or another route computes afresh. The input is held
-    by a weak reference: a cache that kept it would keep a prefill chunk's activations of
-    every layer alive until the next forward (gigabytes on an 8B model)."""
+    The siblings' A blocks sit side by side, member by member: ``every`` is ``[input_dims,
+    members * R]`` (adapter k's columns of member m at ``m * R + offsets[k]``) and ``each[k]``
+    ``[input_dims, members * r_k]`` (adapter k's alone, for a route with every row on k). The first
+    sibling called with an input computes every sibling's columns in one matmul (and, for mixed
+    rows, masks them once); each sibling's expand then reads the whole product through a B that is
+    zero outside its own rows (``_padded``). Slicing its columns out instead would hand the
+    expand a strided operand, which MLX's matmul copies first: one more kernel, and one more op
+    for the host to build, per layer. A different input object (the attention output reaching
+    o_proj) or another route computes afresh. The input is held by a weak reference and its
+    flattened view only as long as the input lives (the caller's forward): a cache that kept them
+    would keep a prefill chunk's activations of every layer alive through the chunk's evaluation
+    (gigabytes on an 8B model)."""
 
-    def __init__(self, a_t: mx.array, members: int):
-        self.a = a_t.T
-        self.members = members
-        mx.eval(self.a)
+    def __init__(self, a_blocks: Sequence[mx.array], routing: AdapterRouting):
+        self.members = len(a_blocks)
+        self.every = mx.concatenate(a_blocks).T
+        self.each = [mx.concatenate([a[o : o + r] for a in a_blocks]).T
+                     for o, r in zip(routing.offsets, routing.ranks, strict=True)]
+        mx.eval(self.every, self.each)  # transposed views, evaluated once: not a node in every step's graph
         self._key: tuple = (lambda: None, None)  # (weak reference to the input, route)
-        self._h: mx.array | None = None  # [rows, tokens, members * R]: small
+        self._rows: mx.array | None = None  # the input flattened: a view, dropped with the input
+        self._h: mx.array | None = None  # [rows * tokens, members * columns]: small
 
-    def of(self, x: mx.array, route: Route) -> mx.array:
-        if self._key[0]() is not x or self._key[1] is not route:
-            h = x @ self.a
-            if route.mask is not None:
-                h = h * route.tiled_mask(self.members)
-            self._key, self._h = (weakref.ref(x), route), h
-        return self._h
+    def of(self, x: mx.array, route: Route) -> tuple[mx.array, mx.array]:
+        """``x`` as ``[rows * tokens, input_dims]`` and its shrink: 2-D operands keep every
+        matmul of the layer a single node (a 3-D one adds a flatten, an unflatten and a broadcast)."""
+        if self._rows is None or self._key[0]() is not x or self._key[1] is not route:
+            rows = x.reshape(-1, x.shape[-1])
+            if route.mask is None:
+                h = rows @ self.each[route.slot]
+            else:
+                h = (rows @ self.every) * route.flat_mask(self.members, x.shape[-2])
+            self._key, self._rows, self._h = (weakref.ref(x, self._input_gone), route), rows, h
+        return self._rows, self._h
+
+    def _input_gone(self, _reference) -> None:
+        self._rows = None
 
 
 class MultiLoRALinear(nn.Module):
     def __init__(self, base: nn.Module, routing: AdapterRouting, pieces: Sequence[LowRank | None],
-                 shrink: SharedShrink, member: int, lora_a_t: mx.array):
+                 shrink: SharedShrink, member: int):
         super().__init__()
         self.base = base
         self._routing = routing
         self._shrink = shrink
-        self._columns = member * sum(routing.ranks)  # where this layer's columns start in the shrink
         out_dims = next(p for p in pieces if p is not None).lora_b.shape[1]
         dtype = routing.dtype
         self._adapted = [p is not None for p in pieces]
         self._dora = [p is not None and p.gain is not None for p in pieces]
-        self.lora_a_t = lora_a_t  # a view of the shrink's A: counted here, stored once
+        width = sum(routing.ranks)
+        self.lora_a_t = shrink.every.T[member * width : (member + 1) * width]  # a view: counted here, stored there
         # The scale goes into B (the last bits differ from mlx-lm's scale-after-product).
-        self.lora_b = mx.concatenate([(p.scale * p.lora_b if p else mx.zeros((r, out_dims))).astype(dtype)
-                                      for p, r in zip(pieces, routing.ranks, strict=True)])
+        blocks = [(p.scale * p.lora_b if p else mx.zeros((r, out_dims))).astype(dtype)
+                  for p, r in zip(pieces, routing.ranks, strict=True)]
+        self.lora_b = _padded(mx.concatenate(blocks), member, shrink.members)  # mixed rows: every adapter
+        self._b = [_padded(b, member, shrink.members) for b in blocks]  # every row on adapter k
         self.gains = None
         if any(self._dora):
             ones = mx.ones((out_dims,))
             self.gains = mx.stack([p.gain if p is not None and p.gain is not None else ones for p in pieces]
                                   + [ones]).astype(dtype)
-        mx.eval(self.lora_b, self.gains)
-        self._b = [self.lora_b[o : o + r] for o, r in zip(routing.offsets, routing.ranks, strict=True)]
-        mx.eval(self._b)  # views: evaluated slices share lora_b
+        mx.eval(self.lora_b, self._b, self.gains)
 
     def __call__(self, x: mx.array) -> mx.array:
         route = self._routing.route
@@ -175,24 +202,32 @@ class MultiLoRALinear(nn.Module):
         slot = route.slot
         if slot is None or not self._adapted[slot]:
             return self.base(x)
-        start = self._columns + self._routing.offsets[slot]
-        h = self._shrink.of(x, route)[..., start : start + self._routing.ranks[slot]]
+        rows, h = self._shrink.of(x, route)
         if self._dora[slot]:  # DoRALinear.__call__, its magnitude precomputed (models/adapters.py)
-            out = self.gains[slot] * mx.addmm(x @ _dequantized(self.base).T, h, self._b[slot])
-            return out + self.base.bias if "bias" in self.base else out
-        return mx.addmm(self.base(x), h, self._b[slot])
+            out = self.gains[slot] * mx.addmm(rows @ _dequantized(self.base).T, h, self._b[slot])
+            out = out + self.base.bias if "bias" in self.base else out
+        else:
+            out = mx.addmm(self.base(rows), h, self._b[slot])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _mixed(self, x: mx.array, route: Route) -> mx.array:
         if x.ndim != 3 or x.shape[0] != route.mask.shape[0]:
             raise RuntimeError(f"adapter routing for {route.mask.shape[0]} rows met an input of shape {x.shape}")
-        h = self._shrink.of(x, route)[..., self._columns : self._columns + self.lora_b.shape[0]]
-        out = mx.addmm(self.base(x), h, self.lora_b)
+        rows, h = self._shrink.of(x, route)
+        out = mx.addmm(self.base(rows), h, self.lora_b)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
         if self.gains is None:
             return out
         gain = self.gains[route.indices][:, None, :]
         if "bias" not in self.base:
             return gain * out
         return gain * (out - self.base.bias) + self.base.bias
+
+
+def _padded(b: mx.array, member: int, members: int) -> mx.array:
+    """B ``[r, out]`` for the ``member``-th of ``members`` blocks of a shrink: zero rows elsewhere."""
+    rank = b.shape[0]
+    return mx.pad(b, [(member * rank, (members - member - 1) * rank), (0, 0)])
 
 
 def _dequantized(linear: nn.Module) -> mx.array:
@@ -215,14 +250,11 @@ def install_adapters(model: nn.Module, names: Sequence[str], adapters: Sequence[
     routing = AdapterRouting(names, ranks, _compute_dtype(modules[paths[0]]))
     replaced = []
     for group in _sibling_groups(paths, adapters):
-        blocks = [_a_block([pieces.get(path) for pieces in adapters], routing) for path in group]
-        a_t = mx.concatenate(blocks)
-        shrink = SharedShrink(a_t, len(group))
-        width = sum(ranks)
+        shrink = SharedShrink([_a_block([pieces.get(path) for pieces in adapters], routing) for path in group],
+                              routing)
         for member, path in enumerate(group):
-            view = a_t[member * width : (member + 1) * width]
             replaced.append((path, MultiLoRALinear(modules[path], routing, [pieces.get(path) for pieces in adapters],
-                                                   shrink, member, view)))
+                                                   shrink, member)))
     model.update_modules(tree_unflatten(replaced))
     mx.eval(model.parameters())
     setattr(model, ROUTING_ATTRIBUTE, routing)
@@ -230,11 +262,15 @@ def install_adapters(model: nn.Module, names: Sequence[str], adapters: Sequence[
 
 
 def _sibling_groups(paths: list[str], adapters: Sequence[dict[str, LowRank]]) -> list[list[str]]:
-    """Adapted layers under one parent module with one input width: candidates to share a shrink."""
-    groups: dict[tuple[str, int], list[str]] = {}
+    """Adapted layers that read one input: one of ``SIBLINGS`` under one parent module, one input
+    width. (o_proj has q_proj's width and parent but reads the attention output: sharing with it
+    would compute the group twice.) Any other layer is a group of its own."""
+    groups: dict[tuple[str, int, str], list[str]] = {}
     for path in paths:
         piece = next(pieces[path] for pieces in adapters if path in pieces)
-        groups.setdefault((path.rpartition(".")[0], piece.lora_a.shape[0]), []).append(path)
+        parent, _, leaf = path.rpartition(".")
+        kind = next((names[0] for names in SIBLINGS if leaf in names), leaf)
+        groups.setdefault((parent, piece.lora_a.shape[0], kind), []).append(path)
     return list(groups.values())
 
 

@@ -39,6 +39,8 @@ SIZES: dict[str, Size] = {
     # Real shapes for the GPU (random weights, bf16).
     "llama3-1b": Size(2048, 16, 32, 8, 64, 8192, 128256, 131072, "bfloat16", True),
     "llama3-8b": Size(4096, 32, 32, 8, 128, 14336, 128256, 131072, "bfloat16", False),
+    # ~141 GB: two GPUs' worth; served as --model random:llama3-70b (models/random_model.py), never written.
+    "llama3-70b": Size(8192, 80, 64, 8, 128, 28672, 128256, 131072, "bfloat16", False),
 }
 
 # Sliding window of the tiny gemma: short prompts already cross it.

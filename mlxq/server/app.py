@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
+import time
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -13,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from mlxq.server import admin, messages_route, responses_route, routes
+from mlxq.server import admin, admin_adapters, messages_route, responses_route, routes
 from mlxq.server.errors import (
     APIError,
     error_response,
@@ -28,6 +30,10 @@ log = logging.getLogger("mlxq.server")
 
 # Reachable without the API key: load balancers probe them.
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/dashboard"})
+
+# At shutdown the engine gets this long (at least) to drop the requests the shutdown cancelled, one step.
+QUIET_WAIT_S = 10.0
+QUIET_POLL_S = 0.01
 
 
 class ApiKeyAuth:
@@ -57,11 +63,21 @@ class ApiKeyAuth:
         return await self.app(scope, receive, send)
 
 
+async def _until_quiet(engine, timeout: float) -> None:
+    """Until the engine runs and holds no request (bounded): the ones the shutdown ended are cancelled and
+    dropped at its next step, a checkpointed one queueing its last generation checkpoint first."""
+    deadline = time.monotonic() + timeout
+    while engine.is_alive and (engine.num_running or engine.num_waiting) and time.monotonic() < deadline:
+        await asyncio.sleep(QUIET_POLL_S)
+
+
 async def _flush_before_exit(state: ServerState) -> None:
-    """Graceful shutdown: in-flight requests have finished; make the SSD tier durable (bounded)."""
+    """Graceful shutdown: in-flight requests have finished or been cancelled; make the SSD tier durable
+    (bounded), the cancelled requests' last checkpoints included."""
     engine = state.engine
     if engine.cold is None or not engine.is_alive:
         return
+    await _until_quiet(engine, max(state.config.shutdown_timeout_s, QUIET_WAIT_S))
     result = await run_in_threadpool(engine.flush_cache, state.config.shutdown_timeout_s)
     if result.durable:
         log.info("SSD cache durable at shutdown: %d entries, longest prefix %d tokens%s",
@@ -101,6 +117,8 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> Starlette:
             Route("/dashboard", routes.dashboard, methods=["GET"]),
             Route("/stats", routes.stats, methods=["GET"]),
             Route("/admin/cache/flush", admin.flush_cache, methods=["POST"]),
+            Route("/admin/adapters", admin_adapters.load_adapter, methods=["POST"]),
+            Route("/admin/adapters/{name:path}", admin_adapters.unload_adapter, methods=["DELETE"]),
         ],
         middleware=[
             Middleware(Guard, policy=GuardPolicy.of(state.config)),

@@ -3,7 +3,9 @@
 With no adapter served, any ``model`` runs the base model (clients send their
 own names, e.g. an agent's default). With adapters, ``model`` must name the
 base model (its id, or leave the field out) or an adapter; anything else is a
-404, in the protocol's own error shape (server/errors.py picks it by path).
+404, in the protocol's own error shape (server/errors.py picks it by path). So
+it stays once an adapter was loaded at run time, even after it was unloaded:
+its name is then a 404, not the base model.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ UNNAMED = "default_model"  # what protocol.py reads when a body has no "model"
 def resolve_model(state, requested: str) -> AdapterInfo | None:
     """The adapter ``requested`` names, None for the base model; APIError 404 for an unknown name."""
     adapters = state.loaded.adapters if state.loaded else {}
-    if not adapters or requested in (state.model_name, UNNAMED):
+    if requested in (state.model_name, UNNAMED) or not (adapters or state.adapters_loaded_at_run_time):
         return None
     if requested in adapters:
         return adapters[requested]

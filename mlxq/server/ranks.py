@@ -23,6 +23,7 @@ from mlxq.distributed.world import SUPERVISOR_FD_ENV, join_world
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.engine.lockstep import Lockstep
 from mlxq.models.loader import LoadedModel, load_model
+from mlxq.models.sharded_lora import install_sharded_adapters, read_full_adapters
 from mlxq.server.config import ServerConfig
 
 log = logging.getLogger("mlxq.server")
@@ -59,8 +60,19 @@ def rank_engine(config: ServerConfig, spec: str, lockstep: Lockstep, engine_conf
     def load() -> LoadedModel:
         lockstep.one_stream()
         lockstep.agree(identity)
+        adapters: list = []
+
+        def read_then_split(model) -> None:
+            if config.adapters:  # read against the whole layers, then each rank keeps its part
+                adapters.extend(read_full_adapters(model, config.adapters))
+            split(model, lockstep.world.group)
+
         loaded = load_model(spec, name=config.served_model_name, chat_template=config.chat_template,
-                            shard=lambda model: split(model, lockstep.world.group))
+                            shard=read_then_split)
+        if adapters:
+            infos, pieces = adapters
+            install_sharded_adapters(loaded.model, infos, pieces, lockstep.world.group, loaded.name)
+            loaded.adapters = {info.name: info for info in infos}
         lockstep.after_load()
         return loaded
 

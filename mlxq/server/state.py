@@ -26,6 +26,9 @@ class ServerState:
     started_at: float = field(default_factory=time.monotonic)
     started_at_wall: float = field(default_factory=time.time)
     metrics: ServerMetrics = field(init=False)
+    # An adapter was loaded at run time (POST /admin/adapters): from then on, also once every adapter is
+    # unloaded again, ``model`` must name what is served (model_routing.py), so an unloaded name is a 404.
+    adapters_loaded_at_run_time: bool = False
 
     def __post_init__(self):
         self.metrics = ServerMetrics(self)

@@ -5,7 +5,7 @@ checkpoint of a request is kept: a new one is written to ``.tmp`` and renamed
 over the old one, which stays valid until then (mlxkv's write: tmp, fsync,
 rename, directory fsync). The file is an ordinary root ``.mlxkv`` node (the
 whole row's caches, every layer's state at its end) whose header adds a
-``checkpoint`` record: the key, the prompt length, the tokens handed out,
+``checkpoint`` record: the key, the prompt length, the tokens generated,
 the pending token and where the sampler stands (docs/mlxkv-format.md).
 
 The engine thread only hands over arrays it owns (copies, evaluated); a
@@ -14,7 +14,9 @@ A publish that finds the queue over its byte cap is dropped (the previous
 checkpoint stays); a write the disk refuses (full, too large) is counted and
 dropped; the request goes on either way. Completion retires a key at once
 (no restore from it) and its removal is queued behind any write of it in
-progress, so an older cleanup never erases a newer attempt's file.
+progress, so an older cleanup never erases a newer attempt's file. A
+restore takes the newest publish of its key, from memory while it is still
+queued or being written.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import mlx.core as mx
+
+from mlxq.store.layer_codec import decode_layer
 from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import Identity, MlxkvError, read_caches, read_header
 from mlxq.store.mlxkv import write_steps as mlxkv_write_steps
@@ -42,7 +47,7 @@ class CheckpointRecord:
 
     key: str  # the request key's digest (the file's name)
     prompt_tokens: int  # the prompt's length; the caches cover prompt + emitted
-    emitted: tuple[int, ...]  # tokens handed out to the client so far (EOS never among them)
+    emitted: tuple[int, ...]  # tokens generated before ``pending`` (EOS never among them)
     pending: int  # the next token, sampled but not handed out (fed to the caches next)
     rng_key: tuple[int, ...] | None  # MLX's global key before the draw after ``pending`` (seeded rows)
     created: float = 0.0  # unix time
@@ -81,6 +86,7 @@ class _Job:
     layers: list | None  # None: remove the key's file
     header: dict = field(default_factory=dict)
     nbytes: int = 0
+    record: CheckpointRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,7 @@ class CheckpointStore:
         self._queue: deque[_Job] = deque()
         self._busy = False
         self._current: str | None = None  # the key being written or removed
+        self._writing: _Job | None = None  # the publish being written
         self._dropped_since_flush = 0
         self._cond = threading.Condition()
         self._writer: threading.Thread | None = None
@@ -167,7 +174,7 @@ class CheckpointStore:
             if queued + nbytes > self.queue_bytes or (self.max_bytes is not None and nbytes > self.max_bytes):
                 self._drop()
                 return False
-            self._queue.append(_Job(record.key, layers, header, nbytes))
+            self._queue.append(_Job(record.key, layers, header, nbytes, record))
             self._start_writer()
             self._cond.notify_all()
         return True
@@ -190,7 +197,13 @@ class CheckpointStore:
             return None if key in self._retired else self._files.get(key)
 
     def load(self, key: str) -> tuple[CheckpointRecord, list] | None:
-        """The checkpoint's record and caches, every tensor checked; a bad file is removed (None)."""
+        """The checkpoint's record and caches: the newest publish of ``key``, from memory while it is not
+        written yet (a client that left and came back at once), else from its file, every tensor
+        checked (a bad file is removed: None)."""
+        unwritten = self._unwritten(key)
+        if unwritten is not None:  # copies: the restored caches are updated in place, the writer reads these
+            return unwritten.record, [decode_layer(kind, meta, {name: mx.array(a) for name, a in named})
+                                      for kind, meta, named in unwritten.layers]
         path = self.find(key)
         if path is None:
             return None
@@ -203,6 +216,16 @@ class CheckpointStore:
             self._remove_bad(path, exc)
             return None
         return record, caches
+
+    def _unwritten(self, key: str) -> _Job | None:
+        with self._cond:
+            if key in self._retired:
+                return None
+            queued = [j for j in self._queue if j.key == key and j.layers is not None]
+            if queued:
+                return queued[-1]
+            writing = self._writing
+            return writing if writing is not None and writing.key == key and writing.layers is not None else None
 
     def note_restored(self, tokens: int) -> None:
         self.counters.restored += 1
@@ -242,12 +265,12 @@ class CheckpointStore:
                 while not self._queue:
                     self._cond.wait()
                 job = self._queue.popleft()
-                self._busy, self._current = True, job.key
+                self._busy, self._current, self._writing = True, job.key, job
             try:
                 self._run(job)
             finally:
                 with self._cond:
-                    self._busy, self._current = False, None
+                    self._busy, self._current, self._writing = False, None, None
                     self._cond.notify_all()
                 del job  # the arrays are released here, as soon as they are on disk
 

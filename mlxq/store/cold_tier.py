@@ -35,7 +35,8 @@ from mlxq.store.fingerprint import FINGERPRINT_MEMO, model_fingerprint
 from mlxq.store.layout import layout_of
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import CacheEntry, Key, PromptCache
-from mlxq.store.ssd_config import SsdConfig
+from mlxq.store.rank_restore import Ranks, restore_together
+from mlxq.store.ssd_config import SsdConfig, rank_dir
 from mlxq.store.ssd_restore import Base, PendingRestore, StaleRead, restore_steps
 from mlxq.store.ssd_store import SsdStore
 
@@ -45,21 +46,25 @@ DEMOTE_CHECK_EVERY_S = 1.0
 
 
 def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_name: str,
-                   kv_scheme: str = "native", prototype: list | None = None) -> ColdTier:
+                   kv_scheme: str = "native", prototype: list | None = None, ranks: Ranks | None = None) -> ColdTier:
     """Fingerprint the model, scan its directory, and bind the tier to ``ram`` (engine thread).
 
     ``prototype``: the model's populated caches in the stored representation; files whose
-    layers do not match them are removed instead of restored (store/layout.py).
+    layers do not match them are removed instead of restored (store/layout.py). ``ranks``: tensor
+    parallel, this rank's folder and the ranks' agreement on every restore (store/rank_restore.py);
+    idle demotion is off there (each rank's clock would drop other entries).
     """
     root = Path(config.directory).expanduser()
     identity = Identity(model_fingerprint(model_dir, root / FINGERPRINT_MEMO), kv_scheme, "")
     store = SsdStore(root, identity, config.max_bytes, model_name,
-                     layout=layout_of(prototype) if prototype else None)
+                     layout=layout_of(prototype) if prototype else None,
+                     rank_dir=rank_dir(ranks.rank, ranks.size) if ranks else "")
     try:
         store.scan(verify=config.verify)
     except OSError as exc:
         log.warning("SSD cache %s cannot be read (%s); starting empty", store.directory, exc)
-    return ColdTier(store, ram, config.spill_queue_bytes, config.demote_idle_s, config.write_behind)
+    return ColdTier(store, ram, config.spill_queue_bytes, 0.0 if ranks else config.demote_idle_s,
+                    config.write_behind, ranks=ranks)
 
 
 @dataclass
@@ -85,9 +90,11 @@ class ColdTier:
     _last_demote_check: float = 0.0
     _flush_failures_at: int = 0
     _flush_started: float = 0.0
+    last_flush_durable: bool = True  # the last reported flush's answer (tensor parallel: rank 0 asks the others)
     read_bytes_per_s: float | None = None  # measured on restores
     prefill_tok_s: float | None = None  # measured on cold prefills (note_prefill)
     _restoring: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # PendingRestores in progress
+    ranks: Ranks | None = None  # tensor parallel: restores are agreed (store/rank_restore.py)
 
     def __post_init__(self):
         self.ram.cold = self
@@ -143,7 +150,14 @@ class ColdTier:
     def begin_restore(self, namespace: str, prompt: list[int], better_than: int) -> PendingRestore | None:
         """A restore of the longest usable prefix on disk, if longer than ``better_than`` (what RAM lends) and
         not predicted to lose to recomputing it; advance it with ``advance_restore``. Only the files beyond
-        what RAM holds are read, and a file another restore is reading is not read twice."""
+        what RAM holds are read, and a file another restore is reading is not read twice.
+
+        Tensor parallel: a collective. Every rank reads its shard at once, and the restore is done on all of
+        them or on none (store/rank_restore.py)."""
+        pending = self._plan_restore(namespace, prompt, better_than)
+        return pending if self.ranks is None else restore_together(self, pending, self.ranks.gather)
+
+    def _plan_restore(self, namespace: str, prompt: list[int], better_than: int) -> PendingRestore | None:
         found = self.store.find(namespace, prompt, better_than)
         if found is None:
             return None
@@ -167,6 +181,8 @@ class ColdTier:
 
     def advance_restore(self, pending: PendingRestore) -> bool:
         """Read one more tensor; True once done (``pending.entry`` is None if a file was bad)."""
+        if pending.done:
+            return True  # read at once (tensor parallel)
         if pending.leader is not None:
             if pending.follow():
                 return False  # the leader is still reading what both need
@@ -264,6 +280,12 @@ class ColdTier:
         self._failed.clear()  # retry what failed before, once
         self._flush_failures_at = self.counters.failed
         self._flush_started = time.monotonic()
+        self.last_flush_durable = True
+
+    def durable_now(self) -> bool:
+        """Nothing pending, being written, dropped or failed since the flush began."""
+        return not (self._dirty or self._spills or self._lost or self._job is not None
+                    or self.counters.failed > self._flush_failures_at)
 
     def flush_result(self, *, timed_out: bool = False, report: bool = True) -> FlushResult:
         """The state of durability now; ``report`` also resets the lost-since-last-flush count."""
@@ -271,15 +293,18 @@ class ColdTier:
             self.store.forget_vanished()
         pending = len(self._dirty) + len(self._spills)
         failed = self.counters.failed - self._flush_failures_at
-        lost = self._lost
+        lost, durable = self._lost, not timed_out and self.durable_now()
         if report:
             self._lost = 0
-        return FlushResult(
-            durable=not timed_out and pending == 0 and lost == 0 and failed == 0 and self._job is None,
+        result = FlushResult(
+            durable=durable,
             pending=pending, dropped=lost, failed=failed, entries=len(self.store.files),
             longest_durable_prefix_tokens=self.store.longest_prefix,
             elapsed_s=round(time.monotonic() - self._flush_started, 3), timed_out=timed_out,
         )
+        if report:
+            self.last_flush_durable = result.durable
+        return result
 
     def as_dict(self) -> dict:
         store = self.store

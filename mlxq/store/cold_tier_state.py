@@ -13,6 +13,7 @@ class ColdTierCounters:
     failed: int = 0  # writes the disk refused
     restores_skipped_slower: int = 0  # hits not restored: recomputing was predicted faster
     restores_joined: int = 0  # restores that waited for another's read of a shared prefix and built on it
+    restores_ranks_apart: int = 0  # tensor parallel: not restored, as a rank lacked the entry or failed to read it
 
 
 # Rates are smoothed over recent observations (exponential moving average).

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxq.kv.capabilities import can_cache, is_trimmable
+from mlxq.kv.capabilities import can_cache, is_spans, is_trimmable
 from mlxq.store import kv_spans
+from mlxq.store.charge import Charge
 from mlxq.store.entries import CacheEntry, TreeEntry, assemble, holds, prefix_bytes
 from mlxq.store.lease import Lease
 from mlxq.store.prefix import MIN_SNAPSHOT_TOKENS
@@ -70,8 +71,9 @@ Key = tuple[str, tuple[int, ...]]  # (namespace, exact tokens)
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, charge: Charge | None = None):
         self.max_bytes = max_bytes
+        self.charge = charge  # pipeline parallel: bytes counted alike on every rank (store/charge.py)
         self._trees: dict[str, _Tree] = {}
         self._entries: dict[Key, TreeEntry] = {}
         self._leaves: set[Node] = set()
@@ -163,7 +165,7 @@ class PromptCache:
 
     def _store(self, namespace: str, tokens: list[int], caches: list, *, durable: bool) -> bool:
         n = len(tokens)
-        if n == 0 or not all(holds(c, n) for c in caches) or prefix_bytes(caches, n) > self.max_bytes:
+        if n == 0 or not all(holds(c, n) for c in caches) or self._entry_bytes(caches, n) > self.max_bytes:
             return False
         layout = kv_spans.layout_of(caches)
         tree = self._trees.setdefault(namespace, _Tree(layout))
@@ -203,7 +205,7 @@ class PromptCache:
         self._leaves.discard(end)
         self._leaves.add(child)
         self.nodes += 1
-        self.bytes += child.nbytes
+        self.bytes += self._bytes_of(child)
         return child
 
     def _mark(self, tree: _Tree, node: Node, key: Key, caches: list, durable: bool) -> None:
@@ -213,8 +215,8 @@ class PromptCache:
             snapshot = [None if layer.spans else kv_spans.take_snapshot(c)
                         for layer, c in zip(tree.layout, caches, strict=True)]
             mx.eval([kv_spans.snapshot_arrays(s) for s in snapshot if s is not None])
+            self.bytes += self._bytes_of(node, snapshot=snapshot) - self._bytes_of(node)
             node.snapshot = snapshot
-            self.bytes += kv_spans.snapshot_nbytes(snapshot)
         entry = TreeEntry(key[1], node, snapshot, tree.layout, prefix_bytes(caches, len(key[1])),
                           tree.trimmable, key[0])
         node.mark = entry
@@ -245,12 +247,24 @@ class PromptCache:
         detach(leaf)
         self._leaves.discard(leaf)
         self.nodes -= 1
-        self.bytes -= leaf.nbytes
+        self.bytes -= self._bytes_of(leaf)
         parent = leaf.parent
         if parent.parent is not None and not parent.children:
             self._leaves.add(parent)
             if parent.mark is None and not parent.pins:
                 self._remove_leaf(parent, reason)
+
+    def _bytes_of(self, node: Node, snapshot: list | None | bool = True) -> int:
+        """What ``node`` counts against the cap (``snapshot``: with this one instead of its own)."""
+        snap = node.snapshot if snapshot is True else snapshot
+        if self.charge is not None:
+            return self.charge.node(len(node.tokens), snap is not None)
+        return kv_spans.nbytes([s for s in node.spans if s is not None]) + kv_spans.snapshot_nbytes(snap or [])
+
+    def _entry_bytes(self, caches: list, n: int) -> int:
+        if self.charge is not None:
+            return self.charge.node(n, not all(is_spans(c) for c in caches))
+        return prefix_bytes(caches, n)
 
     def _evict_to_cap(self) -> None:
         while self.bytes > self.max_bytes:
@@ -270,7 +284,7 @@ class PromptCache:
             return
         self._unmark(node, "demoted")
         if node.snapshot is not None:
-            self.bytes -= kv_spans.snapshot_nbytes(node.snapshot)
+            self.bytes -= self._bytes_of(node) - self._bytes_of(node, snapshot=None)
             node.snapshot = None
 
     # --- pins -------------------------------------------------------------------------

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 CHECKPOINT_DIR = "checkpoints"  # beside the namespace directories: generation checkpoints, one file per request key
+_RANK_DIR = re.compile(r"tp(\d+)-rank(\d+)")
+
+
+def rank_dir(rank: int, size: int) -> str:
+    """Where rank ``rank`` of ``size`` (tensor parallel) keeps its shard of every entry, beside the
+    namespace directories: DIR/<fingerprint>-<scheme>/tp<size>-rank<rank>/<namespace>/<digest>.mlxkv."""
+    return f"tp{size}-rank{rank}"
+
+
+def parse_rank_dir(name: str) -> tuple[int, int] | None:
+    """(rank, size) of a rank directory's name; None for any other directory."""
+    match = _RANK_DIR.fullmatch(name)
+    if match is None:
+        return None
+    size, rank = int(match.group(1)), int(match.group(2))
+    return (rank, size) if 0 <= rank < size else None
 
 
 @dataclass(frozen=True)

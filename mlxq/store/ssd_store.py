@@ -44,7 +44,7 @@ from mlxq.store.mlxkv import (
     read_header,
     verify_file,
 )
-from mlxq.store.ssd_config import CHECKPOINT_DIR
+from mlxq.store.ssd_config import CHECKPOINT_DIR, parse_rank_dir
 from mlxq.store.ssd_tree import (
     ChainMatch,
     FileNode,
@@ -70,11 +70,13 @@ class SsdStore:
     roots: dict[str, FileNode] = field(default_factory=dict)  # namespace -> its tree's root
     stats: SsdStats = field(default_factory=SsdStats)
     layout: list | None = None  # the model's own caches' layout (store.layout); None: not checked
+    rank_dir: str = ""  # tensor parallel: this rank's folder (ssd_config.rank_dir); "" alone
     _failing: bool = False  # the last write failed: the next failure is not logged again
 
     @property
     def directory(self) -> Path:
-        return self.root / self.identity.directory
+        return self.root / self.identity.directory / self.rank_dir if self.rank_dir else \
+            self.root / self.identity.directory
 
     @property
     def bytes(self) -> int:
@@ -97,8 +99,8 @@ class SsdStore:
             return
         headers: dict[Path, EntryHeader] = {}
         for path in sorted(self.directory.glob("*/*")):
-            if path.parent.name == CHECKPOINT_DIR:
-                continue  # generation checkpoints: store/checkpoints.py owns them
+            if path.parent.name == CHECKPOINT_DIR or parse_rank_dir(path.parent.name) is not None:
+                continue  # generation checkpoints (store/checkpoints.py); ranks' folders (tensor parallel)
             if path.name.endswith(".tmp"):
                 self.unlink(path, "a write that never finished")
                 self.stats.reaped_tmp += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +18,11 @@ import httpx
 import pytest
 
 from mlxq.bench.servers import free_port
+from mlxq.golden.cases import LONG
 from mlxq.models.tiny import build_tiny_model
 from tests.conftest import ServerProcess
 
+REVERSED = " ".join(reversed(LONG.split()))
 PROMPTS = ["The quick brown fox", "Once upon a time in a land", "1 2 3 4 5 6", "Tensor parallel serving is"]
 SERVE = ("--log-level", "warning", "--warmup", "off")
 
@@ -30,6 +33,23 @@ def shardable(tmp_path_factory) -> dict[str, Path]:
     qwen3_next has no shard() in mlx-lm, only pipeline()."""
     root = tmp_path_factory.mktemp("tp-models")
     return {arch: build_tiny_model(arch, root / arch, preset="default") for arch in ("llama", "qwen3", "qwen3_next")}
+
+
+@pytest.fixture(scope="module")
+def uneven_pipeline(shardable, tmp_path_factory) -> Path:
+    """qwen3_next without its last layer: 3 layers (linear, full attention, linear) split 2 + 1, so rank 0
+    caches a recurrent state and KV, rank 1 a recurrent state only."""
+    import mlx.core as mx
+
+    out = tmp_path_factory.mktemp("pp-uneven") / "qwen3_next-3"
+    shutil.copytree(shardable["qwen3_next"], out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    weights = mx.load(str(out / "model.safetensors"))
+    mx.save_safetensors(str(out / "model.safetensors"),
+                        {k: v for k, v in weights.items() if not k.startswith("model.layers.3.")},
+                        metadata={"format": "mlx"})
+    return out
 
 
 def _complete(url: str, prompt: str) -> dict:
@@ -87,15 +107,39 @@ def test_two_ranks_generate_what_one_process_does(shardable, arch, flags):
     assert all(r["mlx_active_bytes"] > 0 for r in stats["ranks"])
 
 
-def test_pipeline_ranks_generate_what_one_process_does(shardable):
-    model = str(shardable["qwen3_next"])
-    with ServerProcess("--model", model, "--prompt-cache", "0", *SERVE) as one:
+def _cached_run(url: str, prompts: list[str]) -> list[tuple[str, int]]:
+    """Each prompt alone, in order: (text, cached_tokens)."""
+    out = []
+    for prompt in prompts:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        out.append((response["choices"][0]["text"], response["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    return out
+
+
+def test_pipeline_ranks_generate_and_cache_what_one_process_does(uneven_pipeline):
+    model = str(uneven_pipeline)
+    with ServerProcess("--model", model, *SERVE) as one:
         alone = _run_c4(one.url)
+        repeated_alone = _cached_run(one.url, [LONG, LONG, REVERSED])
     with ServerProcess("--model", model, "--pipeline-parallel", "2", *SERVE) as two:
         staged = _run_c4(two.url)
+        repeated = _cached_run(two.url, [LONG, LONG])
         stats = httpx.get(f"{two.url}/stats", timeout=10).json()
     assert [b["logprobs"]["tokens"] for b in staged] == [a["logprobs"]["tokens"] for a in alone]
-    assert stats["distributed"]["mode"] == "pipeline" and not stats["prompt_cache"]["enabled"]
+    assert stats["distributed"]["mode"] == "pipeline" and stats["prompt_cache"]["enabled"]
+    assert repeated == repeated_alone[:2] and repeated[1][1] > 0
+    # An entry of one of these prompts (~72 tokens) holds, on rank 0, a recurrent layer's state (71.7 kB) and
+    # a full-attention layer's KV (1 kB per token); on rank 1, a recurrent layer's state alone. By their own
+    # bytes, 200 kB would hold two entries on rank 1 but one on rank 0; counted alike, each new prompt
+    # evicts the other on both ranks (else they would prefill from different places, and fail).
+    with ServerProcess("--model", model, "--pipeline-parallel", "2", "--prompt-cache", "200KB", *SERVE) as two:
+        evicting = _cached_run(two.url, [LONG, REVERSED, LONG, LONG])
+        cache = httpx.get(f"{two.url}/stats", timeout=10).json()["prompt_cache"]
+    texts = {LONG: repeated_alone[0][0], REVERSED: repeated_alone[2][0]}
+    assert [text for text, _ in evicting] == [texts[p] for p in (LONG, REVERSED, LONG, LONG)]
+    assert [cached for _, cached in evicting] == [0, 0, 0, repeated[1][1]]
+    assert cache["evictions"] == 2 and cache["entries"] == 1
 
 
 def _leave_midway(url: str) -> int:
@@ -223,11 +267,10 @@ def test_under_mlx_launch_and_stopped_by_rank_0(shardable):
 
 @pytest.mark.parametrize(("settings", "message"), [
     ({"tensor_parallel": 2, "pipeline_parallel": 2}, "together are not available yet"),
-    ({"pipeline_parallel": 2, "prompt_cache_bytes": 10**9}, "--prompt-cache is not available with --pipeline"),
     ({"pipeline_parallel": 2, "prompt_cache_bytes": 0, "kv_quant": "config"}, "--kv-quant config is not available"),
     ({"tensor_parallel": 0}, "--tensor-parallel and --pipeline-parallel must be >= 1"),
     ({"tensor_parallel": 2, "distributed_backend": "tcp"}, "--distributed-backend must be one of"),
-    ({"tensor_parallel": 2, "adapters": ("sql=./sql",)}, "--adapter is not available with --tensor-parallel"),
+    ({"pipeline_parallel": 2, "adapters": ("sql=./sql",)}, "--adapter is not available with --pipeline-parallel"),
 ])
 def test_unsupported_combinations_are_refused(settings, message):
     from mlxq.server.config import ServerConfig
@@ -236,12 +279,15 @@ def test_unsupported_combinations_are_refused(settings, message):
         ServerConfig(**settings)
 
 
-def test_the_ssd_tier_is_refused_at_the_command_line(tmp_path):
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--pipeline-parallel", "2", "--prompt-cache", "1GB"), "--ssd-cache is not available with --pipeline-parallel"),
+    (("--tensor-parallel", "2", "--checkpoint-interval", "64"), "generation checkpoints are not available with"),
+])
+def test_ssd_tier_settings_ranks_cannot_share_are_refused_at_the_command_line(tmp_path, flags, message):
     done = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--port", str(free_port()),
-                           "--tensor-parallel", "2", "--ssd-cache", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+                           *flags, "--ssd-cache", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "--ssd-cache is not available with --tensor-parallel" in done.stderr
+    assert message in done.stderr
 
 
 def test_a_taken_port_is_refused_before_ranks_start():
@@ -254,3 +300,12 @@ def test_a_taken_port_is_refused_before_ranks_start():
                                str(port)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"port {port} is in use" in done.stderr
+
+
+def test_random_weights_drawn_on_each_rank_generate_what_one_process_does():
+    """`--model random:PRESET` (no weights on disk): every rank draws the same weights and keeps its shard."""
+    with ServerProcess("--model", "random:default", *SERVE) as one:
+        alone = _run_c4(one.url)
+    with ServerProcess("--model", "random:default", "--tensor-parallel", "2", *SERVE) as two:
+        sharded = _run_c4(two.url)
+    assert [b["logprobs"]["tokens"] for b in sharded] == [a["logprobs"]["tokens"] for a in alone]

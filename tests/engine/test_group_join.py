@@ -179,3 +179,64 @@ def test_building_a_group_never_holds_the_batch_kv_twice(load_tiny):
     out = {}
     decode(model, batch, out, 2)
     assert [out[i] for i in range(len(rows))] == [solo(model, p, 2) for p in rows]
+
+
+def test_strays_left_without_a_group_go_back_to_per_row_caches_and_unrouted_attention(load_tiny):
+    """When every row of every group has left, the strays must not keep running on shared-prefix
+    caches (attention through the seam, the grouped kernels): they return to per-row batched caches
+    and the model's attention calls are those of ``off`` again."""
+    from mlx_lm.models import llama
+
+    from mlxq.kv.sharing_plan import PrefixSpec, share_groups
+    from tests.kv.test_shared_prefix_groups import two_groups
+
+    model, tokenizer = load_tiny("llama")
+    lengths, rows, _ = two_groups(tokenizer)
+    extra = tokenizer.encode("Another request that shares nothing with the others.")
+    plan = plan_sharing(model)
+    names = [0, 3, 2, "x"]  # rows 0 and 3 on prefix A; 2 and "x" strays
+    prompts_ = [rows[0], rows[3], rows[2], extra]
+    batch, out = RunningBatch(), {}
+    batch.join(names, share_groups(plan, [prefilled(model, p) for p in prompts_], [PrefixSpec(lengths[0])],
+                                   [0, 0, -1, -1]), True, pending(prompts_))
+    batch.groups = (Group(None, lengths[0], (True, True, False, False)),)
+    assert llama.scaled_dot_product_attention is attention_route.route
+    decode(model, batch, out, 2)
+
+    batch.keep([2, 3])  # both group rows leave
+    assert batch.groups == () and not shared_layers(batch)
+    assert llama.scaled_dot_product_attention is not attention_route.route
+    decode(model, batch, out, 2)
+    for name, prompt in zip(names, prompts_, strict=True):
+        assert out[name] == solo(model, prompt, len(out[name])), name
+
+
+def test_a_burst_into_an_empty_batch_is_grouped_from_its_solo_caches(load_tiny):
+    """start_grouped builds the group straight from the joiners' solo caches: the transient is their
+    tails, not a merged batch of every row's whole history (which join + share would build first)."""
+    from mlxq.store.prefix_tree import Node
+
+    model, tokenizer = load_tiny("llama")
+    prefix_length, rows = prompts(tokenizer)
+    rows = [rows[i % len(rows)] + tokenizer.encode(f" once more {i}") for i in range(8)]
+    plan = plan_sharing(model)
+    donor = prefilled(model, rows[0])
+    root = Node((), None, [None] * len(donor))
+    node = Node(tuple(rows[0][:prefix_length]), root,
+                [(c.keys[:, :, :prefix_length], c.values[:, :, :prefix_length]) for c in donor], depth=0)
+    caches = [prefilled(model, p) for p in rows]
+    mx.eval([(c.keys, c.values) for row in caches for c in row])
+    kv = sum(c.keys.nbytes + c.values.nbytes for row in caches for c in row)
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    batch = RunningBatch()
+    batch.start_grouped(list(range(len(rows))), caches, (Group(node, prefix_length, (True,) * len(rows)),), plan,
+                        pending(rows))
+    mx.eval([(c.tail.keys, c.tail.values) for c in shared_layers(batch)])
+    assert batch.groups and mx.get_peak_memory() - base < 0.5 * kv
+    with pytest.raises(ValueError, match="empty batch"):
+        batch.start_grouped([99], [prefilled(model, rows[0])], batch.groups, plan, pending(rows[:1]))
+    out = {}
+    decode(model, batch, out, 2)
+    assert [out[i] for i in range(len(rows))] == [solo(model, p, 2) for p in rows]

@@ -98,6 +98,26 @@ def test_memory_room_holds_newcomers_only_while_busy():
     assert can_admit(Load((one,), ()), one, limits(memory_room=ROW), SIZING)
 
 
+def test_a_shared_prefix_counts_once_in_the_kv_budget_but_joiners_copies_in_the_memory_room():
+    """Rows of one group count the prefix once and their tails (padded to the longest tail); joiners
+    of the group still hold a copy while they prefill: the memory room takes those copies."""
+    shared = tuple(Extent(1000, 24, shared=990, prefix=0) for _ in range(4))
+    plain = tuple(Extent(1000, 24) for _ in range(4))
+    grouped = Sizing(FOOTPRINT, shared_layers=(True, True))
+    tail = 2 * 1024 * GROWTH_STEP  # 34 own tokens padded to 256, two layers
+    assert grouped.projected_bytes(Load(shared, ())) == 4 * tail + 2 * 1024 * 990
+    assert grouped.projected_bytes(Load(plain, ())) == SIZING.projected_bytes(Load(plain, ())) == 16 * tail
+    assert SIZING.projected_bytes(Load(shared, ())) == 16 * tail  # no layer shares: counted whole
+    half_shared = (Extent(1000, 24, 990, 0), Extent(1000, 24))  # a stray pads the tails to its length
+    assert grouped.projected_bytes(Load(half_shared, ())) == 2 * 4 * tail + 2 * 1024 * 990
+
+    newcomer = Extent(1000, 24, 990, 0)
+    room = limits(memory_room=3 * 4 * tail + 4 * tail, row_cap=16, prompt_concurrency=8)  # 3 copies + newcomer
+    assert can_admit(Load(shared, shared[:3]), newcomer, room, grouped)
+    assert not can_admit(Load(shared, shared), newcomer, room, grouped)  # a fourth copy in flight
+    assert can_admit(Load(shared, plain), newcomer, room, grouped)  # others' KV is in the room already
+
+
 def test_a_lone_joiner_always_prefills_but_joiners_together_keep_to_the_transient_reserve():
     sizing = Sizing(FOOTPRINT, ModelShape(hidden=64, intermediate=128, heads=4, vocab=1000, dtype_bytes=2))
     long_prompt, reserve = Extent(2000, 10), limits(transient_budget=1)

@@ -104,3 +104,31 @@ def test_mlx_lm_only_bypasses_the_routing(monkeypatch):
     assert calls == [1]
     cuda_attention.route(q, k, v, KVCache(), 0.3, "causal")
     assert calls == [1]  # routed again once outside
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (8, 8, 64), (16, 2, 256), (28, 4, 128)])
+def test_gqa_decode_kernel_matches_mlx_on_cuda(heads, kv_heads, dim):
+    from mlxq.kv.gqa_decode_kernel import block_threads, self_check
+
+    assert self_check(mx.bfloat16, heads, kv_heads, dim) < 2e-2
+    if block_threads(mx.float32, dim, heads // kv_heads):
+        assert self_check(mx.float32, heads, kv_heads, dim) < 1e-5
+
+
+def test_gqa_decode_kernel_takes_the_shapes_it_can_hold():
+    """One block per (row, KV head): its slots' partials must fit a block's shared memory, a key's
+    values whole 16-byte loads within one warp."""
+    from mlxq.kv.gqa_decode_kernel import block_threads, can_run
+
+    assert block_threads(mx.bfloat16, 128, 4, loads=1) == 256  # Llama-3-8B: 16 keys in flight, 33 KB of partials
+    assert block_threads(mx.bfloat16, 128, 4, loads=2) == 128  # the same 16 keys, 8 threads a key
+    assert block_threads(mx.bfloat16, 256, 8, loads=1) == 128
+    assert block_threads(mx.float32, 256, 4, loads=1) is None  # 64 threads a key
+    assert block_threads(mx.float32, 256, 4, loads=2) == 256
+    assert block_threads(mx.bfloat16, 128, 32) is None  # too many query heads per KV head
+    q, k, v = (mx.zeros((2, 32, 1, 128), mx.bfloat16), mx.zeros((2, 8, 10, 128), mx.bfloat16),
+               mx.zeros((2, 8, 10, 128), mx.bfloat16))
+    assert can_run(q, k, v)
+    assert not can_run(q, k.astype(mx.float32), v)
+    assert not can_run(mx.zeros((2, 32, 3, 128), mx.bfloat16), k, v)  # a prefill chunk

@@ -11,7 +11,14 @@ from mlx_lm.tuner.lora import LoRALinear
 
 from mlxq.models.adapters import AdapterSpec, LowRank
 from mlxq.models.loader import load_model
-from mlxq.models.multi_lora import BASE, AdapterRouting, adapter_rows, attach_adapters, install_adapters
+from mlxq.models.multi_lora import (
+    BASE,
+    AdapterRouting,
+    MultiLoRALinear,
+    adapter_rows,
+    attach_adapters,
+    install_adapters,
+)
 from mlxq.models.tiny_adapter import make_tiny_adapter
 
 TOLERANCE = 1e-5  # the update's scale is folded into B and added by addmm: last bits, not tokens
@@ -81,6 +88,17 @@ def test_each_row_gets_its_own_adapters_update(bias, quantized):
                                                                      bases["o_proj"](y)], strict=True))
 
 
+def test_siblings_share_a_shrink_only_when_they_read_one_input():
+    """q/k share one shrink; o_proj, with q's parent and input width, reads another input: its own."""
+    bases = [_base(False, False, seed) for seed in range(3)]
+    pieces = [{n: _pieces(_mlx_lm_layer(b, False, i, 4), False) for i, (n, b) in
+               enumerate(zip(["q_proj", "k_proj", "o_proj"], bases, strict=True))}]
+    model = Siblings(*bases)
+    install_adapters(model, ["a"], pieces)
+    assert model.q_proj._shrink is model.k_proj._shrink is not model.o_proj._shrink
+    assert (model.k_proj._shrink.members, model.o_proj._shrink.members) == (2, 1)
+
+
 def test_routing_decides_once_per_composition():
     routing = AdapterRouting(["a", "b"], [2, 3], mx.float32)
     assert routing.route_for(["", ""]) is BASE
@@ -111,6 +129,8 @@ def test_a_model_with_adapters_equals_mlx_lm_loading_each_one(arch, tiny_model_d
     names = ["dora", "", "lora", "lora"]
     with adapter_rows(loaded.model, names):
         got = loaded.model(mx.concatenate([tokens] * 4))[:, -1]
+    shrinks = [m._shrink for _, m in loaded.model.named_modules() if isinstance(m, MultiLoRALinear)]
+    assert shrinks and all(s._rows is None for s in shrinks)  # no layer's input outlives the forward
     for i, name in enumerate(names):
         assert mx.abs(got[i] - want[name][0]).max().item() < TOLERANCE, (arch, name)
         assert got[i].argmax().item() == want[name][0].argmax().item()

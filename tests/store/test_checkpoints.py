@@ -82,3 +82,20 @@ def test_publishes_over_the_queue_cap_or_the_byte_cap_are_dropped(tmp_path):
     result = capped.flush(10)
     assert not result.durable and result.dropped == 1 and store.counters.dropped == 1
     assert capped.flush(10).durable  # dropped counts once, at the next flush
+
+
+def test_a_publish_not_written_yet_restores_from_memory(tmp_path):
+    """A client that left and came back at once: its newest checkpoint is still queued, the file older."""
+    store = CheckpointStore(tmp_path, IDENTITY)
+    publish(store, "g" * 32, (4,), 1.0)
+    store.flush(10)
+    with store._cond:  # the writer cannot take the next publish from the queue meanwhile
+        publish(store, "g" * 32, (4, 5, 6), 3.0)
+        loaded, restored = store.load("g" * 32)
+        assert store.counters.written == 1  # the file still holds the first one
+    assert loaded.emitted == (4, 5, 6)
+    assert mx.array_equal(restored[0].state[0], mx.full((1, 2, 6, 4), 3.0)).item()
+    assert mx.array_equal(restored[1].cache[0], mx.full((1, 3), 3.0)).item()
+    assert store.flush(10).durable and store.load("g" * 32)[0].emitted == (4, 5, 6)
+    store.retire("g" * 32)
+    assert store.load("g" * 32) is None

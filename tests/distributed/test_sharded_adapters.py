@@ -1,0 +1,55 @@
+"""LoRA adapters under `--tensor-parallel 2` (CPU, ring over loopback): each rank holds its part of every
+adapter, and a batch mixing the base model and two adapters gives one process's greedy tokens."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import pytest
+
+from mlxq.models.tiny import build_tiny_model
+from mlxq.models.tiny_adapter import make_tiny_adapter
+from tests.conftest import ServerProcess
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a land", "1 2 3 4 5 6", "Tensor parallel serving is",
+           "Adapters split like their layers", "A low-rank partial before the sum"]
+MODELS = ["base", "qv", "all"] * 2
+SERVE = ("--log-level", "warning", "--warmup", "off", "--prompt-cache", "0", "--served-model-name", "base")
+
+
+@pytest.fixture(scope="module")
+def model_and_adapters(tmp_path_factory) -> tuple[str, list[str]]:
+    """The "default" llama (2 KV heads) with a LoRA on every linear layer (outputs- and inputs-sharded ones)
+    and one on q_proj / v_proj only (the other layers: the base for its rows)."""
+    root = tmp_path_factory.mktemp("tp-lora")
+    model = build_tiny_model("llama", root / "llama", preset="default")
+    everywhere = make_tiny_adapter(model, root / "all", seed=11, rank=4)
+    some = make_tiny_adapter(model, root / "qv", seed=13, rank=8, keys=["self_attn.q_proj", "self_attn.v_proj"])
+    return str(model), [f"all={everywhere}", f"qv={some}"]
+
+
+def _complete(url: str, model: str, prompt: str) -> list[str]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 1}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def _mixed_batch(url: str) -> list[list[str]]:
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda pair: _complete(url, *pair), zip(MODELS, PROMPTS, strict=True)))
+
+
+def test_a_mixed_adapter_batch_on_two_ranks_equals_one_process(model_and_adapters):
+    model, adapters = model_and_adapters
+    flags = [arg for spec in adapters for arg in ("--adapter", spec)]
+    with ServerProcess("--model", model, *flags, *SERVE) as one:
+        alone = _mixed_batch(one.url)
+        per_model = {name: _complete(one.url, name, PROMPTS[0]) for name in ("base", "qv", "all")}
+    assert len({tuple(tokens) for tokens in per_model.values()}) == 3, "each adapter must change the output"
+    with ServerProcess("--model", model, *flags, "--tensor-parallel", "2", *SERVE) as two:
+        sharded = _mixed_batch(two.url)
+        models = [m["id"] for m in httpx.get(f"{two.url}/v1/models", timeout=10).json()["data"]]
+    assert sharded == alone
+    assert set(models) >= {"base", "qv", "all"}
