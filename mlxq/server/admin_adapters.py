@@ -60,7 +60,8 @@ def _ready(http: HTTPRequest) -> ServerState:
     state.require_ready()
     if state.config.world_size > 1:
         raise APIError(409, f"adapters cannot be loaded or unloaded with --{state.config.parallel_mode}-parallel "
-                            "(an adapter's weights would need the same split as the model's)", code="unsupported")
+                            "(every rank would have to swap it between the same two steps); "
+                            "pass --adapter at start-up instead", code="unsupported")
     return state
 
 

@@ -135,7 +135,7 @@ def test_an_adapter_with_a_running_request_is_not_unloaded(tiny_model_dirs, adap
 
 
 def test_ranks_serving_together_refuse_runtime_adapters(tmp_path, adapters):
-    """Under --tensor-parallel an adapter would need the model's split on every rank: a clear 409."""
+    """Under --tensor-parallel the ranks would have to swap an adapter between the same steps: a clear 409."""
     model = build_tiny_model("llama", tmp_path / "m", preset="default")  # heads that split in two
     with ServerProcess("--model", str(model), "--tensor-parallel", "2", "--warmup", "off",
                        "--log-level", "warning") as server:
