@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -74,11 +75,23 @@ def _kill_during_a_write(server: ServerProcess, prompts: list[str], outputs: dic
     while not done.is_set() and not landed:
         if any(p.name.endswith(".tmp") for p in root.rglob("*")):
             server.proc.send_signal(signal.SIGSTOP)  # freeze it, then make sure the write is still open
+            _wait_stopped(server.proc.pid)
             landed = any(p.name.endswith(".tmp") for p in root.rglob("*"))
             server.proc.send_signal(signal.SIGKILL if landed else signal.SIGCONT)
     server.proc.wait(30)
     thread.join(120)
     return landed
+
+
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP lands asynchronously: until the process is in state T its writer may still rename a file."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rpartition(")")[2].split()[0] in ("T", "t"):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s")
 
 
 @pytest.fixture
