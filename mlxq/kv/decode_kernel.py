@@ -142,7 +142,12 @@ def masked_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
 
 def self_check(dtype=mx.bfloat16) -> float:
     """Max |kernel - MLX masked attention| on random rows with random left padding."""
-    batch, heads, kv_heads, length, dim = 6, 8, 2, 300, 128
+    return max_error_vs_mlx(masked_decode_attention, dtype, heads=8, kv_heads=2, dim=128)
+
+
+def max_error_vs_mlx(attention, dtype, heads: int, kv_heads: int, dim: int) -> float:
+    """Max |attention(q, k, v, starts, scale) - MLX masked attention| on six rows with random left padding."""
+    batch, length = 6, 300
     q = mx.random.normal((batch, heads, 1, dim)).astype(dtype)
     buffer = mx.random.normal((2, batch, kv_heads, length + 44, dim)).astype(dtype)
     keys, values = buffer[0, :, :, :length], buffer[1, :, :, :length]  # strided, like the cache's views
@@ -150,5 +155,5 @@ def self_check(dtype=mx.bfloat16) -> float:
     mask = (mx.arange(length)[None, :] >= starts[:, None])[:, None, None, :]
     scale = dim**-0.5
     want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    got = masked_decode_attention(q, keys, values, starts, scale)
+    got = attention(q, keys, values, starts, scale)
     return mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxq.kv.decode_kernel import max_error_vs_mlx
+
 LOADS = 2  # 16-byte loads per thread and key (its share of the head dimension): 2 measured faster than 1
 _SHARED_BYTES = 40 * 1024  # the slots' partials, under the 48 KiB a block may take without opting in
 _MAX_GROUP = 16
@@ -247,13 +249,4 @@ def _launch(queries, prefix_keys, prefix_values, keys, values, starts, scale: fl
 
 def self_check(dtype=mx.bfloat16, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> float:
     """Max |kernel - MLX masked attention| on random rows with random left padding (strided views)."""
-    batch, length = 6, 300
-    q = mx.random.normal((batch, heads, 1, dim)).astype(dtype)
-    buffer = mx.random.normal((2, batch, kv_heads, length + 44, dim)).astype(dtype)
-    keys, values = buffer[0, :, :, :length], buffer[1, :, :, :length]
-    starts = mx.array([0, 1, 37, 150, 299, 5])
-    mask = (mx.arange(length)[None, :] >= starts[:, None])[:, None, None, :]
-    scale = dim**-0.5
-    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    got = gqa_decode_attention(q, keys, values, starts, scale)
-    return mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    return max_error_vs_mlx(gqa_decode_attention, dtype, heads=heads, kv_heads=kv_heads, dim=dim)
