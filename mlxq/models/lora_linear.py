@@ -40,6 +40,8 @@ class MultiLoRALinear(nn.Module):
         self._routing = routing
         self._shrink = shrink
         self._adapted = [p is not None for p in pieces]
+        if member == 0:  # the group's A arrays, counted once among the model's parameters (engine/memory.py)
+            self.shrink_a = [shrink.every, shrink.stack]
         out_dims = next(p for p in pieces if p is not None).lora_b.shape[1]
         # The scale goes into B (the last bits differ from mlx-lm's scale-after-product).
         blocks = [(p.scale * p.lora_b if p else mx.zeros((r, out_dims))).astype(routing.dtype)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import re
+import weakref
+from collections import Counter
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+import numpy as np
 import pytest
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
@@ -135,3 +141,57 @@ def test_a_model_with_adapters_equals_mlx_lm_loading_each_one(arch, tiny_model_d
     for i, name in enumerate(names):
         assert mx.abs(got[i] - want[name][0]).max().item() < TOLERANCE, (arch, name)
         assert got[i].argmax().item() == want[name][0].argmax().item()
+
+
+def _graph_nodes(outputs: mx.array, path) -> list[str]:
+    """The primitives of the graph that computes ``outputs`` (MLX's own DOT export)."""
+    mx.export_to_dot(str(path), outputs)
+    return re.findall(r'label ="([A-Za-z]+)', path.read_text())
+
+
+def test_a_decode_step_with_adapters_adds_no_matmul(tiny_model_dirs, tmp_path):
+    """Per sibling group a gather and a concatenation; the expand rides in the base matmul."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model_dir = tiny_model_dirs["llama"]
+    specs = [AdapterSpec(f"a{i}", make_tiny_adapter(model_dir, tmp_path / f"a{i}", seed=i, rank=4)) for i in range(2)]
+    model = attach_adapters(load_model(str(model_dir)), specs).model
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5, 6, 7]] * 3), cache=caches))
+    counts = {}
+    for mix, names in {"base": ["", "", ""], "one": ["a0"] * 3, "mixed": ["a0", "", "a1"]}.items():
+        with adapter_rows(model, names):
+            logits = model(mx.array([[8]] * 3), cache=caches)
+        counts[mix] = Counter(_graph_nodes(logits, tmp_path / f"{mix}.dot"))
+        mx.eval(logits)  # the caches too: the next step's graph starts from evaluated arrays
+        for cache in caches:
+            cache.trim(1)
+    groups = 4 * len(model.layers)  # q/k/v, o, gate/up, down
+    for mix in ("one", "mixed"):
+        assert counts[mix]["Matmul"] + counts[mix]["AddMM"] == counts["base"]["Matmul"] + counts["base"]["AddMM"]
+        assert counts[mix]["GatherMM"] == groups
+        assert counts[mix]["Concatenate"] - counts["base"]["Concatenate"] == groups
+        assert sum(counts[mix].values()) - sum(counts["base"].values()) <= groups  # the transposes go
+
+
+def test_the_extended_weight_is_the_base_weight_stored_once():
+    """The base layer keeps a view of the extended weight: the old weight is gone, the adapters' arrays
+    are all that installing adds."""
+    from mlxq.engine.memory import weight_bytes
+
+    model = Siblings(*[_base(False, False, seed) for seed in range(3)])
+    names = ("q_proj", "k_proj", "o_proj")
+    values = {n: np.array(getattr(model, n).weight) for n in names}
+    old = [weakref.ref(getattr(model, n).weight) for n in names]
+    base_bytes = weight_bytes(model)
+    pieces = [{n: _pieces(_mlx_lm_layer(getattr(model, n), False, i, 4), False) for i, n in enumerate(names)}]
+    install_adapters(model, ["a"], pieces)
+    gc.collect()
+    assert all(ref() is None for ref in old)
+    b_rows = (8 + 8 + 4) * 48  # q/k: rank 4 padded to their shared shrink's 8 columns; o: 4
+    a_columns = (8 + 4) * 64 * 3  # every adapter's, then the stack: the adapter's and a zero slot for base rows
+    assert weight_bytes(model) - base_bytes == (b_rows + a_columns) * 4  # float32
+    for name, weight in values.items():
+        layer = getattr(model, name)
+        assert np.array_equal(np.array(layer.base.weight), weight)
+        assert np.array_equal(np.array(layer._extended[:64]), weight.T)
