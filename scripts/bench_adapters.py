@@ -8,10 +8,10 @@ hits each alike:
 
 - base:      every client on the base model (no adapter arithmetic at all)
 - one:       every client on adapter 0: the steady state of grouping by
-             adapter (one adapter per batch: mlx-lm's own LoRA arithmetic),
-             an upper bound for that policy, which also drains between groups
+             adapter (one adapter per batch), an upper bound for that
+             policy, which also drains between groups
 - mixed:     clients spread over all adapters (client i on adapter i mod N):
-             every step gathers each row's low-rank update
+             every step applies each row's own low-rank update
 - mixed+base: clients spread over the base and all adapters
 
 Requests: a short prompt, greedy, ignore_eos, ``--max-tokens`` each: decode-bound.

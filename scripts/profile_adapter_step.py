@@ -10,10 +10,13 @@ the least disturbed; CPU time counts BLAS threads spinning too), and the median
 time Python takes to build a step's graph (the host's share of a step on a GPU,
 where building the next step overlaps the device's work on this one):
 
-- base:       every row on the base model
-- one:        every row on adapter 0 (mlx-lm's own LoRA arithmetic)
-- mixed:      row i on adapter i mod N (the gathered update)
+- base:       every row on the base model (the base layers alone)
+- one:        every row on adapter 0
+- mixed:      row i on adapter i mod N
 - mixed+base: row i on the base or one of the adapters, in turn
+
+(With adapters, one or mixed, a step gathers each row's shrink and the
+expand rides in the base matmul: models/lora_shrink.py, lora_linear.py.)
 
     python scripts/profile_adapter_step.py [--model PATH] [--rows 8,32] [--adapters 2] [--rank 16]
 """
