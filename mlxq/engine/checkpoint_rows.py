@@ -7,7 +7,8 @@ token. A due row's new span is copied out of the batch through a view of
 the row (nothing else of it is copied) and published with that token and
 the row's own PRNG key (engine/checkpointing.py). Rows that joined together
 reach their interval together: a step publishes a few of them, so their
-copies spread over several steps.
+copies spread over several steps, and the lane's rows share a byte budget
+(engine/checkpoint_budget.py).
 
 An identical request replays its checkpoint through its output, then enters
 as a joiner whose prompt is the prompt plus the tokens handed out, whose
@@ -52,28 +53,32 @@ class RowCheckpoints:
 
     def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array,
                              fed: list[int | None]) -> None:
-        """Rows going on whose interval is up publish, at most ``publishes_per_step`` of them per step, the
-        longest without a checkpoint first (the others stay due: rows that reached their interval together
-        spread over the next steps, and stay spread); ``handed_out``: their next token already went out
-        (token 0 in the step that computed it), so they are not at a checkpoint boundary this step. Rows
+        """Rows going on whose interval is up publish, the longest without a checkpoint first, at most
+        ``publishes_per_step`` of them per step and while the lane's byte budget allows
+        (engine/checkpoint_budget.py); the others stay due, so rows that reached their interval
+        together spread over the next steps. ``handed_out``: their next token already went out (token 0
+        in the step that computed it), so they are not at a checkpoint boundary this step. Rows
         cancelled in this step publish their last checkpoint: ``fed[i]``, this step's input, was not
         handed out (None: it had been), and ``next_tokens[i]`` was drawn after it."""
-        rows = self.batch.rows
+        rows, budget = self.batch.rows, self.checkpoints.batch_budget
         due = sorted((i for i in keep if rows[i].checkpoint is not None and not handed_out[i]
                       and rows[i].checkpoint.is_due(rows[i].output)),
                      key=lambda i: rows[i].checkpoint.last - rows[i].output.num_generated)
         kept = set(keep)
         cancelled = [i for i, row in enumerate(rows) if i not in kept and row.checkpoint is not None
                      and fed[i] is not None and row.output.finished is FinishReason.CANCELLED]
-        if not cancelled and not due:
+        if not cancelled and not (due and budget.allows()):
             return
         pending = next_tokens.tolist()
         for i in due[:publishes_per_step(len(rows))]:
+            if not budget.allows():
+                break
             row = rows[i]
-            row.checkpoint.publish(row.output, pending[i], _key_of(row), self._row_for_checkpoint(i))
+            budget.spend(row.checkpoint.publish(row.output, pending[i], _key_of(row), self._row_for_checkpoint(i)))
         for i in cancelled:
             row = rows[i]
-            row.checkpoint.at_cancel(row.output, fed[i], pending[i], _key_of(row), self._row_for_checkpoint(i))
+            budget.spend(row.checkpoint.at_cancel(row.output, fed[i], pending[i], _key_of(row),
+                                                  self._row_for_checkpoint(i)))
 
     def _row_for_checkpoint(self, i: int) -> list:
         """Row ``i``'s caches to copy a link from: views into the batch where the layer allows (only the

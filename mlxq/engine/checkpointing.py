@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlxq.engine.checkpoint_budget import ByteBudget
 from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
 from mlxq.engine.serial_resume import InexactResume
 from mlxq.engine.types import Request
@@ -46,6 +47,7 @@ class Checkpointing:
     store: CheckpointStore
     interval: int  # tokens handed out between checkpoints
     kv_scheme: str
+    batch_budget: ByteBudget = field(default_factory=ByteBudget)  # the batch lane's rows share it
 
     def key_for(self, request: Request) -> str | None:
         """The request's key digest, or None when it is not checkpointed."""
