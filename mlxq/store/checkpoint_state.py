@@ -54,3 +54,19 @@ def reaches_first(links: dict[int, int], end: int) -> bool:
         if end == 0:
             return True
     return False
+
+
+def newest_chain(links: dict[int, int], jobs: list[LinkJob]) -> list:
+    """The chain ending at the newest link, first link first: a queued ``LinkJob`` where one is (it is
+    newer than a file of the same end), else (start, end) of a durable file (``links``: end -> start).
+    Empty when a link on the way down is missing (dropped or removed)."""
+    known: dict[int, object] = {end: (start, end) for end, start in links.items()}
+    known.update({job.end: job for job in jobs})
+    chain, end = [], max(known, default=0)
+    while end:
+        item = known.get(end)
+        if item is None:
+            return []
+        chain.append(item)
+        end = item.start if isinstance(item, LinkJob) else item[0]
+    return chain[::-1]

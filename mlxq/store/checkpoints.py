@@ -38,7 +38,7 @@ from mlxq.store.checkpoint_links import (
     parse_link_name,
 )
 from mlxq.store.checkpoint_pack import host_bytes as packed_bytes
-from mlxq.store.checkpoint_state import CheckpointCounters, CheckpointFlush, LinkJob, reaches_first
+from mlxq.store.checkpoint_state import CheckpointCounters, CheckpointFlush, LinkJob, newest_chain, reaches_first
 from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import Identity, MlxkvError, read_arrays_steps, read_header, run_steps
 from mlxq.store.mlxkv import write_steps as mlxkv_write_steps
@@ -200,16 +200,8 @@ class CheckpointStore:
 
     def _chain(self, key: str) -> list:
         """The newest chain of ``key``, first link first: each a queued job or (start, end) of a file."""
-        known: dict[int, object] = {end: (start, end) for end, start in self._links.get(key, {}).items()}
-        known.update({j.end: j for j in self._jobs() if j.key == key and j.layers is not None})
-        chain, end = [], max(known, default=0)
-        while end:
-            item = known.get(end)
-            if item is None:
-                return []  # a gap: the parent was dropped or removed
-            chain.append(item)
-            end = item.start if isinstance(item, LinkJob) else item[0]
-        return chain[::-1]
+        jobs = [j for j in self._jobs() if j.key == key and j.layers is not None]
+        return newest_chain(self._links.get(key, {}), jobs)
 
     def _read_link(self, key: str, item) -> tuple[CheckpointRecord, LinkLayers]:
         if isinstance(item, LinkJob):  # copies: the restored caches are updated in place, the writer reads these
