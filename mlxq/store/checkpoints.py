@@ -180,7 +180,11 @@ class CheckpointStore:
                 links.append(self._read_link(key, item))
             except (MlxkvError, OSError) as exc:
                 log.warning("checkpoint of %s not restored: %s", key, exc)
-                self._cut(key, [x[1] for x in chain[i:] if not isinstance(x, LinkJob)], exc)
+                ends = [x[1] for x in chain[i:] if not isinstance(x, LinkJob)]
+                if isinstance(exc, MlxkvError):
+                    self._cut(key, ends, exc)
+                else:  # a file that vanished (superseded meanwhile, or removed by hand): no longer indexed
+                    self._forget(key, ends[:1])
                 return None
         try:
             return links[-1][0], join_chain([link for _, link in links])
@@ -188,12 +192,15 @@ class CheckpointStore:
             log.warning("checkpoint of %s not restored: %s", key, exc)
             return None
 
-    def _cut(self, key: str, ends: list[int], exc: Exception) -> None:
-        """Remove the links ending at ``ends``: a bad one and those above it, which could never restore (the
-        links below stay: an older checkpoint of the request)."""
+    def _forget(self, key: str, ends: list[int]) -> None:
         with self._cond:
             for end in ends:
                 self._links.get(key, {}).pop(end, None)
+
+    def _cut(self, key: str, ends: list[int], exc: Exception) -> None:
+        """Remove the links ending at ``ends``: a bad one and those above it, which could never restore (the
+        links below stay: an older checkpoint of the request)."""
+        self._forget(key, ends)
         for end in ends:
             if (path := self._path(key, end)).exists():
                 self._remove_bad(path, exc)

@@ -142,3 +142,13 @@ def test_a_publish_not_written_yet_restores_from_memory(tmp_path):
     assert store.flush(10).durable and store.load("g" * 32)[0].emitted == (4, 5, 6)
     store.retire("g" * 32)
     assert store.load("g" * 32) is None
+
+
+def test_a_link_removed_under_a_running_store_is_a_miss_not_an_error(tmp_path):
+    store = CheckpointStore(tmp_path, IDENTITY)
+    for n, start in ((1, 0), (2, 4), (3, 5)):
+        publish(store, "n" * 32, tuple(range(4, 4 + n)), 1.0, start)
+    store.flush(10)
+    (tmp_path / ("n" * 32 + "-5.mlxkv")).unlink()
+    assert store.load("n" * 32) is None and store.counters.corrupt_removed == 0
+    assert (tmp_path / ("n" * 32 + "-6.mlxkv")).exists()  # a vanished file condemns nothing else by itself
