@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mlxq.engine.checkpoint_budget import ByteBudget
+from mlxq.engine.checkpoint_rows import SPREAD_STEPS, publishes_per_step
 
 
 def test_the_bucket_starts_full_allows_a_publish_into_debt_and_refills_at_its_rate():
@@ -27,8 +28,6 @@ def test_small_publishes_never_wait():
 
 
 def test_a_batch_that_reaches_its_interval_at_once_publishes_over_eight_steps():
-    from mlxq.engine.checkpoint_rows import SPREAD_STEPS, publishes_per_step
-
     assert SPREAD_STEPS == 8
     for rows in (1, 2, 8, 9, 32, 64, 100):
         per_step = publishes_per_step(rows)
