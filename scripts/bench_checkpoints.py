@@ -78,7 +78,8 @@ def measure(servers: dict, args) -> dict[str, list[float]]:
         else:
             for name in order:
                 rates[name] += one_round(servers[name].url, args.rows, args.tokens, f"{r}-{name}")
-        print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in rates.items()), flush=True)
+        print(f"round {r}: " + ", ".join(f"{n} {statistics.median(v[-args.rows:]):.1f} tok/s"
+                                         for n, v in rates.items()), flush=True)
     return rates
 
 

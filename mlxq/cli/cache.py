@@ -67,19 +67,26 @@ def ls(
 
 
 def _checkpoint_table(rows: list[dict]):
+    """One line per request key: its newest link's tokens, the chain's length, bytes and age."""
     from rich.table import Table
 
-    table = Table(title=f"generation checkpoints: {len(rows)} files, {sum(r['bytes'] for r in rows) / 1e6:.1f} MB")
-    for column in ("request key", "fingerprint", "model", "prompt", "emitted", "MB", "age"):
-        table.add_column(column, justify="right" if column in ("prompt", "emitted", "MB", "age") else "left",
-                         overflow="fold")
+    chains: dict[str, list[dict]] = {}
     for r in rows:
-        record = r["checkpoint"] or {}
-        table.add_row(Path(r["file"]).name.split(".")[0], r["fingerprint"], r["model"] or "",
-                      str(record.get("prompt_tokens", "")), str(record.get("emitted_tokens", "")),
-                      f"{r['bytes'] / 1e6:.2f}", _age(r["age_s"]))
-        if r["problem"]:
-            table.add_row(f"[red]{r['problem']}[/]", *[""] * 6)
+        chains.setdefault((r["checkpoint"] or {}).get("key") or Path(r["file"]).stem, []).append(r)
+    table = Table(title=f"generation checkpoints: {len(chains)} requests, {len(rows)} files, "
+                        f"{sum(r['bytes'] for r in rows) / 1e6:.1f} MB")
+    for column in ("request key", "fingerprint", "model", "prompt", "emitted", "links", "MB", "age"):
+        table.add_column(column, justify="left" if column in ("request key", "fingerprint", "model") else "right",
+                         overflow="fold")
+    for key, links in chains.items():
+        newest = max(links, key=lambda r: r["end"] or 0)
+        record = newest["checkpoint"] or {}
+        table.add_row(key, newest["fingerprint"], newest["model"] or "", str(record.get("prompt_tokens", "")),
+                      str(record.get("emitted_tokens", "")), str(len(links)),
+                      f"{sum(r['bytes'] for r in links) / 1e6:.2f}", _age(min(r["age_s"] for r in links)))
+        for r in links:
+            if r["problem"]:
+                table.add_row(f"[red]{Path(r['file']).name}: {r['problem']}[/]", *[""] * 7)
     return table
 
 

@@ -33,8 +33,8 @@ class CacheFile:
 
     @property
     def is_checkpoint(self) -> bool:
-        """A generation checkpoint (DIR/<fingerprint>-<scheme>/checkpoints/<key>.mlxkv): a file of its own,
-        in no tree."""
+        """A link of a generation checkpoint (DIR/<fingerprint>-<scheme>/checkpoints/<key>-<end>.mlxkv): in
+        a chain of its request's links, in no prefix tree."""
         return self.path.parent.name == CHECKPOINT_DIR
 
     @property
@@ -120,7 +120,7 @@ def _link(files: list[CacheFile]) -> list[CacheFile]:
     by_digest = {(f.path.parent, f.header.digest): f for f in files if f.header is not None}
     for f in files:
         h = f.header
-        if h is None or not h.parent or f.is_checkpoint:
+        if h is None or not h.parent:
             continue
         parent = by_digest.get((f.path.parent, h.parent))
         if parent is None:
@@ -132,7 +132,7 @@ def _link(files: list[CacheFile]) -> list[CacheFile]:
             f.problem = f.problem or f"it starts at {h.start}, but its parent {h.parent} ends at {parent.header.end}"
     _check_ranks(files)
     for f in files:
-        if f.parent is None and not f.is_checkpoint:  # a checkpoint's digest names its request, not a prefix
+        if f.parent is None:
             _propagate(f, None)
     return files
 
@@ -142,7 +142,8 @@ def _propagate(top: CacheFile, inherited: str | None) -> None:
     each is reported, naming the file above it."""
     from mlxq.store.mlxkv import extend, prefix_hasher
 
-    start = prefix_hasher() if top.header is not None and not top.header.parent else None
+    # a checkpoint link's digest names its request and end, not a prefix: its chain is checked by links only
+    start = prefix_hasher() if top.header is not None and not top.header.parent and not top.is_checkpoint else None
     stack = [(top, inherited, start)]
     while stack:
         node, inherited, above = stack.pop()

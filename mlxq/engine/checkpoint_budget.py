@@ -1,18 +1,22 @@
 """How many checkpoint bytes the batch lane may copy off the device per second of decoding.
 
-A checkpoint copies a row's whole KV and the writer thread moves it to the
-host and the disk. On the H200 that costs decode time in proportion to the
-bytes (docs/benchmarks.md, "CPU and H200: generation checkpoints' cost on
-decode": 32 rows of an 8B model publishing every 256 tokens moved ~5 GB per
-20 s and decoded 20% slower; one serial row moved ~1 GB per 23 s for 1.7%),
-and a batch multiplies them by its rows. So the batch lane's rows share a
-budget: a token bucket filled at ``rate`` bytes per second, up to
-``burst_s`` seconds of it. A row whose interval is up publishes while the
-bucket is not in debt (the publish may take it into debt: a row larger
+On the H200 a batch's checkpoints cost decode time that neither their bytes
+nor their host copies explain alone (docs/benchmarks.md, "CPU and H200:
+generation checkpoints' cost on decode"): 32 rows of an 8B model publishing
+every 256 tokens decoded ~20% slower both when each checkpoint rewrote the
+row's whole KV (~5 GB per round) and with links of the span since the last
+one (~3 GB per round, one host move per link instead of one per tensor),
+while one serial row publishing as often as each of them cost under 2%. The
+cost follows how often the lane publishes, and a batch multiplies that by
+its rows. So the batch lane's rows share a budget: a token bucket filled at
+``rate`` bytes per second, up to ``burst_s`` seconds of it (about one 8B
+link of 256 tokens per second). A row whose interval is up publishes while
+the bucket is not in debt (the publish may take it into debt: a row larger
 than the bucket still gets its turn), else it stays due and waits for a
-later step, the row longest without a checkpoint first. A request that
-stops without finishing publishes its last checkpoint whatever the bucket
-holds (it is charged all the same).
+later step, the row longest without a checkpoint first; its next link then
+covers every token since its last one, so no token's KV is copied twice. A
+request that stops without finishing publishes its last checkpoint whatever
+the bucket holds (it is charged all the same).
 """
 
 from __future__ import annotations

@@ -3,8 +3,12 @@
 A mixin of BatchScheduler (engine/scheduler.py). After a decode step a row
 that goes on stands where a serial checkpoint does: its caches hold the
 prompt and every token it handed out, and the step drew its next (pending)
-token. A due row's caches are copied out of the batch and published with
-that token and the row's own PRNG key (engine/checkpointing.py).
+token. A due row's new span is copied out of the batch through a view of
+the row (nothing else of it is copied) and published with that token and
+the row's own PRNG key (engine/checkpointing.py). Rows that joined together
+reach their interval together: a step publishes a few of them, so their
+copies spread over several steps, and the lane's rows share a byte budget
+(engine/checkpoint_budget.py).
 
 An identical request replays its checkpoint through its output, then enters
 as a joiner whose prompt is the prompt plus the tokens handed out, whose
@@ -21,6 +25,9 @@ from mlxq.engine.checkpointing import Checkpointing, restore_output
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.rows import Row, resume_row
 from mlxq.engine.types import FinishReason
+from mlxq.kv.batch_ops import view_row
+
+SPREAD_STEPS = 8  # a batch's due rows publish over this many steps
 
 
 class RowCheckpoints:
@@ -46,12 +53,13 @@ class RowCheckpoints:
 
     def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array,
                              fed: list[int | None]) -> None:
-        """Rows going on whose interval is up publish, the longest without a checkpoint first, while the
-        lane's byte budget allows (engine/checkpoint_budget.py; the others stay due); ``handed_out``: their
-        next token already went out (token 0 in the step that computed it), so they are not at a
-        checkpoint boundary this step. Rows cancelled in this step publish their last checkpoint:
-        ``fed[i]``, this step's input, was not handed out (None: it had been), and ``next_tokens[i]``
-        was drawn after it."""
+        """Rows going on whose interval is up publish, the longest without a checkpoint first, at most
+        ``publishes_per_step`` of them per step and while the lane's byte budget allows
+        (engine/checkpoint_budget.py); the others stay due, so rows that reached their interval
+        together spread over the next steps. ``handed_out``: their next token already went out (token 0
+        in the step that computed it), so they are not at a checkpoint boundary this step. Rows
+        cancelled in this step publish their last checkpoint: ``fed[i]``, this step's input, was not
+        handed out (None: it had been), and ``next_tokens[i]`` was drawn after it."""
         rows, budget = self.batch.rows, self.checkpoints.batch_budget
         due = sorted((i for i in keep if rows[i].checkpoint is not None and not handed_out[i]
                       and rows[i].checkpoint.is_due(rows[i].output)),
@@ -62,15 +70,26 @@ class RowCheckpoints:
         if not cancelled and not (due and budget.allows()):
             return
         pending = next_tokens.tolist()
-        for i in due:
+        for i in due[:publishes_per_step(len(rows))]:
             if not budget.allows():
                 break
             row = rows[i]
-            budget.spend(row.checkpoint.publish(row.output, pending[i], _key_of(row), self.batch.row_caches(i)))
+            budget.spend(row.checkpoint.publish(row.output, pending[i], _key_of(row), self._row_for_checkpoint(i)))
         for i in cancelled:
             row = rows[i]
             budget.spend(row.checkpoint.at_cancel(row.output, fed[i], pending[i], _key_of(row),
-                                                  self.batch.row_caches(i)))
+                                                  self._row_for_checkpoint(i)))
+
+    def _row_for_checkpoint(self, i: int) -> list:
+        """Row ``i``'s caches to copy a link from: views into the batch where the layer allows (only the
+        link's span is copied), the caches themselves when the row runs alone."""
+        return view_row(self.batch.caches, i) if self.batch.batched else self.batch.caches
+
+
+def publishes_per_step(rows: int) -> int:
+    """How many due rows of a batch of ``rows`` publish in one step: all of a batch's rows reach their
+    interval in ``SPREAD_STEPS`` steps at most, so no step copies every row's span at once."""
+    return max(1, -(-rows // SPREAD_STEPS))
 
 
 def _key_of(row: Row) -> tuple[int, ...] | None:

@@ -2,10 +2,13 @@
 
 At every ``interval`` tokens handed out, mlx-lm's pipelined loop stands at
 the boundary a checkpoint needs: the caches hold the prompt and every token
-handed out, and the next token (the *pending* one) is already sampled. The
-caches are copied (arrays the writer owns, so the live caches keep updating
-in place) and queued for store/checkpoints.py's writer thread, with the
-pending token and, for seeded rows, MLX's global key before the next draw.
+handed out, and the next token (the *pending* one) is already sampled. What
+the caches gained since the request's previous checkpoint link is copied
+(the full-attention span since then, the ring and recurrent state whole:
+arrays the writer owns, so the live caches keep updating in place) and
+queued for store/checkpoints.py's writer thread as the next link of the
+request's chain, with the pending token and, for seeded rows, MLX's global
+key before the next draw.
 
 An identical request (same key, engine/checkpoint_key.py) after a restart
 replays the tokens handed out, then the pending one, through the request's
@@ -28,6 +31,8 @@ from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
 from mlxq.engine.serial_resume import InexactResume
 from mlxq.engine.types import Request
 from mlxq.kv.capabilities import is_trimmable
+from mlxq.store.checkpoint_links import cut_layer
+from mlxq.store.checkpoint_pack import pack_layers
 from mlxq.store.checkpoints import CheckpointRecord, CheckpointStore
 from mlxq.store.mlxkv import encode_layer
 from mlxq.store.ssd_config import CHECKPOINT_DIR
@@ -70,12 +75,11 @@ def open_checkpointing(config, store, kv_scheme: str) -> Checkpointing | None:
     return Checkpointing(checkpoints, config.checkpoint_interval, kv_scheme)
 
 
-def owned_layers(caches: list) -> list:
-    """Each cache's encoded layer, with copies of its arrays (evaluated): the writer's own state."""
-    layers = [encode_layer(cache) for cache in caches]
-    owned = [(kind, meta, [(name, mx.array(a)) for name, a in named]) for kind, meta, named in layers]
-    mx.eval([a for _, _, named in owned for _, a in named])
-    return owned
+def owned_layers(caches: list, start: int = 0) -> list:
+    """Each cache's encoded layer as a checkpoint link starting at token ``start`` holds it (full attention
+    from ``start`` on, other layers whole), copied into one buffer the writer owns (evaluated;
+    store/checkpoint_pack.py). Only the copied tokens are read: ``caches`` may be views into a batch."""
+    return pack_layers([cut_layer(*encode_layer(cache), start) for cache in caches])
 
 
 @dataclass
@@ -85,6 +89,7 @@ class RowCheckpoint:
     checkpointing: Checkpointing
     key: str
     last: int = 0  # tokens handed out at the last checkpoint (or at the restore)
+    tip: int = 0  # tokens (prompt and generated) the newest link covers: the next one chains on; 0: none
 
     def is_due(self, output) -> bool:
         return is_due(output.num_generated, self.checkpointing.interval, self.last)
@@ -94,11 +99,13 @@ class RowCheckpoint:
         """Queue the state after ``output``'s tokens and ``drawn`` (generated, not handed out yet): ``caches``
         hold the prompt and every one of them; ``pending`` was drawn after them. The bytes copied."""
         self.last = output.num_generated
-        request = output.request
+        request, store = output.request, self.checkpointing.store
         generated = (*output.tokens, *drawn)
         record = CheckpointRecord(self.key, len(request.prompt_ids), generated, pending, rng_key, time.time())
-        layers = owned_layers(caches)
-        self.checkpointing.store.publish(record, request.prompt_ids + list(generated), layers, is_trimmable(caches))
+        start = self.tip if 0 < self.tip <= record.end and store.is_link(self.key, self.tip) else 0
+        layers = owned_layers(caches, start)
+        published = store.publish(record, request.prompt_ids + list(generated), layers, is_trimmable(caches), start)
+        self.tip = record.end if published else 0  # a dropped link breaks the chain: the next one starts anew
         return sum(a.nbytes for _, _, named in layers for _, a in named)
 
     def after_serial_token(self, run, caches: list) -> None:
@@ -152,7 +159,7 @@ def restore_output(output, checkpointing: Checkpointing, accept=None) -> tuple[R
         output.checkpoint_tokens += 1
         if output.add_token(token):
             break
-    checkpoint.last = len(record.emitted)
+    checkpoint.last, checkpoint.tip = len(record.emitted), record.end
     checkpointing.store.note_restored(output.checkpoint_tokens)
     log.info("request %s resumed from its checkpoint after %d tokens", request.request_id, output.checkpoint_tokens)
     rng = None if record.rng_key is None else mx.array(record.rng_key, dtype=mx.uint32)

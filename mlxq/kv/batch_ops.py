@@ -82,6 +82,14 @@ def view_rows(batch: list, rows: int) -> list[list]:
     return out
 
 
+def view_row(batch: list, index: int) -> list:
+    """One row as a solo cache list to read a part of at once: plain full-attention layers as views into
+    the batch's arrays (no copy), other layers extracted as ``extract_row`` does."""
+    return [_view(cache, index, cache.left_padding[index].item())
+            if type(cache) is BatchKVCache and cache.keys is not None else extract_row([cache], index)[0]
+            for cache in batch]
+
+
 def _view(cache: BatchKVCache, index: int, padding: int) -> KVCache:
     solo = KVCache()
     solo.keys = cache.keys[index : index + 1, :, padding : cache._idx]

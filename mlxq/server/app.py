@@ -82,7 +82,7 @@ async def _flush_before_exit(state: ServerState) -> None:
     if result.durable:
         log.info("SSD cache durable at shutdown: %d entries, longest prefix %d tokens%s",
                  result.entries, result.longest_durable_prefix_tokens,
-                 f", {result.checkpoints['files']} generation checkpoints" if result.checkpoints else "")
+                 f", {result.checkpoints['requests']} generation checkpoints" if result.checkpoints else "")
     else:
         log.warning("SSD cache NOT durable at shutdown: %s", result.as_dict())
 

@@ -104,7 +104,8 @@ def _checkpoint_metrics(stats: dict):
     """Generation checkpoints: files and bytes on disk, and what was written, restored and dropped."""
     yield GaugeMetricFamily(PREFIX + "checkpoint_files", "generation checkpoint files on disk", value=stats["files"])
     yield GaugeMetricFamily(PREFIX + "checkpoint_bytes", "bytes of generation checkpoint files", value=stats["bytes"])
-    for name, help_text in (("written", "checkpoints written"), ("written_bytes", "bytes of checkpoints written"),
+    for name, help_text in (("written", "checkpoint links written"),
+                            ("written_bytes", "tensor bytes of checkpoint links written"),
                             ("restored", "requests resumed from a checkpoint"),
                             ("restored_tokens", "completion tokens restored instead of generated"),
                             ("dropped", "checkpoints not written (queue full, disk refused)")):

@@ -42,13 +42,13 @@ def test_a_cancelled_run_resumes_to_the_undisturbed_tokens_and_a_bad_key_is_not_
     assert store.flush(10).files == 0  # completion removed its checkpoint
 
     cancelled = generate(model, tokenizer, new("c"), checkpoints, cancel_after=21)
-    assert cancelled.finished is FinishReason.CANCELLED and store.flush(10).files == 1
+    assert cancelled.finished is FinishReason.CANCELLED and store.flush(10).requests == 1
     resumed = generate(model, tokenizer, new("r"), checkpoints)
     # Its last checkpoint, at the cancel: every token handed out, the one drawn then, and the pending one.
     assert resumed.tokens == undisturbed and resumed.checkpoint_tokens == cancelled.num_generated + 2 == 24
 
     generate(model, tokenizer, new("c2"), checkpoints, cancel_after=21)
-    assert store.flush(10).files == 1  # written by the store's thread: durable only after a flush
+    assert store.flush(10).requests == 1  # written by the store's thread: durable only after a flush
     key = checkpoint_key(request, "native").digest
     record, caches = store.load(key)
     store.publish(replace(record, rng_key=(1, 2)), request.prompt_ids + list(record.emitted), owned_layers(caches),

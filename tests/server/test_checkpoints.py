@@ -99,7 +99,7 @@ def test_an_interrupted_generation_resumes_to_the_uninterrupted_text(tiny_model_
                                                                        how, kv_quant):
     model, payload = tiny_model_dirs[arch], body(sampling)
     reference, flushed = interrupt(model, tmp_path, payload, how, "--kv-quant", kv_quant)
-    assert flushed["durable"] and flushed["checkpoints"]["files"] == 1, flushed
+    assert flushed["durable"] and flushed["checkpoints"]["requests"] == 1, flushed
     with serve(model, tmp_path, "--kv-quant", kv_quant) as server:
         resumed = complete(server.url, payload)
         flush(server.url)
@@ -128,7 +128,9 @@ def test_a_changed_sampling_field_never_resumes_another_checkpoint(tiny_model_di
     checkpoints = [r for r in rows if r["kind"] == "checkpoint"]  # the left ones may have published too
     assert max(r["checkpoint"]["emitted_tokens"] for r in checkpoints) >= INTERRUPT_AT - INTERVAL
     assert all(r["durable"] for r in checkpoints)
-    assert f"generation checkpoints: {len(checkpoints)} files" in cli("cache", "ls", str(tmp_path)).stdout
+    requests = len({r["checkpoint"]["key"] for r in checkpoints})  # one line each, its links counted
+    assert f"generation checkpoints: {requests} requests, {len(checkpoints)} files" in cli(
+        "cache", "ls", str(tmp_path)).stdout
     assert cli("cache", "verify", str(tmp_path)).exit_code == 0
     pruned = cli("cache", "prune", str(tmp_path), "--checkpoints")
     assert pruned.stdout.count("removed") == len(checkpoints) and not list(tmp_path.rglob("checkpoints/*"))
@@ -140,10 +142,10 @@ def test_cancelled_keeps_completed_drops_and_logprobs_are_never_checkpointed(tin
     with serve(model, tmp_path) as server:
         assert stream_until(server.url, body(GREEDY), 60, leave=True).wait(120)  # cancelled by the client
         time.sleep(0.5)
-        assert flush(server.url)["checkpoints"]["files"] == 1
+        assert flush(server.url)["checkpoints"]["requests"] == 1
         complete(server.url, {**body(GREEDY, 64), "logprobs": 1})
         complete(server.url, {**body(GREEDY, 64), "n": 2})
-        assert flush(server.url)["checkpoints"]["files"] == 1
+        assert flush(server.url)["checkpoints"]["requests"] == 1
         resumed = complete(server.url, body(GREEDY))
         assert resumed["usage"]["completion_tokens_details"]["checkpoint_tokens"] >= 48
         flushed = flush(server.url)
@@ -196,7 +198,7 @@ def test_rows_of_a_batch_publish_and_a_restored_row_joins_a_batch(tiny_model_dir
         reached = stream_until(server.url, payload, INTERRUPT_AT)
         stream_until(server.url, others[2], 1)  # joins while the others run
         assert reached.wait(120)
-        assert flush(server.url)["checkpoints"]["files"] >= 1
+        assert flush(server.url)["checkpoints"]["requests"] >= 1
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(60)
     with serve(model, tmp_path, "--batch", "4") as server:
