@@ -8,6 +8,7 @@ that runs the model can carry them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -22,12 +23,25 @@ def share_bytes(group: Any, data: bytes | None, root: int = 0) -> bytes:
 
 def gather_ints(group: Any, values: list[int]) -> list[list[int]]:
     """Every rank's ``values`` (the same length on every rank), indexed by rank."""
+    return start_gather(group, values)()
+
+
+def start_gather(group: Any, values: list[int]) -> Callable[[], list[list[int]]]:
+    """Queue the gather of every rank's ``values`` now; the function returned reads it (by rank).
+
+    Queued behind the work already on the stream, the gather completes once that work has; read
+    later (after the next decode step is queued), it costs the host no wait for that step."""
     import mlx.core as mx
 
     width = len(values)
     gathered = mx.distributed.all_gather(mx.array(values, dtype=mx.int64), group=group)
-    flat = gathered.tolist()
-    return [flat[r * width:(r + 1) * width] for r in range(group.size())]
+    mx.async_eval(gathered)
+
+    def rows() -> list[list[int]]:
+        flat = gathered.tolist()
+        return [flat[r * width:(r + 1) * width] for r in range(group.size())]
+
+    return rows
 
 
 def agree_min(group: Any, value: int | None) -> int | None:

@@ -155,6 +155,8 @@ class Engine:
         self._inbox: queue.Queue[_Work | _Flush | EngineCall | None] = queue.Queue()
         self._calls: list[EngineCall] = []  # taken in, run when the loop stands between iterations
         self._waiting: collections.deque[_Work] = collections.deque()
+        self._held: list[_Work | _Flush] = []  # several ranks, rank 0: taken, entering every rank next iteration
+        self._stop_taken = False  # several ranks, rank 0: the stop is shared; nothing more is taken in
         self._serial_running: Request | None = None
         self._stopping = threading.Event()
         self._finished = threading.Event()  # the loop has ended (the thread itself parks, see _park)
@@ -269,7 +271,9 @@ class Engine:
             self._warm_up()
             self.ready.set()
             log.info("model ready: %s (batch mode: %s)", self.loaded.description, self.gateway.mode)
-            while not self._stopping.is_set():
+            # Ranks in lockstep stop together, at the iteration the stop is shared (a rank leaving
+            # before it would leave the others waiting in a collective).
+            while self.lockstep is not None or not self._stopping.is_set():
                 self._beat()
                 if not self._intake(block=self._idle() and not self._background_work()):
                     break
@@ -570,19 +574,28 @@ class Engine:
             return taken
 
     def _intake_lockstep(self, block: bool) -> bool:
-        """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike."""
-        taken = self._drain_inbox(block) if self.lockstep.world.is_leader else []
+        """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike, one
+        iteration after rank 0 took them (engine/lockstep.py); rank 0 holds them meanwhile."""
+        leader = self.lockstep.world.is_leader
+        block = block and not self.lockstep.news_in_flight
+        taken = self._drain_inbox(block) if leader and not self._stop_taken else []
+        self._stop_taken = self._stop_taken or None in taken
         works = [work for work in taken if isinstance(work, _Work)]
         flushes = [work for work in taken if isinstance(work, _Flush)]
         scheduler = self.scheduler
         digest = [len(self._waiting), scheduler.num_rows if scheduler else 0,
                   scheduler.num_prefilling if scheduler else 0, self.stats.generated_tokens]
+        shared = self._held  # taken at the last iteration: every rank takes them in now
+        self._held = [*shared, *works, *flushes]  # failed, not lost, should the exchange raise
         arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest,
                                           flush=bool(flushes), ssd_state=flush_state(self.cold, bool(self._flushes)))
-        for flush in (flushes or [_Flush()]) if arrivals.flush else ():  # a follower's: nobody waits on it
+        self._held = [*works, *flushes]
+        held_flushes = [work for work in shared if isinstance(work, _Flush)]
+        for flush in (held_flushes or [_Flush()]) if arrivals.flush else ():  # a follower's: nobody waits on it
             self._take_flush(flush)
-        for work in works:
-            self._admit_to_fifo(work)
+        for work in shared:
+            if isinstance(work, _Work):
+                self._admit_to_fifo(work)
         for request, emit in arrivals.requests:
             self._admit_to_fifo(_Work(request, self._counting(emit), self.gateway.place(RequestShape.of(request))))
         return not arrivals.stop
@@ -696,8 +709,10 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.fail_all(f"the engine stopped: {self.fatal_error}" if self.fatal_error
                                     else "the server is shutting down")
-        pending = list(self._waiting)
+        pending = [*self._waiting, *(work for work in self._held if isinstance(work, _Work))]
+        self._flushes.extend(work for work in self._held if isinstance(work, _Flush))
         self._waiting.clear()
+        self._held = []
         while True:
             try:
                 work = self._inbox.get_nowait()

@@ -17,6 +17,11 @@ iteration boundary, when every rank sets it too.
 Each iteration also gathers a digest of every rank's engine state (queue,
 rows, tokens generated); ranks that drifted apart fail loudly instead of
 deadlocking in a collective later.
+
+That gather is the one collective of an iteration with nothing new, and it
+is read one iteration after it is queued, so the host never waits for the
+decode step in flight to learn that nothing happened: what rank 0 shares
+enters every rank one iteration after rank 0 took it.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ import pickle
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxq.distributed.channel import agree_min, gather_ints, share_bytes, share_sized
+from mlxq.distributed.channel import agree_min, gather_ints, share_bytes, share_sized, start_gather
 from mlxq.distributed.world import RankInfo, World
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, TokenEvent
@@ -69,6 +75,13 @@ def _spec(request: Request) -> dict:
     return {f.name: getattr(request, f.name) for f in dataclasses.fields(Request) if f.name not in _NOT_SHARED}
 
 
+@dataclass
+class _InFlight:
+    rows: Callable[[], list[list[int]]]  # reads the gather (channel.start_gather)
+    payload: bytes  # rank 0's message for its iteration (b"": nothing new; always b"" on other ranks)
+    iteration: int
+
+
 class Lockstep:
     """One per rank. Rank 0's HTTP threads call :meth:`track`; the engine thread calls the rest."""
 
@@ -80,7 +93,11 @@ class Lockstep:
         self._flush_shared_at = 0  # the iteration that last shared a flush
         self.failure: str | None = None  # why serving stopped (a rank lost), for /health
         self.iterations = 0
-        self.exchange_s = 0.0  # wall time in exchange(): the collectives, and the wait for the step in flight
+        self.exchange_s = 0.0  # wall time in exchange()
+        self.collectives = 0  # the exchange's: one gather per iteration, one more per iteration with news
+        self.waiting_reads = 0  # the exchange's reads that wait for the decode step in flight (news only)
+        self._in_flight: _InFlight | None = None  # this iteration's gather, read at the next one
+        self._state_iteration = 0  # the iteration rank_memory and rank_ssd were gathered at
         self._token_checksum = 0  # every token this rank handed out, in order: ranks that sampled apart differ
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
@@ -130,8 +147,8 @@ class Lockstep:
 
     @property
     def others_flushed(self) -> bool:
-        """Every other rank had taken the flush and had no SSD write left at this iteration's start."""
-        return self.iterations > self._flush_shared_at and WRITING not in self.rank_ssd[1:]
+        """Every other rank had taken the flush and had no SSD write left, as of the last gather read."""
+        return self._state_iteration > self._flush_shared_at and WRITING not in self.rank_ssd[1:]
 
     @property
     def others_durable(self) -> bool:
@@ -175,10 +192,16 @@ class Lockstep:
     # --- the engine thread, every rank, once per loop iteration ---------------------------
     def exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool = False,
                  ssd_state: int = 0) -> Arrivals:
-        """Share rank 0's arrivals, cancellations, flush and stop; check every rank's ``digest`` (and the
-        checksum of the tokens it handed out) matches rank 0's; gather each rank's ``ssd_state``
-        (store.rank_restore.flush_state)."""
+        """Queue this iteration's gather (rank 0's news: the size of its message; every rank's ``digest``,
+        the checksum of the tokens it handed out and its ``ssd_state``, store.rank_restore.flush_state),
+        and take in the previous iteration's: check the digests match rank 0's, and return what rank 0
+        shared then (its requests, cancellations, flush and stop), on every rank at this iteration.
 
+        Reading the gather one iteration later is what keeps the decode pipeline full: queued before the
+        decode step of its own iteration, it is complete by the next one, so the read does not wait for the
+        step in flight (a read in the same iteration would: one stream). Only an iteration with news pays
+        one more collective, read at once. Rank 0's engine holds the work it took (``taken``) until the
+        next call returns it to every rank."""
         self.iterations += 1
         started = time.perf_counter()
         try:
@@ -186,20 +209,36 @@ class Lockstep:
         finally:
             self.exchange_s += time.perf_counter() - started
 
+    @property
+    def news_in_flight(self) -> bool:
+        """Rank 0 queued news the ranks take in at the next iteration: that iteration must not wait for more."""
+        return self._in_flight is not None and bool(self._in_flight.payload)
+
     def _exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool, ssd: int) -> Arrivals:
         import mlx.core as mx
 
         payload = self._payload(taken, stop, flush) if self.world.is_leader else b""
-        digest = [*digest, self._token_checksum]
-        rows = gather_ints(self.world.group, [len(payload), *digest, ssd, mx.get_active_memory(),
-                                              mx.get_peak_memory()])
+        previous, self._in_flight = self._in_flight, None
+        arrivals = self._receive(previous) if previous is not None else Arrivals()
+        if not arrivals.stop:  # every rank stops at this iteration: nothing more to gather
+            values = [len(payload), *digest, self._token_checksum, ssd, mx.get_active_memory(),
+                      mx.get_peak_memory()]
+            self._in_flight = _InFlight(start_gather(self.world.group, values), payload, self.iterations)
+            self.collectives += 1
+        return arrivals
+
+    def _receive(self, sent: _InFlight) -> Arrivals:
+        rows = sent.rows()
         self.rank_memory = [(row[-2], row[-1]) for row in rows]
         self.rank_ssd = [row[-3] for row in rows]
-        self._check_digests(rows)
+        self._state_iteration = sent.iteration
+        self._check_digests(rows, sent.iteration)
         size = rows[0][0]
         if size == 0:
             return Arrivals()
-        message = pickle.loads(share_sized(self.world.group, payload, size))  # rank 0's own bytes: trusted
+        self.collectives += 1
+        self.waiting_reads += 1  # read at once: it waits for the decode step queued before it
+        message = pickle.loads(share_sized(self.world.group, sent.payload, size))  # rank 0's own bytes: trusted
         if message["flush"]:
             self._flush_shared_at = self.iterations
         if self.world.is_leader:
@@ -235,14 +274,17 @@ class Lockstep:
                 if entry is not None:
                     entry.copy.cancel()
 
-    def _check_digests(self, rows: list[list[int]]) -> None:
+    def _check_digests(self, rows: list[list[int]], iteration: int) -> None:
         width = len(DIGEST_NAMES)
         leader = rows[0][1:1 + width]
         for rank, row in enumerate(rows[1:], start=1):
             theirs = row[1:1 + width]
             if theirs != leader:
                 seen = ", ".join(f"{n} {a} vs {b}" for n, a, b in zip(DIGEST_NAMES, leader, theirs, strict=True))
-                raise RuntimeError(f"rank {rank} diverged from rank 0 at iteration {self.iterations} ({seen})")
+                raise RuntimeError(f"rank {rank} diverged from rank 0 at iteration {iteration} ({seen})")
+
+    def _per_iteration(self, total: float) -> float:
+        return round(total / self.iterations, 3) if self.iterations else 0
 
     def as_dict(self) -> dict:
         """/stats.distributed."""
@@ -252,9 +294,13 @@ class Lockstep:
             "backend": self.world.backend,
             "mode": self.world.mode,
             "iterations": self.iterations,
-            # per iteration: the exchange's collectives plus the wait for the decode step in flight,
-            # which the exchange's read must wait out (one stream)
-            "exchange_ms_per_iteration": round(1e3 * self.exchange_s / self.iterations, 3) if self.iterations else 0,
+            # per iteration: queuing this iteration's gather, reading the last one's, and, with news, the
+            # message (a read that waits for the decode step in flight: one stream)
+            "exchange_ms_per_iteration": self._per_iteration(1e3 * self.exchange_s),
+            "collectives_per_iteration": self._per_iteration(self.collectives),
+            "waiting_reads_per_iteration": self._per_iteration(self.waiting_reads),
+            "totals": {"exchange_s": self.exchange_s, "collectives": self.collectives,
+                       "waiting_reads": self.waiting_reads},
             "failure": self.failure,
             "ranks": [{**dataclasses.asdict(info),
                        "mlx_active_bytes": self.rank_memory[info.rank][0] if self.rank_memory else None,

@@ -35,14 +35,20 @@ def test_a_cancellation_reaches_the_engine_at_an_iteration(lockstep):
     original.cancel()
     assert not copy.cancelled.is_set()  # set only where every rank sets it
     lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])
-    assert copy.cancelled.is_set()
+    assert not copy.cancelled.is_set() and lockstep.news_in_flight  # queued: every rank takes it in next
+    lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])
+    assert copy.cancelled.is_set() and not lockstep.news_in_flight
 
 
-def test_an_iteration_with_nothing_new_sends_nothing(lockstep):
+def test_an_iteration_with_nothing_new_costs_one_gather_and_no_wait(lockstep):
     assert lockstep._payload([], stop=False) == b""
-    assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is False
-    assert lockstep.exchange([], stop=True, digest=[0, 0, 0, 0]).stop is True
-    assert lockstep.rank_memory and lockstep.iterations == 2
+    for _ in range(3):
+        assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is False
+    assert (lockstep.collectives, lockstep.waiting_reads) == (3, 0)
+    assert lockstep.exchange([], stop=True, digest=[0, 0, 0, 0]).stop is False  # shared at the next iteration
+    assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is True
+    assert lockstep.rank_memory and lockstep.iterations == 5
+    assert (lockstep.collectives, lockstep.waiting_reads) == (5, 1)  # the stop's message; no gather after it
 
 
 def test_a_lost_rank_fails_open_requests_once(lockstep):

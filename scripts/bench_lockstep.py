@@ -1,0 +1,106 @@
+"""What the ranks' per-iteration exchange costs a decode step: one process vs `--tensor-parallel 2`.
+
+Starts each server in turn, sends ``--requests`` greedy completions at each concurrency (EOS ignored),
+and prints one JSON line per server and concurrency, from the difference of the servers' own counters
+before and after the load:
+
+- ``cycle_ms``: decode step start to the next step's start (`/stats.batch.decode_timing`);
+- ``exchange_ms``: time in the lockstep exchange per loop iteration (`/stats.distributed`);
+- ``collectives``, ``waiting_reads``: per iteration, the exchange's collectives and its reads that wait
+  for the decode step in flight;
+- ``tok_s``: generated tokens per second of wall time.
+
+    python scripts/bench_lockstep.py --model /tmp/tiny --concurrency 1,4 --max-tokens 64 --requests 4
+    python scripts/bench_lockstep.py --model /tmp/m8 --concurrency 1,64 --max-tokens 128 --requests 4 \
+        --serve-args "--batch 64 --memory-limit 60GB --warmup off"
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlxq.bench.servers import free_port, wait_healthy  # noqa: E402
+
+PROMPT = "Tensor parallel serving splits every layer of the model over several processes. " * 4
+
+
+def counters(url: str) -> dict:
+    stats = httpx.get(f"{url}/stats", timeout=30).json()
+    timing = stats["batch"]["decode_timing"]["totals"]
+    ranks = stats.get("distributed", {})
+    totals = ranks.get("totals", {})
+    return {"cycles": timing["cycles"], "cycle_s": timing["cycle_s"], "iterations": ranks.get("iterations", 0),
+            "exchange_s": totals.get("exchange_s", ranks.get("exchange_ms_per_iteration", 0) * ranks.get(
+                "iterations", 0) / 1e3), "collectives": totals.get("collectives", 0),
+            "waiting_reads": totals.get("waiting_reads", 0), "generated": stats["engine"]["generated_tokens"]}
+
+
+def load(url: str, concurrency: int, requests: int, max_tokens: int) -> float:
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+    def one(_):
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+        response.raise_for_status()
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(requests)))
+    return time.perf_counter() - started
+
+
+def measure(url: str, concurrency: int, args) -> dict:
+    load(url, concurrency, concurrency, 8)  # warm: the batch shapes at this concurrency
+    before = counters(url)
+    wall = load(url, concurrency, args.requests, args.max_tokens)
+    after = counters(url)
+    delta = {k: after[k] - before[k] for k in before}
+    per_iteration = (lambda v: round(v / delta["iterations"], 3)) if delta["iterations"] else (lambda v: None)
+    return {"concurrency": concurrency, "tok_s": round(delta["generated"] / wall, 1),
+            "cycle_ms": round(1e3 * delta["cycle_s"] / delta["cycles"], 3) if delta["cycles"] else None,
+            "iterations_per_step": round(delta["iterations"] / max(delta["cycles"], 1), 2),
+            "exchange_ms": per_iteration(1e3 * delta["exchange_s"]),
+            "collectives": per_iteration(delta["collectives"]), "waiting_reads": per_iteration(delta["waiting_reads"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--serve-args", default="--warmup off")
+    parser.add_argument("--servers", default="1,2", help="world sizes to run, in order (1: one process)")
+    args = parser.parse_args()
+    for world in [int(w) for w in args.servers.split(",")]:
+        port = free_port()
+        extra = ["--tensor-parallel", str(world)] if world > 1 else []
+        cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", args.model, "--port", str(port),
+               "--log-level", "warning", *args.serve_args.split(), *extra]
+        env = {"CUDA_VISIBLE_DEVICES": "0"} if world == 1 else {}  # one GPU; the launcher gives each rank one
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, timeout_s=300)
+            for concurrency in [int(c) for c in args.concurrency.split(",")]:
+                print(json.dumps({"world": world, **measure(url, concurrency, args)}), flush=True)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()
