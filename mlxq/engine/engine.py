@@ -487,11 +487,11 @@ class Engine:
         return self.lockstep.from_leader(measure_charge(self._prototype))
 
     def _ranks(self):
-        """Tensor parallel: this rank's place and the collective its SSD restores agree through."""
+        """Several ranks: this rank's place and the collective its SSD restores agree through."""
         from mlxq.store.rank_restore import Ranks
 
         world = self.lockstep.world if self.lockstep is not None else None
-        return Ranks(world.rank, world.size, self.lockstep.gather_one) if world is not None else None
+        return Ranks(world.rank, world.size, self.lockstep.gather_one, world.mode) if world is not None else None
 
     def _background_work(self) -> bool:
         """SSD work waiting (asked only when idle: never a cost on the decode loop), here or, for a flush,

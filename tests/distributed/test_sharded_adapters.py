@@ -1,5 +1,6 @@
-"""LoRA adapters under `--tensor-parallel 2` (CPU, ring over loopback): each rank holds its part of every
-adapter, and a batch mixing the base model and two adapters gives one process's greedy tokens."""
+"""LoRA adapters under `--tensor-parallel 2` and `--pipeline-parallel 2` (CPU, ring over loopback): each rank
+holds its part of every adapter (tensor: split like its layers; pipeline: its own layers), and a batch
+mixing the base model and two adapters gives one process's greedy tokens."""
 
 from __future__ import annotations
 
@@ -53,3 +54,26 @@ def test_a_mixed_adapter_batch_on_two_ranks_equals_one_process(model_and_adapter
         models = [m["id"] for m in httpx.get(f"{two.url}/v1/models", timeout=10).json()["data"]]
     assert sharded == alone
     assert set(models) >= {"base", "qv", "all"}
+
+
+@pytest.fixture(scope="module")
+def pipeline_model_and_adapters(tmp_path_factory) -> tuple[str, list[str]]:
+    """qwen3_next (pipeline() only): a LoRA on every linear layer, and a DoRA on two MLP projections of
+    every layer (served as "qv", the name the mixed batch asks for)."""
+    root = tmp_path_factory.mktemp("pp-lora")
+    model = build_tiny_model("qwen3_next", root / "qwen3_next", preset="default")
+    everywhere = make_tiny_adapter(model, root / "all", seed=11, rank=4)
+    some = make_tiny_adapter(model, root / "qv", seed=13, rank=8, kind="dora", keys=["mlp.gate_proj", "mlp.down_proj"])
+    return str(model), [f"all={everywhere}", f"qv={some}"]
+
+
+def test_a_mixed_adapter_batch_on_two_pipeline_ranks_equals_one_process(pipeline_model_and_adapters):
+    model, adapters = pipeline_model_and_adapters
+    flags = [arg for spec in adapters for arg in ("--adapter", spec)]
+    with ServerProcess("--model", model, *flags, *SERVE) as one:
+        alone = _mixed_batch(one.url)
+        per_model = {name: _complete(one.url, name, PROMPTS[0]) for name in ("base", "qv", "all")}
+    assert len({tuple(tokens) for tokens in per_model.values()}) == 3, "each adapter must change the output"
+    with ServerProcess("--model", model, *flags, "--pipeline-parallel", "2", *SERVE) as two:
+        split = _mixed_batch(two.url)
+    assert split == alone
