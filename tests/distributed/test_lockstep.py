@@ -62,3 +62,12 @@ def test_a_lost_rank_fails_open_requests_once(lockstep):
     assert [(e.request_id, e.finish_reason) for e in seen] == [("a", None), ("b", FinishReason.STOP),
                                                                   ("a", FinishReason.ERROR)]
     assert seen[-1].error == "rank 1 exited" and lockstep.failure == "rank 1 exited"
+
+
+def test_ranks_whose_digests_differ_stop_naming_the_rank_and_the_gathered_iteration(lockstep):
+    # Rows as the gather returns them: news size, the digest (DIGEST_NAMES), SSD state, memory.
+    leader = [0, 2, 4, 0, 96, 12345, 0, 10, 20]
+    lockstep._check_digests([leader, list(leader)], iteration=7)
+    drifted = [0, 2, 4, 0, 95, 12345, 0, 10, 20]
+    with pytest.raises(RuntimeError, match=r"rank 1 diverged from rank 0 at iteration 7 \(.*generated_tokens 96 vs 95"):
+        lockstep._check_digests([leader, drifted], iteration=7)
