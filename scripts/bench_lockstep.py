@@ -1,8 +1,8 @@
 """What the ranks' per-iteration exchange costs a decode step: one process vs `--tensor-parallel 2`.
 
-Starts each server in turn, sends ``--requests`` greedy completions at each concurrency (EOS ignored),
-and prints one JSON line per server and concurrency, from the difference of the servers' own counters
-before and after the load:
+Starts each server in turn (``--mode pipeline``: `--pipeline-parallel`), sends ``--requests`` greedy
+completions at each concurrency (EOS ignored), and prints one JSON line per server and concurrency,
+from the difference of the servers' own counters before and after the load:
 
 - ``cycle_ms``: decode step start to the next step's start (`/stats.batch.decode_timing`);
 - ``exchange_ms``: time in the lockstep exchange per loop iteration (`/stats.distributed`);
@@ -11,6 +11,7 @@ before and after the load:
 - ``tok_s``: generated tokens per second of wall time.
 
     python scripts/bench_lockstep.py --model /tmp/tiny --concurrency 1,4 --max-tokens 64 --requests 4
+    python scripts/bench_lockstep.py --model /tmp/tiny --servers 2 --code before=/tmp/before --rounds 3
     python scripts/bench_lockstep.py --model /tmp/m8 --concurrency 1,64 --max-tokens 128 --requests 4 \
         --serve-args "--batch 64 --memory-limit 60GB --warmup off"
 """
@@ -21,6 +22,8 @@ import argparse
 import concurrent.futures
 import json
 import os
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -28,7 +31,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from mlxq.bench.servers import free_port, wait_healthy  # noqa: E402
 
@@ -62,7 +66,7 @@ def load(url: str, concurrency: int, requests: int, max_tokens: int) -> float:
 def measure(url: str, concurrency: int, args) -> dict:
     load(url, concurrency, concurrency, 8)  # warm: the batch shapes at this concurrency
     before = counters(url)
-    wall = load(url, concurrency, args.requests, args.max_tokens)
+    wall = load(url, concurrency, max(args.requests, concurrency), args.max_tokens)
     after = counters(url)
     delta = {k: after[k] - before[k] for k in before}
     per_iteration = (lambda v: round(v / delta["iterations"], 3)) if delta["iterations"] else (lambda v: None)
@@ -73,33 +77,57 @@ def measure(url: str, concurrency: int, args) -> dict:
             "collectives": per_iteration(delta["collectives"]), "waiting_reads": per_iteration(delta["waiting_reads"])}
 
 
+def start(model: str, world: int, code: Path, args) -> tuple[str, subprocess.Popen]:
+    """`mlxq serve` from ``code`` (its own checkout: ``python -m`` imports from the working directory)."""
+    port = free_port()
+    extra = [f"--{args.mode}-parallel", str(world)] if world > 1 else []
+    cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", model, "--port", str(port),
+           "--log-level", "warning", *args.serve_args.split(), *extra]
+    env = {"CUDA_VISIBLE_DEVICES": "0"} if world == 1 else {}  # one GPU; the launcher gives each rank one
+    env["PYTHONPATH"] = str(code)
+    proc = subprocess.Popen(cmd, cwd=code, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
+    return f"http://127.0.0.1:{port}", proc
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--concurrency", default="1,4")
-    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=4, help="per concurrency level (at least the level)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--serve-args", default="--warmup off")
-    parser.add_argument("--servers", default="1,2", help="world sizes to run, in order (1: one process)")
+    parser.add_argument("--servers", default="1,2", help="world sizes to run (1: one process)")
+    parser.add_argument("--mode", choices=("tensor", "pipeline"), default="tensor")
+    parser.add_argument("--code", action="append", default=[], metavar="LABEL=DIR",
+                        help="also serve another checkout's mlxq (e.g. before=/tmp/before), side by side")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds over every server, alternating")
     args = parser.parse_args()
-    for world in [int(w) for w in args.servers.split(",")]:
-        port = free_port()
-        extra = ["--tensor-parallel", str(world)] if world > 1 else []
-        cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", args.model, "--port", str(port),
-               "--log-level", "warning", *args.serve_args.split(), *extra]
-        env = {"CUDA_VISIBLE_DEVICES": "0"} if world == 1 else {}  # one GPU; the launcher gives each rank one
-        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        try:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers
+    codes = [("this", ROOT)] + [(label, Path(d).resolve()) for label, d in (c.split("=", 1) for c in args.code)]
+    servers = {(label, world): start(args.model, world, code, args)
+               for label, code in codes for world in [int(w) for w in args.servers.split(",")]}
+    rows = []
+    try:
+        for url, proc in servers.values():
             wait_healthy(url, proc, timeout_s=300)
-            for concurrency in [int(c) for c in args.concurrency.split(",")]:
-                print(json.dumps({"world": world, **measure(url, concurrency, args)}), flush=True)
-        finally:
+        for round_ in range(args.rounds):
+            for (label, world), (url, _) in servers.items():
+                for concurrency in [int(c) for c in args.concurrency.split(",")]:
+                    rows.append({"code": label, "world": world, "round": round_, **measure(url, concurrency, args)})
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        for _, proc in servers.values():
             proc.terminate()
+        for _, proc in servers.values():
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    for key in sorted({(r["code"], r["world"], r["concurrency"]) for r in rows}):
+        mine = [r for r in rows if (r["code"], r["world"], r["concurrency"]) == key]
+        print(json.dumps({"median": dict(zip(("code", "world", "concurrency"), key, strict=True)),
+                          **{k: statistics.median(r[k] for r in mine) if mine[0][k] is not None else None
+                             for k in ("tok_s", "cycle_ms", "exchange_ms", "collectives", "waiting_reads")}}))
 
 
 if __name__ == "__main__":
