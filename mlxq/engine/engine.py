@@ -256,7 +256,8 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         preempted = self.scheduler.num_preempted if self.scheduler else 0
-        return self._inbox.qsize() + len(self._waiting) + preempted
+        held = sum(isinstance(work, _Work) for work in self._held)  # rank 0: taken, shared next iteration
+        return self._inbox.qsize() + held + len(self._waiting) + preempted
 
     @property
     def num_running(self) -> int:
