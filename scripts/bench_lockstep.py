@@ -11,7 +11,8 @@ from the difference of the servers' own counters before and after the load:
 - ``tok_s``: generated tokens per second of wall time.
 
     python scripts/bench_lockstep.py --model /tmp/tiny --concurrency 1,4 --max-tokens 64 --requests 4
-    python scripts/bench_lockstep.py --model /tmp/tiny --servers 2 --code before=/tmp/before --rounds 3
+    python scripts/bench_lockstep.py --model /tmp/tiny --servers 1,2 --code before=/tmp/before --rounds 3 \
+        --one-at-a-time
     python scripts/bench_lockstep.py --model /tmp/m8 --concurrency 1,64 --max-tokens 128 --requests 4 \
         --serve-args "--batch 64 --memory-limit 60GB --warmup off"
 """
@@ -89,6 +90,30 @@ def start(model: str, world: int, code: Path, args) -> tuple[str, subprocess.Pop
     return f"http://127.0.0.1:{port}", proc
 
 
+def run_servers(specs: list[tuple[str, Path, int]], round_: int | None, args) -> list[dict]:
+    """Start ``specs`` (label, code, world) together and measure each in turn: ``args.rounds`` rounds,
+    or the one round ``round_``."""
+    servers = {(label, world): start(args.model, world, code, args) for label, code, world in specs}
+    rows = []
+    try:
+        for url, proc in servers.values():
+            wait_healthy(url, proc, timeout_s=300)
+        for r in range(args.rounds) if round_ is None else [round_]:
+            for (label, world), (url, _) in servers.items():
+                for concurrency in [int(c) for c in args.concurrency.split(",")]:
+                    rows.append({"code": label, "world": world, "round": r, **measure(url, concurrency, args)})
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        for _, proc in servers.values():
+            proc.terminate()
+        for _, proc in servers.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -101,28 +126,18 @@ def main() -> None:
     parser.add_argument("--code", action="append", default=[], metavar="LABEL=DIR",
                         help="also serve another checkout's mlxq (e.g. before=/tmp/before), side by side")
     parser.add_argument("--rounds", type=int, default=1, help="rounds over every server, alternating")
+    parser.add_argument("--one-at-a-time", action="store_true", help="start each server for its turn only")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers
     codes = [("this", ROOT)] + [(label, Path(d).resolve()) for label, d in (c.split("=", 1) for c in args.code)]
-    servers = {(label, world): start(args.model, world, code, args)
-               for label, code in codes for world in [int(w) for w in args.servers.split(",")]}
+    specs = [(label, code, world) for label, code in codes for world in [int(w) for w in args.servers.split(",")]]
     rows = []
-    try:
-        for url, proc in servers.values():
-            wait_healthy(url, proc, timeout_s=300)
+    if args.one_at_a_time:  # idle servers' other ranks poll (ring backend): none beside the one measured
         for round_ in range(args.rounds):
-            for (label, world), (url, _) in servers.items():
-                for concurrency in [int(c) for c in args.concurrency.split(",")]:
-                    rows.append({"code": label, "world": world, "round": round_, **measure(url, concurrency, args)})
-                    print(json.dumps(rows[-1]), flush=True)
-    finally:
-        for _, proc in servers.values():
-            proc.terminate()
-        for _, proc in servers.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            for spec in specs:
+                rows += run_servers([spec], round_, args)
+    else:
+        rows = run_servers(specs, None, args)
     for key in sorted({(r["code"], r["world"], r["concurrency"]) for r in rows}):
         mine = [r for r in rows if (r["code"], r["world"], r["concurrency"]) == key]
         print(json.dumps({"median": dict(zip(("code", "world", "concurrency"), key, strict=True)),
