@@ -58,7 +58,8 @@ def rank_engine(config: ServerConfig, spec: str, lockstep: Lockstep, engine_conf
     identity = rank_identity(config, spec, engine_config, lockstep.world.size)
     pipeline = lockstep.world.mode == "pipeline"
     split = pipeline_model if pipeline else shard_model
-    read = read_whole_adapters if pipeline else read_full_adapters
+    size = lockstep.world.size
+    read = (lambda model, specs: read_whole_adapters(model, specs, size)) if pipeline else read_full_adapters
 
     def load() -> LoadedModel:
         lockstep.one_stream()
@@ -75,7 +76,7 @@ def rank_engine(config: ServerConfig, spec: str, lockstep: Lockstep, engine_conf
         if adapters:
             infos, pieces = adapters
             if pipeline:  # whole layers: each rank adapts the ones it holds
-                install_pipeline_adapters(loaded.model, infos, pieces, loaded.name, lockstep.world.rank)
+                install_pipeline_adapters(loaded.model, infos, pieces, loaded.name)
             else:  # each adapter split the way its layer is
                 install_sharded_adapters(loaded.model, infos, pieces, lockstep.world.group, loaded.name)
             loaded.adapters = {info.name: info for info in infos}

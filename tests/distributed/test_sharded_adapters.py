@@ -5,10 +5,14 @@ mixing the base model and two adapters gives one process's greedy tokens."""
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
+from mlxq.bench.servers import free_port
 from mlxq.models.tiny import build_tiny_model
 from mlxq.models.tiny_adapter import make_tiny_adapter
 from tests.conftest import ServerProcess
@@ -77,3 +81,15 @@ def test_a_mixed_adapter_batch_on_two_pipeline_ranks_equals_one_process(pipeline
     with ServerProcess("--model", model, *flags, "--pipeline-parallel", "2", *SERVE) as two:
         split = _mixed_batch(two.url)
     assert split == alone
+
+
+def test_an_adapter_on_one_pipeline_rank_only_is_refused_on_every_rank(pipeline_model_and_adapters, tmp_path):
+    """Adapting only the last layer (rank 0's): refused at load on both ranks alike, so the server exits
+    with the reason instead of one rank waiting for the other."""
+    model, _ = pipeline_model_and_adapters
+    last = make_tiny_adapter(Path(model), tmp_path / "last", seed=5, rank=4, num_layers=1)
+    done = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--model", model, "--port",
+                           str(free_port()), "--pipeline-parallel", "2", "--adapter", f"last={last}", *SERVE],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "adapts none of the layers pipeline rank 1 holds (0-1)" in done.stdout + done.stderr

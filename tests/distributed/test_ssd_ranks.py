@@ -30,8 +30,8 @@ def llama(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory) -> str:
-    """No shard() in mlx-lm, only pipeline(): 4 layers, 2 per rank; rank 1 holds two linear-attention
-    layers (recurrent state only), rank 0 one of those and the full-attention layer (KV)."""
+    """No shard() in mlx-lm, only pipeline(): 4 layers, 2 per rank, each rank a linear-attention layer
+    (recurrent state) and a full-attention layer (KV)."""
     return str(build_tiny_model("qwen3_next", tmp_path_factory.mktemp("pp-ssd") / "qwen3_next", preset="default"))
 
 
