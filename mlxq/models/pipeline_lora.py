@@ -34,11 +34,11 @@ def read_whole_adapters(model, specs: Sequence, size: int) -> tuple[list[Adapter
         return infos, pieces  # no pipeline() either: the split refuses the model
     spans = pipeline_spans(len(layers), size)
     for info, adapter in zip(infos, pieces, strict=True):
-        layers = {_layer_number(path) for path in adapter}
-        if None in layers:
+        touched = {_layer_number(path) for path in adapter}
+        if None in touched:
             continue  # it adapts a module every rank keeps (the head)
         for rank, held in enumerate(spans):
-            if not layers & set(held):
+            if not touched & set(held):
                 raise AdapterError(f"--adapter {info.name}: adapts none of the layers pipeline rank {rank} holds "
                                    f"({held.start}-{held.stop - 1}); with --pipeline-parallel an adapter must "
                                    "touch a layer of every rank")
