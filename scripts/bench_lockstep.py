@@ -6,8 +6,7 @@ from the difference of the servers' own counters before and after the load:
 
 - ``cycle_ms``: decode step start to the next step's start (`/stats.batch.decode_timing`);
 - ``exchange_ms``: time in the lockstep exchange per loop iteration (`/stats.distributed`);
-- ``collectives``, ``waiting_reads``: per iteration, the exchange's collectives and its reads that wait
-  for the decode step in flight;
+- ``collectives``: the exchange's collectives per iteration;
 - ``tok_s``: generated tokens per second of wall time.
 
     python scripts/bench_lockstep.py --model /tmp/tiny --concurrency 1,4 --max-tokens 64 --requests 4
@@ -48,7 +47,7 @@ def counters(url: str) -> dict:
     return {"cycles": timing["cycles"], "cycle_s": timing["cycle_s"], "iterations": ranks.get("iterations", 0),
             "exchange_s": totals.get("exchange_s", ranks.get("exchange_ms_per_iteration", 0) * ranks.get(
                 "iterations", 0) / 1e3), "collectives": totals.get("collectives", 0),
-            "waiting_reads": totals.get("waiting_reads", 0), "generated": stats["engine"]["generated_tokens"]}
+            "generated": stats["engine"]["generated_tokens"]}
 
 
 def load(url: str, concurrency: int, requests: int, max_tokens: int) -> float:
@@ -75,7 +74,7 @@ def measure(url: str, concurrency: int, args) -> dict:
             "cycle_ms": round(1e3 * delta["cycle_s"] / delta["cycles"], 3) if delta["cycles"] else None,
             "iterations_per_step": round(delta["iterations"] / max(delta["cycles"], 1), 2),
             "exchange_ms": per_iteration(1e3 * delta["exchange_s"]),
-            "collectives": per_iteration(delta["collectives"]), "waiting_reads": per_iteration(delta["waiting_reads"])}
+            "collectives": per_iteration(delta["collectives"])}
 
 
 def start(model: str, world: int, code: Path, args) -> tuple[str, subprocess.Popen]:
@@ -142,7 +141,7 @@ def main() -> None:
         mine = [r for r in rows if (r["code"], r["world"], r["concurrency"]) == key]
         print(json.dumps({"median": dict(zip(("code", "world", "concurrency"), key, strict=True)),
                           **{k: statistics.median(r[k] for r in mine) if mine[0][k] is not None else None
-                             for k in ("tok_s", "cycle_ms", "exchange_ms", "collectives", "waiting_reads")}}))
+                             for k in ("tok_s", "cycle_ms", "exchange_ms", "collectives")}}))
 
 
 if __name__ == "__main__":

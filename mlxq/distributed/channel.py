@@ -53,11 +53,17 @@ def agree_min(group: Any, value: int | None) -> int | None:
 
 def share_sized(group: Any, data: bytes | None, size: int, root: int = 0) -> bytes:
     """``root``'s ``size`` bytes on every rank, when every rank already knows ``size``."""
+    return start_share_sized(group, data, size, root)() if size else b""
+
+
+def start_share_sized(group: Any, data: bytes | None, size: int, root: int = 0) -> Callable[[], bytes]:
+    """Queue sharing ``root``'s ``size`` bytes (``size`` > 0) now; the function returned reads them (as
+    ``start_gather``: read after later work is queued, it does not wait for that work)."""
     import mlx.core as mx
     import numpy as np
 
-    if size == 0:
-        return b""
     mine = group.rank() == root
     payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if mine else mx.zeros((size,), dtype=mx.uint8)
-    return np.array(mx.distributed.all_sum(payload, group=group)).tobytes()
+    summed = mx.distributed.all_sum(payload, group=group)
+    mx.async_eval(summed)
+    return lambda: np.array(summed).tobytes()

@@ -155,7 +155,8 @@ class Engine:
         self._inbox: queue.Queue[_Work | _Flush | EngineCall | None] = queue.Queue()
         self._calls: list[EngineCall] = []  # taken in, run when the loop stands between iterations
         self._waiting: collections.deque[_Work] = collections.deque()
-        self._held: list[_Work | _Flush] = []  # several ranks, rank 0: taken, entering every rank next iteration
+        self._held: list[tuple[int, _Work | _Flush]] = []  # several ranks, rank 0: (iteration taken, work)
+        # until every rank takes it in (engine/lockstep.py)
         self._stop_taken = False  # several ranks, rank 0: the stop is shared; nothing more is taken in
         self._serial_running: Request | None = None
         self._stopping = threading.Event()
@@ -237,6 +238,7 @@ class Engine:
     def requests_held(self) -> list[Request]:
         """Engine thread: every request it holds, waiting, prefilling, decoding or preempted."""
         held = [work.request for work in self._waiting]
+        held += [work.request for _, work in self._held if isinstance(work, _Work)]  # rank 0: not yet shared
         return held + (self.scheduler.requests_held() if self.scheduler is not None else [])
 
     def stop(self, timeout: float | None = None) -> None:
@@ -256,7 +258,7 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         preempted = self.scheduler.num_preempted if self.scheduler else 0
-        held = sum(isinstance(work, _Work) for work in self._held)  # rank 0: taken, shared next iteration
+        held = sum(isinstance(work, _Work) for _, work in self._held)  # rank 0: taken, not yet shared
         return self._inbox.qsize() + held + len(self._waiting) + preempted
 
     @property
@@ -575,8 +577,8 @@ class Engine:
             return taken
 
     def _intake_lockstep(self, block: bool) -> bool:
-        """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike, one
-        iteration after rank 0 took them (engine/lockstep.py); rank 0 holds them meanwhile."""
+        """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike, two
+        iterations after rank 0 took them (engine/lockstep.py); rank 0 holds them meanwhile."""
         leader = self.lockstep.world.is_leader
         block = block and not self.lockstep.news_in_flight
         taken = self._drain_inbox(block) if leader and not self._stop_taken else []
@@ -586,11 +588,12 @@ class Engine:
         scheduler = self.scheduler
         digest = [len(self._waiting), scheduler.num_rows if scheduler else 0,
                   scheduler.num_prefilling if scheduler else 0, self.stats.generated_tokens]
-        shared = self._held  # taken at the last iteration: every rank takes them in now
-        self._held = [*shared, *works, *flushes]  # failed, not lost, should the exchange raise
+        now = self.lockstep.iterations + 1  # the iteration this exchange makes
+        self._held += [(now, work) for work in (*works, *flushes)]  # failed, not lost, should the exchange raise
         arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest,
                                           flush=bool(flushes), ssd_state=flush_state(self.cold, bool(self._flushes)))
-        self._held = [*works, *flushes]
+        shared = [work for at, work in self._held if at <= arrivals.taken_at]  # every rank takes them in now
+        self._held = [(at, work) for at, work in self._held if at > arrivals.taken_at]
         held_flushes = [work for work in shared if isinstance(work, _Flush)]
         for flush in (held_flushes or [_Flush()]) if arrivals.flush else ():  # a follower's: nobody waits on it
             self._take_flush(flush)
@@ -710,8 +713,8 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.fail_all(f"the engine stopped: {self.fatal_error}" if self.fatal_error
                                     else "the server is shutting down")
-        pending = [*self._waiting, *(work for work in self._held if isinstance(work, _Work))]
-        self._flushes.extend(work for work in self._held if isinstance(work, _Flush))
+        pending = [*self._waiting, *(work for _, work in self._held if isinstance(work, _Work))]
+        self._flushes.extend(work for _, work in self._held if isinstance(work, _Flush))
         self._waiting.clear()
         self._held = []
         while True:

@@ -1,6 +1,6 @@
 """scripts/bench_lockstep.py end to end on the CPU (ring, 2 ranks), a short version of its GPU command:
-a steady decode issues one collective per loop iteration, and almost no read that waits for the step in
-flight (only iterations with news do: a request arriving or ending)."""
+a steady decode issues one collective per loop iteration (an iteration with news, a request arriving, one
+more)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from mlxq.models.tiny import build_tiny_model
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_lockstep.py"
 
 
-def test_a_steady_decode_costs_one_gather_per_iteration_and_no_wait(tmp_path):
+def test_a_steady_decode_costs_one_gather_per_iteration(tmp_path):
     model = build_tiny_model("llama", tmp_path / "llama", preset="default")
     done = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--servers", "2",
                            "--concurrency", "2", "--requests", "2", "--max-tokens", "32"],
@@ -23,6 +23,5 @@ def test_a_steady_decode_costs_one_gather_per_iteration_and_no_wait(tmp_path):
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     two = next(r for r in rows if r.get("world") == 2 and "round" in r)
     assert two["cycle_ms"] > 0 and two["exchange_ms"] > 0
-    assert 1.0 <= two["collectives"] <= 1.2  # 32 steps: about 34 iterations, 2 of them with news
-    assert two["waiting_reads"] <= 0.1
+    assert 1.0 <= two["collectives"] <= 1.2  # 32 steps: about 35 iterations, 1-2 of them with news
     assert two["iterations_per_step"] < 1.2

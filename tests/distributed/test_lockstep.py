@@ -34,21 +34,25 @@ def test_a_cancellation_reaches_the_engine_at_an_iteration(lockstep):
     assert Request(**shared).params == original.params  # what the other ranks rebuild
     original.cancel()
     assert not copy.cancelled.is_set()  # set only where every rank sets it
-    lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])
-    assert not copy.cancelled.is_set() and lockstep.news_in_flight  # queued: every rank takes it in next
-    lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])
+    lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])  # its size in this iteration's gather
+    assert not copy.cancelled.is_set() and lockstep.news_in_flight
+    lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])  # the gather read: the message queued
+    assert not copy.cancelled.is_set() and lockstep.news_in_flight
+    assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).taken_at == 1  # the message read
     assert copy.cancelled.is_set() and not lockstep.news_in_flight
 
 
-def test_an_iteration_with_nothing_new_costs_one_gather_and_no_wait(lockstep):
+def test_an_iteration_with_nothing_new_costs_one_gather(lockstep):
     assert lockstep._payload([], stop=False) == b""
     for _ in range(3):
         assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is False
-    assert (lockstep.collectives, lockstep.waiting_reads) == (3, 0)
-    assert lockstep.exchange([], stop=True, digest=[0, 0, 0, 0]).stop is False  # shared at the next iteration
-    assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is True
-    assert lockstep.rank_memory and lockstep.iterations == 5
-    assert (lockstep.collectives, lockstep.waiting_reads) == (5, 1)  # the stop's message; no gather after it
+    assert lockstep.collectives == 3
+    assert lockstep.exchange([], stop=True, digest=[0, 0, 0, 0]).stop is False  # taken at iteration 4
+    assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is False  # its message queued
+    stopped = lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])
+    assert stopped.stop is True and stopped.taken_at == 4
+    assert lockstep.rank_memory and lockstep.iterations == 6
+    assert lockstep.collectives == 6  # a gather each for 1-5, the stop's message; nothing after the stop
 
 
 def test_a_lost_rank_fails_open_requests_once(lockstep):
