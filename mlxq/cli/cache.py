@@ -176,10 +176,10 @@ def _doomed(files: list[CacheFile], candidates: set, older_than: float | None, c
             now: float) -> list[CacheFile]:
     """Whole subtrees only: a file goes only with every file below it, so no kept child loses its parent.
 
-    A tensor-parallel rank's file whose entry is incomplete (another rank's file missing or bad, so never
-    restored) goes in any case, and so does what is below it (bad too). By age: the candidate subtrees all
-    of whose files are unused for ``older_than``; by size: least recently used candidate leaves, one at a
-    time (a parent becomes a leaf when its last child goes).
+    A rank's file (tensor or pipeline parallel) whose entry is incomplete (another rank's file missing or
+    bad, so never restored) goes in any case, and so does what is below it (bad too). By age: the
+    candidate subtrees all of whose files are unused for ``older_than``; by size: least recently used
+    candidate leaves, one at a time (a parent becomes a leaf when its last child goes).
     """
     doomed: list[CacheFile] = [f for f in files if f.rank is not None and f.problem and f in candidates]
     if older_than is not None:

@@ -69,18 +69,20 @@ def scan_files(directory: Path, *, verify: bool = False) -> list[CacheFile]:
 
 
 def _entry_key(f: CacheFile) -> tuple:
-    """What a rank file shares with the other ranks' files of its entry: all of its path but the rank."""
-    return f.path.parent.parent.parent, f.rank[1], f.path.parent.name, f.path.name
+    """What a rank file shares with the other ranks' files of its entry: all of its path but the rank
+    (the rank folder's kind and size, tp2 or pp2, stay: tensor- and pipeline-parallel files never mix)."""
+    return f.path.parent.parent.parent, f.rank[1], f.path.parent.parent.name.partition("-rank")[0], \
+        f.path.parent.name, f.path.name
 
 
 def _check_ranks(files: list[CacheFile]) -> None:
-    """A tensor-parallel entry restores on every rank or on none: each rank's file is bad when another
+    """An entry of several ranks restores on every rank or on none: each rank's file is bad when another
     rank's is missing or bad itself."""
     entries: dict[tuple, dict[int, CacheFile]] = {}
     for f in files:
         if f.rank is not None and not f.is_checkpoint:
             entries.setdefault(_entry_key(f), {})[f.rank[0]] = f
-    for (_, size, _, _), ranks in entries.items():
+    for (_, size, *_), ranks in entries.items():
         missing = [k for k in range(size) if k not in ranks]
         bad = [k for k, f in ranks.items() if f.problem]
         for f in ranks.values():

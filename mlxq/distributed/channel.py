@@ -8,6 +8,7 @@ that runs the model can carry them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -22,12 +23,25 @@ def share_bytes(group: Any, data: bytes | None, root: int = 0) -> bytes:
 
 def gather_ints(group: Any, values: list[int]) -> list[list[int]]:
     """Every rank's ``values`` (the same length on every rank), indexed by rank."""
+    return start_gather(group, values)()
+
+
+def start_gather(group: Any, values: list[int]) -> Callable[[], list[list[int]]]:
+    """Queue the gather of every rank's ``values`` now; the function returned reads it (by rank).
+
+    Queued behind the work already on the stream, the gather completes once that work has; read
+    later (after the next decode step is queued), it costs the host no wait for that step."""
     import mlx.core as mx
 
     width = len(values)
     gathered = mx.distributed.all_gather(mx.array(values, dtype=mx.int64), group=group)
-    flat = gathered.tolist()
-    return [flat[r * width:(r + 1) * width] for r in range(group.size())]
+    mx.async_eval(gathered)
+
+    def rows() -> list[list[int]]:
+        flat = gathered.tolist()
+        return [flat[r * width:(r + 1) * width] for r in range(group.size())]
+
+    return rows
 
 
 def agree_min(group: Any, value: int | None) -> int | None:
@@ -39,11 +53,17 @@ def agree_min(group: Any, value: int | None) -> int | None:
 
 def share_sized(group: Any, data: bytes | None, size: int, root: int = 0) -> bytes:
     """``root``'s ``size`` bytes on every rank, when every rank already knows ``size``."""
+    return start_share_sized(group, data, size, root)() if size else b""
+
+
+def start_share_sized(group: Any, data: bytes | None, size: int, root: int = 0) -> Callable[[], bytes]:
+    """Queue sharing ``root``'s ``size`` bytes (``size`` > 0) now; the function returned reads them (as
+    ``start_gather``: read after later work is queued, it does not wait for that work)."""
     import mlx.core as mx
     import numpy as np
 
-    if size == 0:
-        return b""
     mine = group.rank() == root
     payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if mine else mx.zeros((size,), dtype=mx.uint8)
-    return np.array(mx.distributed.all_sum(payload, group=group)).tobytes()
+    summed = mx.distributed.all_sum(payload, group=group)
+    mx.async_eval(summed)
+    return lambda: np.array(summed).tobytes()

@@ -155,6 +155,9 @@ class Engine:
         self._inbox: queue.Queue[_Work | _Flush | EngineCall | None] = queue.Queue()
         self._calls: list[EngineCall] = []  # taken in, run when the loop stands between iterations
         self._waiting: collections.deque[_Work] = collections.deque()
+        self._held: list[tuple[int, _Work | _Flush]] = []  # several ranks, rank 0: (iteration taken, work)
+        # until every rank takes it in (engine/lockstep.py)
+        self._stop_taken = False  # several ranks, rank 0: the stop is shared; nothing more is taken in
         self._serial_running: Request | None = None
         self._stopping = threading.Event()
         self._finished = threading.Event()  # the loop has ended (the thread itself parks, see _park)
@@ -235,6 +238,7 @@ class Engine:
     def requests_held(self) -> list[Request]:
         """Engine thread: every request it holds, waiting, prefilling, decoding or preempted."""
         held = [work.request for work in self._waiting]
+        held += [work.request for _, work in self._held if isinstance(work, _Work)]  # rank 0: not yet shared
         return held + (self.scheduler.requests_held() if self.scheduler is not None else [])
 
     def stop(self, timeout: float | None = None) -> None:
@@ -254,7 +258,8 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         preempted = self.scheduler.num_preempted if self.scheduler else 0
-        return self._inbox.qsize() + len(self._waiting) + preempted
+        held = sum(isinstance(work, _Work) for _, work in self._held)  # rank 0: taken, not yet shared
+        return self._inbox.qsize() + held + len(self._waiting) + preempted
 
     @property
     def num_running(self) -> int:
@@ -269,7 +274,9 @@ class Engine:
             self._warm_up()
             self.ready.set()
             log.info("model ready: %s (batch mode: %s)", self.loaded.description, self.gateway.mode)
-            while not self._stopping.is_set():
+            # Ranks in lockstep stop together, at the iteration the stop is shared (a rank leaving
+            # before it would leave the others waiting in a collective).
+            while self.lockstep is not None or not self._stopping.is_set():
                 self._beat()
                 if not self._intake(block=self._idle() and not self._background_work()):
                     break
@@ -483,11 +490,11 @@ class Engine:
         return self.lockstep.from_leader(measure_charge(self._prototype))
 
     def _ranks(self):
-        """Tensor parallel: this rank's place and the collective its SSD restores agree through."""
+        """Several ranks: this rank's place and the collective its SSD restores agree through."""
         from mlxq.store.rank_restore import Ranks
 
         world = self.lockstep.world if self.lockstep is not None else None
-        return Ranks(world.rank, world.size, self.lockstep.gather_one) if world is not None else None
+        return Ranks(world.rank, world.size, self.lockstep.gather_one, world.mode) if world is not None else None
 
     def _background_work(self) -> bool:
         """SSD work waiting (asked only when idle: never a cost on the decode loop), here or, for a flush,
@@ -570,19 +577,29 @@ class Engine:
             return taken
 
     def _intake_lockstep(self, block: bool) -> bool:
-        """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike."""
-        taken = self._drain_inbox(block) if self.lockstep.world.is_leader else []
+        """Several ranks: rank 0's arrivals, cancellations and stop enter every rank's FIFO alike, two
+        iterations after rank 0 took them (engine/lockstep.py); rank 0 holds them meanwhile."""
+        leader = self.lockstep.world.is_leader
+        block = block and not self.lockstep.news_in_flight
+        taken = self._drain_inbox(block) if leader and not self._stop_taken else []
+        self._stop_taken = self._stop_taken or None in taken
         works = [work for work in taken if isinstance(work, _Work)]
         flushes = [work for work in taken if isinstance(work, _Flush)]
         scheduler = self.scheduler
         digest = [len(self._waiting), scheduler.num_rows if scheduler else 0,
                   scheduler.num_prefilling if scheduler else 0, self.stats.generated_tokens]
+        now = self.lockstep.iterations + 1  # the iteration this exchange makes
+        self._held += [(now, work) for work in (*works, *flushes)]  # failed, not lost, should the exchange raise
         arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest,
                                           flush=bool(flushes), ssd_state=flush_state(self.cold, bool(self._flushes)))
-        for flush in (flushes or [_Flush()]) if arrivals.flush else ():  # a follower's: nobody waits on it
+        shared = [work for at, work in self._held if at <= arrivals.taken_at]  # every rank takes them in now
+        self._held = [(at, work) for at, work in self._held if at > arrivals.taken_at]
+        held_flushes = [work for work in shared if isinstance(work, _Flush)]
+        for flush in (held_flushes or [_Flush()]) if arrivals.flush else ():  # a follower's: nobody waits on it
             self._take_flush(flush)
-        for work in works:
-            self._admit_to_fifo(work)
+        for work in shared:
+            if isinstance(work, _Work):
+                self._admit_to_fifo(work)
         for request, emit in arrivals.requests:
             self._admit_to_fifo(_Work(request, self._counting(emit), self.gateway.place(RequestShape.of(request))))
         return not arrivals.stop
@@ -696,8 +713,10 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.fail_all(f"the engine stopped: {self.fatal_error}" if self.fatal_error
                                     else "the server is shutting down")
-        pending = list(self._waiting)
+        pending = [*self._waiting, *(work for _, work in self._held if isinstance(work, _Work))]
+        self._flushes.extend(work for _, work in self._held if isinstance(work, _Flush))
         self._waiting.clear()
+        self._held = []
         while True:
             try:
                 work = self._inbox.get_nowait()

@@ -17,6 +17,12 @@ iteration boundary, when every rank sets it too.
 Each iteration also gathers a digest of every rank's engine state (queue,
 rows, tokens generated); ranks that drifted apart fail loudly instead of
 deadlocking in a collective later.
+
+That gather is the one collective of an iteration with nothing new (with
+news, rank 0's message follows it), and every collective is read one
+iteration after it is queued, so the host never waits for the decode step
+in flight: what rank 0 shares enters every rank two iterations after rank 0
+took it.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import pickle
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxq.distributed.channel import agree_min, gather_ints, share_bytes, share_sized
+from mlxq.distributed.channel import agree_min, gather_ints, share_bytes, start_gather, start_share_sized
 from mlxq.distributed.world import RankInfo, World
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, TokenEvent
@@ -54,6 +61,7 @@ class Arrivals:
     requests: list[tuple[Request, EmitFn]] = field(default_factory=list)  # followers: rank 0's, rebuilt here
     stop: bool = False
     flush: bool = False  # rank 0 was asked to put the SSD tier's dirty entries on disk: every rank does
+    taken_at: int = 0  # the iteration rank 0 took this news at (0: no news)
 
 
 @dataclass
@@ -69,6 +77,19 @@ def _spec(request: Request) -> dict:
     return {f.name: getattr(request, f.name) for f in dataclasses.fields(Request) if f.name not in _NOT_SHARED}
 
 
+@dataclass
+class _InFlight:
+    rows: Callable[[], list[list[int]]]  # reads the gather (channel.start_gather)
+    payload: bytes  # rank 0's message for its iteration (b"": nothing new; always b"" on other ranks)
+    iteration: int
+
+
+@dataclass
+class _Message:
+    read: Callable[[], bytes]  # rank 0's message (channel.start_share_sized)
+    taken_at: int  # the iteration rank 0 took its news at
+
+
 class Lockstep:
     """One per rank. Rank 0's HTTP threads call :meth:`track`; the engine thread calls the rest."""
 
@@ -80,7 +101,11 @@ class Lockstep:
         self._flush_shared_at = 0  # the iteration that last shared a flush
         self.failure: str | None = None  # why serving stopped (a rank lost), for /health
         self.iterations = 0
-        self.exchange_s = 0.0  # wall time in exchange(): the collectives, and the wait for the step in flight
+        self.exchange_s = 0.0  # wall time in exchange()
+        self.collectives = 0  # the exchange's: one gather per iteration, one more per iteration with news
+        self._in_flight: _InFlight | None = None  # this iteration's gather, read at the next one
+        self._message: _Message | None = None  # rank 0's message, queued at this iteration, read at the next
+        self._state_iteration = 0  # the iteration rank_memory and rank_ssd were gathered at
         self._token_checksum = 0  # every token this rank handed out, in order: ranks that sampled apart differ
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
@@ -130,8 +155,8 @@ class Lockstep:
 
     @property
     def others_flushed(self) -> bool:
-        """Every other rank had taken the flush and had no SSD write left at this iteration's start."""
-        return self.iterations > self._flush_shared_at and WRITING not in self.rank_ssd[1:]
+        """Every other rank had taken the flush and had no SSD write left, as of the last gather read."""
+        return self._state_iteration > self._flush_shared_at and WRITING not in self.rank_ssd[1:]
 
     @property
     def others_durable(self) -> bool:
@@ -175,10 +200,17 @@ class Lockstep:
     # --- the engine thread, every rank, once per loop iteration ---------------------------
     def exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool = False,
                  ssd_state: int = 0) -> Arrivals:
-        """Share rank 0's arrivals, cancellations, flush and stop; check every rank's ``digest`` (and the
-        checksum of the tokens it handed out) matches rank 0's; gather each rank's ``ssd_state``
-        (store.rank_restore.flush_state)."""
+        """Queue this iteration's gather (rank 0's news: the size of its message; every rank's ``digest``,
+        the checksum of the tokens it handed out and its ``ssd_state``, store.rank_restore.flush_state);
+        read the last iteration's (check the digests match rank 0's; with news, queue rank 0's message);
+        and return the message queued at the last iteration (its requests, cancellations, flush and stop),
+        on every rank at this iteration.
 
+        Each collective is read one iteration after it is queued, which keeps the decode pipeline full:
+        queued before the decode step of its own iteration, it is complete by the next one, so the read
+        does not wait for the step in flight (a read in the same iteration would: one stream). So what
+        rank 0 takes enters every rank two iterations later (``Arrivals.taken_at`` says when it was
+        taken); rank 0's engine holds its own work until then."""
         self.iterations += 1
         started = time.perf_counter()
         try:
@@ -186,31 +218,52 @@ class Lockstep:
         finally:
             self.exchange_s += time.perf_counter() - started
 
+    @property
+    def news_in_flight(self) -> bool:
+        """Rank 0's news is on its way to every rank: the next iterations must not wait for more."""
+        return self._message is not None or (self._in_flight is not None and bool(self._in_flight.payload))
+
     def _exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool, ssd: int) -> Arrivals:
         import mlx.core as mx
 
         payload = self._payload(taken, stop, flush) if self.world.is_leader else b""
-        digest = [*digest, self._token_checksum]
-        rows = gather_ints(self.world.group, [len(payload), *digest, ssd, mx.get_active_memory(),
-                                              mx.get_peak_memory()])
+        arrivals = self._take_message()
+        if arrivals.stop:  # every rank stops at this iteration: nothing more to share
+            return arrivals
+        header, self._in_flight = self._in_flight, None
+        if header is not None:
+            self._read_header(header)
+        values = [len(payload), *digest, self._token_checksum, ssd, mx.get_active_memory(), mx.get_peak_memory()]
+        self._in_flight = _InFlight(start_gather(self.world.group, values), payload, self.iterations)
+        self.collectives += 1
+        return arrivals
+
+    def _read_header(self, header: _InFlight) -> None:
+        """The last iteration's gather: every rank's state, and the size of rank 0's message, queued now."""
+        rows = header.rows()
         self.rank_memory = [(row[-2], row[-1]) for row in rows]
         self.rank_ssd = [row[-3] for row in rows]
-        self._check_digests(rows)
+        self._state_iteration = header.iteration
+        self._check_digests(rows, header.iteration)
         size = rows[0][0]
-        if size == 0:
+        if size:
+            self._message = _Message(start_share_sized(self.world.group, header.payload, size), header.iteration)
+            self.collectives += 1
+
+    def _take_message(self) -> Arrivals:
+        message, self._message = self._message, None
+        if message is None:
             return Arrivals()
-        message = pickle.loads(share_sized(self.world.group, payload, size))  # rank 0's own bytes: trusted
-        if message["flush"]:
+        shared = pickle.loads(message.read())  # rank 0's own bytes: trusted
+        if shared["flush"]:
             self._flush_shared_at = self.iterations
-        if self.world.is_leader:
-            self._apply_cancels(message["cancels"])
-            return Arrivals(stop=message["stop"], flush=message["flush"])
-        arrivals = Arrivals(stop=message["stop"], flush=message["flush"])
-        for spec in message["arrivals"]:
-            request = Request(**spec)
-            self._open[request.request_id] = _Open(request, request, _discard)
-            arrivals.requests.append((request, self._once(request.request_id, _discard)))
-        self._apply_cancels(message["cancels"])
+        arrivals = Arrivals(stop=shared["stop"], flush=shared["flush"], taken_at=message.taken_at)
+        if not self.world.is_leader:
+            for spec in shared["arrivals"]:
+                request = Request(**spec)
+                self._open[request.request_id] = _Open(request, request, _discard)
+                arrivals.requests.append((request, self._once(request.request_id, _discard)))
+        self._apply_cancels(shared["cancels"])
         return arrivals
 
     def _payload(self, taken: list[Request], stop: bool, flush: bool = False) -> bytes:
@@ -235,14 +288,17 @@ class Lockstep:
                 if entry is not None:
                     entry.copy.cancel()
 
-    def _check_digests(self, rows: list[list[int]]) -> None:
+    def _check_digests(self, rows: list[list[int]], iteration: int) -> None:
         width = len(DIGEST_NAMES)
         leader = rows[0][1:1 + width]
         for rank, row in enumerate(rows[1:], start=1):
             theirs = row[1:1 + width]
             if theirs != leader:
                 seen = ", ".join(f"{n} {a} vs {b}" for n, a, b in zip(DIGEST_NAMES, leader, theirs, strict=True))
-                raise RuntimeError(f"rank {rank} diverged from rank 0 at iteration {self.iterations} ({seen})")
+                raise RuntimeError(f"rank {rank} diverged from rank 0 at iteration {iteration} ({seen})")
+
+    def _per_iteration(self, total: float) -> float:
+        return round(total / self.iterations, 3) if self.iterations else 0
 
     def as_dict(self) -> dict:
         """/stats.distributed."""
@@ -252,9 +308,10 @@ class Lockstep:
             "backend": self.world.backend,
             "mode": self.world.mode,
             "iterations": self.iterations,
-            # per iteration: the exchange's collectives plus the wait for the decode step in flight,
-            # which the exchange's read must wait out (one stream)
-            "exchange_ms_per_iteration": round(1e3 * self.exchange_s / self.iterations, 3) if self.iterations else 0,
+            # per iteration: queuing this iteration's collectives and reading the last iteration's
+            "exchange_ms_per_iteration": self._per_iteration(1e3 * self.exchange_s),
+            "collectives_per_iteration": self._per_iteration(self.collectives),
+            "totals": {"exchange_s": self.exchange_s, "collectives": self.collectives},
             "failure": self.failure,
             "ranks": [{**dataclasses.asdict(info),
                        "mlx_active_bytes": self.rank_memory[info.rank][0] if self.rank_memory else None,

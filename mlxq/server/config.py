@@ -107,14 +107,9 @@ class ServerConfig:
         if self.distributed_backend not in BACKENDS:
             raise ValueError(f"--distributed-backend must be one of {', '.join(BACKENDS)}; "
                              f"got {self.distributed_backend!r}")
-        if self.pipeline_parallel > 1 and self.ssd is not None:
-            raise ValueError("--ssd-cache is not available with --pipeline-parallel (it needs the prompt cache, "
-                             "and each rank's files would hold other layers); --tensor-parallel has it")
         if self.world_size > 1 and self.ssd is not None and self.ssd.checkpoint_interval:
-            raise ValueError("generation checkpoints are not available with --tensor-parallel: pass "
-                             "--checkpoint-interval 0 (its default there); the SSD prompt tier works")
-        if self.pipeline_parallel > 1 and self.adapters:
-            raise ValueError("--adapter is not available with --pipeline-parallel (--tensor-parallel has it)")
+            raise ValueError(f"generation checkpoints are not available with --{self.parallel_mode}-parallel: "
+                             "pass --checkpoint-interval 0 (its default there); the SSD prompt tier works")
         if self.pipeline_parallel > 1 and self.kv_quant == "config":
             raise ValueError("--kv-quant config is not available with --pipeline-parallel (its bits are by "
                              "layer number, and each rank numbers only its own layers)")

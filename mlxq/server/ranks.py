@@ -23,6 +23,7 @@ from mlxq.distributed.world import SUPERVISOR_FD_ENV, join_world
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.engine.lockstep import Lockstep
 from mlxq.models.loader import LoadedModel, load_model
+from mlxq.models.pipeline_lora import install_pipeline_adapters, read_whole_adapters
 from mlxq.models.sharded_lora import install_sharded_adapters, read_full_adapters
 from mlxq.server.config import ServerConfig
 
@@ -55,7 +56,10 @@ def rank_identity(config: ServerConfig, spec: str, engine_config: EngineConfig, 
 def rank_engine(config: ServerConfig, spec: str, lockstep: Lockstep, engine_config: EngineConfig) -> Engine:
     """An engine whose load agrees with the other ranks, then loads this rank's shard."""
     identity = rank_identity(config, spec, engine_config, lockstep.world.size)
-    split = pipeline_model if lockstep.world.mode == "pipeline" else shard_model
+    pipeline = lockstep.world.mode == "pipeline"
+    split = pipeline_model if pipeline else shard_model
+    size = lockstep.world.size
+    read = (lambda model, specs: read_whole_adapters(model, specs, size)) if pipeline else read_full_adapters
 
     def load() -> LoadedModel:
         lockstep.one_stream()
@@ -64,14 +68,17 @@ def rank_engine(config: ServerConfig, spec: str, lockstep: Lockstep, engine_conf
 
         def read_then_split(model) -> None:
             if config.adapters:  # read against the whole layers, then each rank keeps its part
-                adapters.extend(read_full_adapters(model, config.adapters))
+                adapters.extend(read(model, config.adapters))
             split(model, lockstep.world.group)
 
         loaded = load_model(spec, name=config.served_model_name, chat_template=config.chat_template,
                             shard=read_then_split)
         if adapters:
             infos, pieces = adapters
-            install_sharded_adapters(loaded.model, infos, pieces, lockstep.world.group, loaded.name)
+            if pipeline:  # whole layers: each rank adapts the ones it holds
+                install_pipeline_adapters(loaded.model, infos, pieces, loaded.name)
+            else:  # each adapter split the way its layer is
+                install_sharded_adapters(loaded.model, infos, pieces, lockstep.world.group, loaded.name)
             loaded.adapters = {info.name: info for info in infos}
         lockstep.after_load()
         return loaded

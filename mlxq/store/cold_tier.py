@@ -50,15 +50,15 @@ def open_cold_tier(config: SsdConfig, ram: PromptCache, model_dir: Path, model_n
     """Fingerprint the model, scan its directory, and bind the tier to ``ram`` (engine thread).
 
     ``prototype``: the model's populated caches in the stored representation; files whose
-    layers do not match them are removed instead of restored (store/layout.py). ``ranks``: tensor
-    parallel, this rank's folder and the ranks' agreement on every restore (store/rank_restore.py);
+    layers do not match them are removed instead of restored (store/layout.py). ``ranks``: tensor or
+    pipeline parallel, this rank's folder and the ranks' agreement on every restore (store/rank_restore.py);
     idle demotion is off there (each rank's clock would drop other entries).
     """
     root = Path(config.directory).expanduser()
     identity = Identity(model_fingerprint(model_dir, root / FINGERPRINT_MEMO), kv_scheme, "")
     store = SsdStore(root, identity, config.max_bytes, model_name,
                      layout=layout_of(prototype) if prototype else None,
-                     rank_dir=rank_dir(ranks.rank, ranks.size) if ranks else "")
+                     rank_dir=rank_dir(ranks.rank, ranks.size, ranks.mode) if ranks else "")
     try:
         store.scan(verify=config.verify)
     except OSError as exc:
@@ -90,11 +90,11 @@ class ColdTier:
     _last_demote_check: float = 0.0
     _flush_failures_at: int = 0
     _flush_started: float = 0.0
-    last_flush_durable: bool = True  # the last reported flush's answer (tensor parallel: rank 0 asks the others)
+    last_flush_durable: bool = True  # the last reported flush's answer (several ranks: rank 0 asks the others)
     read_bytes_per_s: float | None = None  # measured on restores
     prefill_tok_s: float | None = None  # measured on cold prefills (note_prefill)
     _restoring: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # PendingRestores in progress
-    ranks: Ranks | None = None  # tensor parallel: restores are agreed (store/rank_restore.py)
+    ranks: Ranks | None = None  # several ranks: restores are agreed (store/rank_restore.py)
 
     def __post_init__(self):
         self.ram.cold = self
@@ -152,7 +152,7 @@ class ColdTier:
         not predicted to lose to recomputing it; advance it with ``advance_restore``. Only the files beyond
         what RAM holds are read, and a file another restore is reading is not read twice.
 
-        Tensor parallel: a collective. Every rank reads its shard at once, and the restore is done on all of
+        Several ranks: a collective. Every rank reads its part at once, and the restore is done on all of
         them or on none (store/rank_restore.py)."""
         pending = self._plan_restore(namespace, prompt, better_than)
         return pending if self.ranks is None else restore_together(self, pending, self.ranks.gather)
@@ -182,7 +182,7 @@ class ColdTier:
     def advance_restore(self, pending: PendingRestore) -> bool:
         """Read one more tensor; True once done (``pending.entry`` is None if a file was bad)."""
         if pending.done:
-            return True  # read at once (tensor parallel)
+            return True  # read at once (several ranks)
         if pending.leader is not None:
             if pending.follow():
                 return False  # the leader is still reading what both need

@@ -1,9 +1,12 @@
-"""Tensor parallel: each rank restores its shard of an entry, and either every rank restores it or none does;
-a flush is durable once every rank's part is.
+"""Several ranks: each rank restores its part of an entry (tensor parallel: its share of every layer's KV
+heads; pipeline parallel: its own layers), and either every rank restores it or none does; a flush is
+durable once every rank's part is.
 
-Each rank keeps its own files (its share of the KV heads) in its own folder,
-written in the same engine iterations as the other ranks'. They can still
-differ: a write failed on one disk, a file was deleted or found corrupt. A
+Each rank keeps its own files (its part) in its own folder, written while
+the engine is idle, which every rank agrees on. They can still differ: a
+write failed on one disk, a file was deleted or found corrupt, or (pipeline
+parallel, where each rank's files hold other layers and other bytes) a byte
+cap dropped an entry on one rank only. A
 restore on some ranks only would leave the ranks' caches apart (and the
 model's all_sum would mix a restored shard with a recomputed one), so the
 ranks agree twice, through ``gather`` (a collective every rank calls in the
@@ -47,6 +50,7 @@ class Ranks:
     rank: int
     size: int
     gather: Callable[[int], list[int]]  # this rank's value -> every rank's, by rank (a collective)
+    mode: str = "tensor"  # tensor: each rank holds a share of every layer; pipeline: its own layers
 
 
 def restore_together(tier: ColdTier, pending: PendingRestore | None,

@@ -6,13 +6,15 @@ import re
 from dataclasses import dataclass
 
 CHECKPOINT_DIR = "checkpoints"  # beside the namespace directories: generation checkpoints, one file per request key
-_RANK_DIR = re.compile(r"tp(\d+)-rank(\d+)")
+_RANK_DIR = re.compile(r"(?:tp|pp)(\d+)-rank(\d+)")
+_MODE_PREFIX = {"tensor": "tp", "pipeline": "pp"}
 
 
-def rank_dir(rank: int, size: int) -> str:
-    """Where rank ``rank`` of ``size`` (tensor parallel) keeps its shard of every entry, beside the
-    namespace directories: DIR/<fingerprint>-<scheme>/tp<size>-rank<rank>/<namespace>/<digest>.mlxkv."""
-    return f"tp{size}-rank{rank}"
+def rank_dir(rank: int, size: int, mode: str = "tensor") -> str:
+    """Where rank ``rank`` of ``size`` keeps its part of every entry, beside the namespace directories:
+    DIR/<fingerprint>-<scheme>/tp<size>-rank<rank>/<namespace>/<digest>.mlxkv (tensor parallel: its share
+    of every layer's KV heads), or ``pp<size>-rank<rank>`` (pipeline parallel: its own layers' KV)."""
+    return f"{_MODE_PREFIX[mode]}{size}-rank{rank}"
 
 
 def parse_rank_dir(name: str) -> tuple[int, int] | None:

@@ -34,15 +34,25 @@ def test_a_cancellation_reaches_the_engine_at_an_iteration(lockstep):
     assert Request(**shared).params == original.params  # what the other ranks rebuild
     original.cancel()
     assert not copy.cancelled.is_set()  # set only where every rank sets it
-    lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])
-    assert copy.cancelled.is_set()
+    lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])  # its size in this iteration's gather
+    assert not copy.cancelled.is_set() and lockstep.news_in_flight
+    lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])  # the gather read: the message queued
+    assert not copy.cancelled.is_set() and lockstep.news_in_flight
+    assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).taken_at == 1  # the message read
+    assert copy.cancelled.is_set() and not lockstep.news_in_flight
 
 
-def test_an_iteration_with_nothing_new_sends_nothing(lockstep):
+def test_an_iteration_with_nothing_new_costs_one_gather(lockstep):
     assert lockstep._payload([], stop=False) == b""
-    assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is False
-    assert lockstep.exchange([], stop=True, digest=[0, 0, 0, 0]).stop is True
-    assert lockstep.rank_memory and lockstep.iterations == 2
+    for _ in range(3):
+        assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is False
+    assert lockstep.collectives == 3
+    assert lockstep.exchange([], stop=True, digest=[0, 0, 0, 0]).stop is False  # taken at iteration 4
+    assert lockstep.exchange([], stop=False, digest=[0, 0, 0, 0]).stop is False  # its message queued
+    stopped = lockstep.exchange([], stop=False, digest=[0, 0, 0, 0])
+    assert stopped.stop is True and stopped.taken_at == 4
+    assert lockstep.rank_memory and lockstep.iterations == 6
+    assert lockstep.collectives == 6  # a gather each for 1-5, the stop's message; nothing after the stop
 
 
 def test_a_lost_rank_fails_open_requests_once(lockstep):
@@ -56,3 +66,12 @@ def test_a_lost_rank_fails_open_requests_once(lockstep):
     assert [(e.request_id, e.finish_reason) for e in seen] == [("a", None), ("b", FinishReason.STOP),
                                                                   ("a", FinishReason.ERROR)]
     assert seen[-1].error == "rank 1 exited" and lockstep.failure == "rank 1 exited"
+
+
+def test_ranks_whose_digests_differ_stop_naming_the_rank_and_the_gathered_iteration(lockstep):
+    # Rows as the gather returns them: news size, the digest (DIGEST_NAMES), SSD state, memory.
+    leader = [0, 2, 4, 0, 96, 12345, 0, 10, 20]
+    lockstep._check_digests([leader, list(leader)], iteration=7)
+    drifted = [0, 2, 4, 0, 95, 12345, 0, 10, 20]
+    with pytest.raises(RuntimeError, match=r"rank 1 diverged from rank 0 at iteration 7 \(.*generated_tokens 96 vs 95"):
+        lockstep._check_digests([leader, drifted], iteration=7)

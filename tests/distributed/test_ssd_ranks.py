@@ -1,7 +1,7 @@
-"""The SSD tier under `--tensor-parallel 2` (CPU, ring over loopback): each rank writes its shard of every
-entry in its own folder, a restart restores a prefix on both ranks, and an entry missing or corrupt on one
-rank is a clean miss everywhere; `mlxq cache` reports an entry missing a rank's file broken and prunes it;
-a flush is durable only once every rank's part is."""
+"""The SSD tier under `--tensor-parallel 2` and `--pipeline-parallel 2` (CPU, ring over loopback): each rank
+writes its part of every entry in its own folder, a restart restores a prefix on both ranks, and an entry
+missing or corrupt on one rank is a clean miss everywhere; `mlxq cache` reports an entry missing a rank's
+file broken and prunes it; a flush is durable only once every rank's part is."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ SERVE = ("--log-level", "warning", "--warmup", "off")
 def llama(tmp_path_factory) -> str:
     """The "default" size: 2 KV heads, one per rank."""
     return str(build_tiny_model("llama", tmp_path_factory.mktemp("tp-ssd") / "llama", preset="default"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> str:
+    """No shard() in mlx-lm, only pipeline(): 4 layers, 2 per rank, each rank a linear-attention layer
+    (recurrent state) and a full-attention layer (KV)."""
+    return str(build_tiny_model("qwen3_next", tmp_path_factory.mktemp("pp-ssd") / "qwen3_next", preset="default"))
 
 
 def _complete(url: str) -> dict:
@@ -119,3 +126,30 @@ def test_a_restart_restores_on_both_ranks_or_on_neither(llama, tmp_path):
         flushed = _cli("cache", "flush", "--url", two.url)
     assert flushed.returncode == 1 and json.loads(flushed.stdout)["durable"] is False, flushed.stdout
     assert sorted(_rank_files(directory)) == ["tp2-rank0"]
+
+
+def test_pipeline_ranks_restore_their_own_layers_together_or_not_at_all(qwen3_next, tmp_path):
+    with ServerProcess("--model", qwen3_next, *SERVE) as one:
+        alone = _complete(one.url)
+    directory = tmp_path / "pp"
+    args = ("--model", qwen3_next, "--pipeline-parallel", "2", "--ssd-cache", str(directory), *SERVE)
+    with ServerProcess(*args) as two:
+        first = _complete(two.url)
+        _flush_and_stop(two)
+    files = _rank_files(directory)
+    assert sorted(files) == ["pp2-rank0", "pp2-rank1"] and files["pp2-rank0"] == files["pp2-rank1"]
+    with ServerProcess(*args) as two:
+        again = _complete(two.url)
+        ssd = httpx.get(f"{two.url}/stats", timeout=10).json()["ssd_cache"]
+    assert first["choices"][0]["text"] == again["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert _cached(again) >= alone["usage"]["prompt_tokens"] - 1  # as one process (test_ssd_cache.py)
+    assert ssd["restores"] == 1 and ssd["restores_ranks_apart"] == 0
+
+    next(directory.rglob("pp2-rank1/*/*.mlxkv")).unlink()  # rank 1's layers gone: a miss on both ranks
+    listed = json.loads(_cli("cache", "ls", str(directory), "--json").stdout)
+    assert [row["rank"] for row in listed if row["problem"]] == [0]
+    with ServerProcess(*args) as two:
+        missed = _complete(two.url)
+        ssd = httpx.get(f"{two.url}/stats", timeout=10).json()["ssd_cache"]
+    assert _cached(missed) == 0 and missed["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert ssd["restores"] == 0 and ssd["restores_ranks_apart"] == 1

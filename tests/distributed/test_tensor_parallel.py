@@ -270,7 +270,6 @@ def test_under_mlx_launch_and_stopped_by_rank_0(shardable):
     ({"pipeline_parallel": 2, "prompt_cache_bytes": 0, "kv_quant": "config"}, "--kv-quant config is not available"),
     ({"tensor_parallel": 0}, "--tensor-parallel and --pipeline-parallel must be >= 1"),
     ({"tensor_parallel": 2, "distributed_backend": "tcp"}, "--distributed-backend must be one of"),
-    ({"pipeline_parallel": 2, "adapters": ("sql=./sql",)}, "--adapter is not available with --pipeline-parallel"),
 ])
 def test_unsupported_combinations_are_refused(settings, message):
     from mlxq.server.config import ServerConfig
@@ -280,7 +279,7 @@ def test_unsupported_combinations_are_refused(settings, message):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (("--pipeline-parallel", "2", "--prompt-cache", "1GB"), "--ssd-cache is not available with --pipeline-parallel"),
+    (("--pipeline-parallel", "2", "--checkpoint-interval", "64"), "not available with --pipeline-parallel"),
     (("--tensor-parallel", "2", "--checkpoint-interval", "64"), "generation checkpoints are not available with"),
 ])
 def test_ssd_tier_settings_ranks_cannot_share_are_refused_at_the_command_line(tmp_path, flags, message):
