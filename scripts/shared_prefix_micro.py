@@ -254,10 +254,10 @@ def main() -> None:
     if mx.cuda.is_available():
         from mlxq.kv import gqa_decode_kernel, prefix_mma_kernel
 
-        for name, check in (("GQA decode kernel", gqa_decode_kernel.self_check),
+        for name, kernel_self_check in (("GQA decode kernel", gqa_decode_kernel.self_check),
                             ("mma prefix kernel", prefix_mma_kernel.self_check)):
             try:
-                print(f"{name} self-check (max |kernel - MLX|): {check():.3g}", flush=True)
+                print(f"{name} self-check (max |kernel - MLX|): {kernel_self_check():.3g}", flush=True)
             except Exception as exc:
                 print(f"{name} self-check failed: {type(exc).__name__}: {str(exc)[:3000]}", flush=True)
     cases = shape.cases if not args.cases else [parse_case(c) for c in args.cases.split(",")]

@@ -20,21 +20,22 @@ The kernels run only on CUDA, only after ``enable()``'s self-check agrees
 with the plain path, and only for one query per row with a head width they
 have. The thresholds come from the H200 measurements in docs/benchmarks.md
 ("H200: shared-prefix attention per layer"), in group tokens (rows x prefix
-length): from 32k on the split path beats one kernel (64 x 512: 0.26 vs
-0.36 ms; 16 x 2k: 0.17 vs 0.18; 8 x 2k: 0.33 vs 0.11), and per-row copies
-through kv/decode_kernel.py beat both below it (8 x 2k: 0.10 ms; 16 x 512:
-0.07) while the split path beats the copies from it on (16 x 2k: 0.17 vs
-0.24 ms; 64 x 16k: 0.83 vs 4.34). ``worth_sharing``, the scheduler's
-gate, asks more of a whole server than of one layer: end to end, 16 agents
-on a 2.2k prefix (35k group tokens) decoded slower shared (ITL p50 12.5 vs
-10.7 ms), while whole-model steps were faster from 64 x 2k (131k) on
-(docs/benchmarks.md, "H200: shared-prefix attention end to end"). On the
-CPU sharing measured at parity with copies (the exponentials, not the
-reads, bound it there), so it says no. Since copies decode through
-kv/gqa_decode_kernel.py too (kv/cuda_attention.py), the per-layer gap
-narrowed: 64 x 2k + 300 copies 0.25 ms, shared (gqa) 0.22; 16 x 12k 0.39
-vs 0.29; 64 x 16k 1.57 vs 0.88 (split); the whole-model gate was not
-measured again.
+length). Per layer: the mma path wins from 131k on (64 x 2k + 50: 0.14-0.21
+ms vs gqa 0.20; 16 x 12k: 0.12 vs 0.27; 64 x 16k: 0.36-0.43 vs split 0.81)
+and the gqa path below it (32 x 2k: 0.13 vs 0.14-0.20; 64 x 512: 0.11 vs
+0.22); whole-model steps agree (64 x 2k + 50: 15.2 vs 16.1 ms; 16 x 12k:
+19.6 vs 26.7). For float16 and float32, which the mma kernel does not take,
+the split path's GEMMs beat the gqa path from 524k on (64 x 16k: 0.81 vs
+1.37 ms) and one kernel below 32k (64 x 512: 0.26 vs 0.36 ms).
+
+``worth_sharing``, the scheduler's gate: whole-model steps shared beat
+per-row copies from 131k group tokens (64 x 2k + 50: 15.2 vs 16.2 ms; 16 x
+12k + 300: 19.6 vs 24.8); end to end 64 agents on a 2k prefix decoded 1.19x
+faster shared, while 16 agents on a 2.2k prefix (35k) were slower (ITL p50
+12.5 vs 10.7 ms, before the gqa and mma kernels) (docs/benchmarks.md, "H200:
+shared-prefix attention end to end"). On the CPU sharing measured at
+parity with copies (the exponentials, not the reads, bound it there), so it
+says no.
 """
 
 from __future__ import annotations
@@ -50,12 +51,9 @@ from mlxq.kv.shared_prefix_attention import Quant, RowGroups, grouped_shared_pre
 
 log = logging.getLogger("mlxq.kv")
 
-SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path wins (H200, 8B layer)
-# Below this the gqa path beats the split path (H200, 8B layer: 64 x 2k 0.22 vs 0.37-0.49 ms, 16 x 12k
-# 0.29 vs 0.37-0.52); at 64 x 16k (1M) the split path's GEMMs win (0.88 vs 1.31). Between: not measured.
-GQA_MAX_GROUP_TOKENS = 524_288
-# From here the tensor-core prefix kernel takes bf16 groups (before the gqa and split paths).
-MMA_MIN_GROUP_TOKENS = 65_536
+SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path beats one kernel (H200)
+GQA_MAX_GROUP_TOKENS = 524_288  # from here the split path's GEMMs beat the gqa path (float16, float32)
+MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 groups (H200, 8B shape)
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
 PATHS = ("ops", "full", "split", "gqa", "mma")
 

@@ -206,3 +206,16 @@ def test_quantized_triples_equal_mlx_lm_quantized_attention_over_copies(bits):
     want = base.quantized_scaled_dot_product_attention(mx.array(q), keys, values, 0.125, own[:, None, None, :],
                                                        64, bits)
     assert mx.abs(got - want).max().item() < TOLERANCE
+
+
+def test_split_prefix_levels_merge_to_the_whole_prefix():
+    """The flash-decoding identity the tensor-core kernel relies on: the prefix cut into chunks, each
+    chunk's level (its own peak) stacked along a split axis, merges to the whole prefix's level."""
+    from mlxq.kv.prefix_mma_kernel import merged
+    from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
+
+    q, pk, pv, _, _, _ = make_group(5, 8, 2, 300, 4, 1, 64, [0, 1, 2, 3, 0], seed=4)
+    weighted, _, total = stacked_prefix_stats(q, pk, pv, 0.125)
+    levels = [stacked_prefix_stats(q, pk[:, :, a:a + 64], pv[:, :, a:a + 64], 0.125) for a in range(0, 300, 64)]
+    got = merged(*(mx.stack([level[i] for level in levels], axis=1) for i in range(3)))
+    assert mx.abs(got - weighted / total).max().item() < 1e-6
