@@ -24,7 +24,9 @@ One decode step (one query per row) of one attention layer, for each case
 - ``shared_mma``: kv/prefix_mma_kernel.py, the prefix on tensor cores in
   splits, then the split path's tail-and-merge kernel (CUDA, bf16 only);
   ``mma_by_target`` the same per ``--mma-targets`` value (blocks per
-  launch the splits aim at).
+  launch the splits aim at), ``mma_prefix_ms`` the prefix kernel alone;
+- ``shared_mma_gqa``: the same prefix levels merged by the GQA decode
+  kernel walking the tails.
 
 Each timing is the mean of ``reps`` calls evaluated together after one
 warm-up; ``diff`` / ``full_diff`` / ``split_diff`` are each path's max
@@ -90,6 +92,9 @@ class Row:
     shared_mma_ms: float | None = None
     shared_mma_diff: float | None = None
     mma_by_target: dict[int, float] | None = None
+    mma_prefix_ms: float | None = None
+    shared_mma_gqa_ms: float | None = None
+    shared_mma_gqa_diff: float | None = None
 
 
 def timed(fn, reps: int) -> float:
@@ -146,7 +151,7 @@ def measure(shape: Shape, rows: int, prefix: int, own: int, mma_targets: tuple[i
         compiled = timed(lambda: fused(q, pk, pv, tail_k, tail_v, starts, scale), shape.reps)
         want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
         diff = mx.abs(shared().astype(mx.float32) - want.astype(mx.float32)).max().item()
-        for path in ("full", "split", "gqa", "mma") if mx.cuda.is_available() else ():
+        for path in ("full", "split", "gqa", "mma", "mma_gqa") if mx.cuda.is_available() else ():
             try:
                 with shared_prefix_decode.forced(path):
                     got = shared_prefix_decode.attention(q, pk, pv, tail_k, tail_v, starts, scale)
@@ -159,14 +164,17 @@ def measure(shape: Shape, rows: int, prefix: int, own: int, mma_targets: tuple[i
     full, split = paths.get("full", (None, None)), paths.get("split", (None, None))
     shared_gqa, shared_mma = paths.get("gqa", (None, None)), paths.get("mma", (None, None))
     by_target = mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, mma_targets, shape.reps) if prefix else None
+    prefix_only = by_target.pop(0, None) if by_target else None
+    mma_gqa = paths.get("mma_gqa", (None, None))
     tbps = None if gqa is None else round(kv_mb / 1e6 / (gqa / 1e3), 2)
     return Row(rows, prefix, own, round(kv_mb, 1), masked, kernel, gqa, ops, compiled, full[0], split[0], diff,
                full[1], split[1], gqa_diff, tbps, shared_gqa[0], shared_gqa[1], shared_mma[0], shared_mma[1],
-               by_target)
+               by_target, prefix_only, mma_gqa[0], mma_gqa[1])
 
 
 def mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, targets, reps) -> dict[int, float] | None:
-    """The mma path's time per target number of blocks (how finely the prefix is split)."""
+    """The mma path's time per target number of blocks (how finely the prefix is split); under key 0
+    the prefix kernel alone at its default target."""
     if not targets or not mx.cuda.is_available():
         return None
     from mlxq.kv.prefix_mma_kernel import prefix_partials
@@ -177,7 +185,8 @@ def mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, targets, reps) -> dict[i
         return tails_and_merge(q, tail_k, tail_v, starts, scale, None, stats, None)
 
     try:
-        return {t: timed(lambda: run(t), reps) for t in targets}  # noqa: B023
+        times = {t: timed(lambda: run(t), reps) for t in targets}  # noqa: B023
+        return times | {0: timed(lambda: prefix_partials(q, pk, pv, scale), reps)}
     except Exception as exc:
         print(f"mma sweep failed: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
         return None

@@ -14,7 +14,10 @@
 - ``mma``: kv/prefix_mma_kernel.py, the prefix on tensor cores in splits
   (flash-decoding), then the split path's kernel for the tails and the
   merge of every split: bf16 groups from ``MMA_MIN_GROUP_TOKENS`` on, where
-  its own self-checks passed.
+  its own self-checks passed;
+- ``mma_gqa``: the same prefix levels merged by kv/gqa_decode_kernel.py
+  walking the tails (one block per row and KV head) instead of the split
+  path's per-head kernel: only when forced (benchmarks; not measured yet).
 
 The kernels run only on CUDA, only after ``enable()``'s self-check agrees
 with the plain path, and only for one query per row with a head width they
@@ -55,7 +58,7 @@ SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split pat
 GQA_MAX_GROUP_TOKENS = 524_288  # from here the split path's GEMMs beat the gqa path (float16, float32)
 MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 groups (H200, 8B shape)
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
-PATHS = ("ops", "full", "split", "gqa", "mma")
+PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa")
 
 _enabled = False
 _gqa_enabled = False  # the gqa path's self-check passed (it is checked apart: a failure keeps the others)
@@ -99,6 +102,10 @@ def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_
         return gqa_decode_kernel.gqa_shared_prefix_decode(*args, shares)
     if path == "mma":
         return tail_merge_kernel.mma_shared_prefix_decode(*args, shares)
+    if path == "mma_gqa":
+        levels = prefix_mma_kernel.prefix_partials(queries, prefix_keys, prefix_values, scale)
+        return gqa_decode_kernel.gqa_levels_decode(queries, tail_keys, tail_values, tail_starts, scale, sinks, levels,
+                                                   shares)
     return shared_prefix_attention(*args, quant, shares)
 
 
@@ -142,7 +149,7 @@ def self_check(dtype=mx.bfloat16) -> dict[str, float]:
     """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
     the group, tails as strided views (``mma`` in bf16 only)."""
     q, pk, pv, tk, tv, starts, scale = _check_inputs(dtype)
-    worst = {"full": 0.0, "split": 0.0, "gqa": 0.0} | ({"mma": 0.0} if dtype == mx.bfloat16 else {})
+    worst = {"full": 0.0, "split": 0.0, "gqa": 0.0} | ({"mma": 0.0, "mma_gqa": 0.0} if dtype == mx.bfloat16 else {})
     for sinks, shares in ((None, None), (mx.random.normal((q.shape[1],)),
                                          mx.array([True, False, True, True, False, True]))):
         want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
@@ -151,7 +158,7 @@ def self_check(dtype=mx.bfloat16) -> dict[str, float]:
                 with forced(path):
                     got = attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
             except Exception as exc:  # one kernel that does not build must not take the others down
-                if path not in ("gqa", "mma"):
+                if path not in ("gqa", "mma", "mma_gqa"):
                     raise
                 log.warning("%s shared-prefix path unavailable (%s: %s)", path, type(exc).__name__, exc)
                 worst[path] = float("inf")
