@@ -24,7 +24,8 @@ One decode step (one query per row) of one attention layer, for each case
 - ``shared_mma``: kv/prefix_mma_kernel.py, the prefix on tensor cores in
   splits, then the split path's tail-and-merge kernel (CUDA, bf16 only);
   ``mma_by_target`` the same per ``--mma-targets`` value (blocks per
-  launch the splits aim at), ``mma_prefix_ms`` the prefix kernel alone;
+  launch the splits aim at, and warps per block after a colon),
+  ``mma_prefix_ms`` the prefix kernel alone;
 - ``shared_mma_gqa``: the same prefix levels merged by the GQA decode
   kernel walking the tails.
 
@@ -91,7 +92,7 @@ class Row:
     shared_gqa_diff: float | None = None
     shared_mma_ms: float | None = None
     shared_mma_diff: float | None = None
-    mma_by_target: dict[int, float] | None = None
+    mma_by_target: dict[str, float] | None = None
     mma_prefix_ms: float | None = None
     shared_mma_gqa_ms: float | None = None
     shared_mma_gqa_diff: float | None = None
@@ -112,7 +113,7 @@ def copies(prefix: mx.array, tail: mx.array, starts: mx.array) -> mx.array:
     return mx.concatenate(rows, axis=0)
 
 
-def measure(shape: Shape, rows: int, prefix: int, own: int, mma_targets: tuple[int, ...] = ()) -> Row:
+def measure(shape: Shape, rows: int, prefix: int, own: int, mma_targets: tuple[str, ...] = ()) -> Row:
     dtype = getattr(mx, shape.dtype)
     scale = shape.dim**-0.5
     q = mx.random.normal((rows, shape.heads, 1, shape.dim)).astype(dtype)
@@ -164,7 +165,7 @@ def measure(shape: Shape, rows: int, prefix: int, own: int, mma_targets: tuple[i
     full, split = paths.get("full", (None, None)), paths.get("split", (None, None))
     shared_gqa, shared_mma = paths.get("gqa", (None, None)), paths.get("mma", (None, None))
     by_target = mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, mma_targets, shape.reps) if prefix else None
-    prefix_only = by_target.pop(0, None) if by_target else None
+    prefix_only = by_target.pop("prefix", None) if by_target else None
     mma_gqa = paths.get("mma_gqa", (None, None))
     tbps = None if gqa is None else round(kv_mb / 1e6 / (gqa / 1e3), 2)
     return Row(rows, prefix, own, round(kv_mb, 1), masked, kernel, gqa, ops, compiled, full[0], split[0], diff,
@@ -172,7 +173,7 @@ def measure(shape: Shape, rows: int, prefix: int, own: int, mma_targets: tuple[i
                by_target, prefix_only, mma_gqa[0], mma_gqa[1])
 
 
-def mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, targets, reps) -> dict[int, float] | None:
+def mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, targets, reps) -> dict[str, float] | None:
     """The mma path's time per target number of blocks (how finely the prefix is split); under key 0
     the prefix kernel alone at its default target."""
     if not targets or not mx.cuda.is_available():
@@ -180,13 +181,14 @@ def mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, targets, reps) -> dict[i
     from mlxq.kv.prefix_mma_kernel import prefix_partials
     from mlxq.kv.tail_merge_kernel import tails_and_merge
 
-    def run(target):
-        stats = prefix_partials(q, pk, pv, scale, target)
+    def run(spec):
+        target, warps = (int(x) for x in f"{spec}:4".split(":")[:2])
+        stats = prefix_partials(q, pk, pv, scale, target, warps)
         return tails_and_merge(q, tail_k, tail_v, starts, scale, None, stats, None)
 
     try:
-        times = {t: timed(lambda: run(t), reps) for t in targets}  # noqa: B023
-        return times | {0: timed(lambda: prefix_partials(q, pk, pv, scale), reps)}
+        times = {str(t): timed(lambda: run(t), reps) for t in targets}  # noqa: B023
+        return times | {"prefix": timed(lambda: prefix_partials(q, pk, pv, scale), reps)}
     except Exception as exc:
         print(f"mma sweep failed: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
         return None
@@ -243,8 +245,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     parser.add_argument("--json", help="write the rows here as JSON")
     parser.add_argument("--cases", help="only these cases, e.g. 64x2048+300,64x0+2048 (rows x prefix + own)")
-    parser.add_argument("--mma-targets", default="", help="also time the mma path at these blocks per launch, "
-                        "e.g. 132,264,528 (CUDA)")
+    parser.add_argument("--mma-targets", default="", help="also time the mma path at these blocks per launch "
+                        "[:warps per block], e.g. 132,264,264:8 (CUDA)")
     parser.add_argument("--quantized-check", action="store_true",
                         help="only compare quantized shared attention with mlx-lm's over copies (bf16)")
     args = parser.parse_args()
@@ -272,7 +274,7 @@ def main() -> None:
     cases = shape.cases if not args.cases else [parse_case(c) for c in args.cases.split(",")]
     out = []
     for rows, prefix, own in cases:
-        row = measure(shape, rows, prefix, own, tuple(int(t) for t in args.mma_targets.split(",") if t))
+        row = measure(shape, rows, prefix, own, tuple(t for t in args.mma_targets.split(",") if t))
         out.append(row)
         print(json.dumps(asdict(row)), flush=True)
     if args.json:

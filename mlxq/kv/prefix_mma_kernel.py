@@ -13,8 +13,8 @@ bf16 in, float32 accumulate) with the online softmax in registers between
 them, FlashAttention-2's shape turned to decode: the rows' queries of one
 KV head are the M axis (row b's query head kv * group + i is row
 b * group + i), the prefix is split into chunks of keys (flash-decoding),
-and one block of 4 warps (16 query rows each) walks one chunk for 64 query
-rows, 64 keys at a time staged in shared memory by ``cp.async`` (the next
+and one block of ``WARPS`` warps (16 query rows each) walks one chunk for
+their query rows, 64 keys at a time staged in shared memory by ``cp.async`` (the next
 block's keys load while this block's values are multiplied). Each split
 writes its partial level (weighted values, peak, total; float32, natural
 log units) and kv/tail_merge_kernel.py merges the splits with each row's
@@ -31,9 +31,9 @@ from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
 
 HEAD_DIMS = (64, 128)
 KEYS_PER_BLOCK = 64  # keys staged in shared memory per step (and the chunk granularity)
-QUERY_ROWS = 64  # query rows per block: 4 warps x 16
+WARPS = 4  # per block, 16 query rows each
+QUERY_ROWS = 16 * WARPS  # query rows per block
 TARGET_BLOCKS = 264  # blocks per launch the splits aim at: two per SM of an H200 (132 SMs)
-_THREADS = 128
 
 _HEADER = """
 #define NEG_INF __int_as_float(0xff800000)
@@ -123,7 +123,7 @@ _SOURCE = """
     const int length = prefix_keys_shape[2];
     const int first = split * chunk[0];
     const int end = min(first + chunk[0], length);
-    const int r0 = blockIdx.x * 64 + warp * 16 + lane / 4;
+    const int r0 = blockIdx.x * NT / 2 + warp * 16 + lane / 4;  // 16 query rows per warp
     const int r1 = r0 + 8;
     const float scale2 = scale[0] * LOG2E;  // scores in log2 units: exp2f
     const __nv_bfloat16* kbase = prefix_keys + kvh * prefix_keys_strides[1];
@@ -257,10 +257,11 @@ def can_run(queries: mx.array, prefix_keys: mx.array) -> bool:
             and queries.shape[1] % prefix_keys.shape[1] == 0)
 
 
-def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGET_BLOCKS) -> tuple[int, int]:
+def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGET_BLOCKS,
+               warps: int = WARPS) -> tuple[int, int]:
     """(keys per split, splits) for ``rows`` stacked query rows per KV head over ``length`` keys: enough
     splits that the launch has about ``target_blocks`` blocks, each a whole number of staged blocks."""
-    tiles = -(-rows // QUERY_ROWS) * kv_heads
+    tiles = -(-rows // (16 * warps)) * kv_heads
     wanted = max(1, min(-(-target_blocks // tiles), -(-length // KEYS_PER_BLOCK)))
     chunk = -(-length // wanted)
     chunk = -(-chunk // KEYS_PER_BLOCK) * KEYS_PER_BLOCK
@@ -268,7 +269,7 @@ def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGE
 
 
 def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, scale: float,
-                    target_blocks: int = TARGET_BLOCKS) -> tuple[mx.array, mx.array, mx.array]:
+                    target_blocks: int = TARGET_BLOCKS, warps: int = WARPS) -> tuple[mx.array, mx.array, mx.array]:
     """Every row's queries against the prefix, one level per split (``can_run`` shapes).
 
     queries [B, Hq, 1, D]; prefix_* [1, Hkv, P, D] (last axis contiguous, rows 16-byte aligned, as
@@ -284,7 +285,7 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
     batch, heads, _, dim = queries.shape
     kv_heads, length = prefix_keys.shape[1], prefix_keys.shape[2]
     rows = batch * heads // kv_heads
-    chunk, splits = split_plan(rows, kv_heads, length, target_blocks)
+    chunk, splits = split_plan(rows, kv_heads, length, target_blocks, warps)
     if scale not in _scales:
         _scales[scale] = mx.array([scale], mx.float32)
     if chunk not in _chunks:
@@ -292,9 +293,9 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
     level = (kv_heads, splits, rows)
     return tuple(_kernel(
         inputs=[mx.contiguous(queries), prefix_keys, prefix_values, _scales[scale], _chunks[chunk]],
-        template=[("D", dim), ("NT", _THREADS)],
-        grid=(-(-rows // QUERY_ROWS) * _THREADS, splits, kv_heads),
-        threadgroup=(_THREADS, 1, 1),
+        template=[("D", dim), ("NT", 32 * warps)],
+        grid=(-(-rows // (16 * warps)) * 32 * warps, splits, kv_heads),
+        threadgroup=(32 * warps, 1, 1),
         output_shapes=[(*level, dim), (*level, 1), (*level, 1)],
         output_dtypes=[mx.float32] * 3,
     ))
@@ -318,7 +319,7 @@ def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int =
     weighted, _, total = stacked_prefix_stats(q, keys, values, scale)
     want = weighted / total
     worst = 0.0
-    for target in (1, TARGET_BLOCKS):
-        got = merged(*prefix_partials(q, keys, values, scale, target))
+    for target, warps in ((1, WARPS), (TARGET_BLOCKS, WARPS), (TARGET_BLOCKS, 8)):
+        got = merged(*prefix_partials(q, keys, values, scale, target, warps))
         worst = max(worst, mx.abs(got - want).max().item())
     return worst
