@@ -185,6 +185,19 @@ def test_the_tensor_core_prefix_kernel_matches_the_stacked_gemms():
     assert prefix_mma_kernel.self_check() < 2e-2
     assert prefix_mma_kernel.self_check(rows=64, heads=32, kv_heads=8, length=2048) < 2e-2
     assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64) < 2e-2
+    assert prefix_mma_kernel.self_check(rows=70, warps=8) < 2e-2  # not run on a device yet
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+def test_the_mma_path_with_gqa_tails_matches_the_plain_path():
+    """Not run on a device yet."""
+    from mlxq.kv import shared_prefix_decode
+
+    q, pk, pv, tk, tv, starts, scale = shared_prefix_decode._check_inputs(mx.bfloat16)
+    want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale).astype(mx.float32)
+    with shared_prefix_decode.forced("mma_gqa"):
+        got = shared_prefix_decode.attention(q, pk, pv, tk, tv, starts, scale).astype(mx.float32)
+    assert mx.abs(got - want).max().item() < 2e-2
 
 
 @pytest.mark.parametrize("bits", [4, 8])
