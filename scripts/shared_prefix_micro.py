@@ -20,7 +20,14 @@ One decode step (one query per row) of one attention layer, for each case
 - ``shared_split``: kv/tail_merge_kernel.py, prefix GEMMs + one kernel for
   the tails and the merge (CUDA only);
 - ``shared_gqa``: kv/gqa_decode_kernel.py, one block per (row, KV head) over
-  the prefix then the tail (CUDA only).
+  the prefix then the tail (CUDA only);
+- ``shared_mma``: kv/prefix_mma_kernel.py, the prefix on tensor cores in
+  splits, then the split path's tail-and-merge kernel (CUDA, bf16 only);
+  ``mma_by_target`` the same per ``--mma-targets`` value (blocks per
+  launch the splits aim at, and warps per block after a colon),
+  ``mma_prefix_ms`` the prefix kernel alone;
+- ``shared_mma_gqa``: the same prefix levels merged by the GQA decode
+  kernel walking the tails.
 
 Each timing is the mean of ``reps`` calls evaluated together after one
 warm-up; ``diff`` / ``full_diff`` / ``split_diff`` are each path's max
@@ -83,6 +90,12 @@ class Row:
     gqa_tbps: float | None = None
     shared_gqa_ms: float | None = None
     shared_gqa_diff: float | None = None
+    shared_mma_ms: float | None = None
+    shared_mma_diff: float | None = None
+    mma_by_target: dict[str, float] | None = None
+    mma_prefix_ms: float | None = None
+    shared_mma_gqa_ms: float | None = None
+    shared_mma_gqa_diff: float | None = None
 
 
 def timed(fn, reps: int) -> float:
@@ -100,7 +113,7 @@ def copies(prefix: mx.array, tail: mx.array, starts: mx.array) -> mx.array:
     return mx.concatenate(rows, axis=0)
 
 
-def measure(shape: Shape, rows: int, prefix: int, own: int) -> Row:
+def measure(shape: Shape, rows: int, prefix: int, own: int, mma_targets: tuple[str, ...] = ()) -> Row:
     dtype = getattr(mx, shape.dtype)
     scale = shape.dim**-0.5
     q = mx.random.normal((rows, shape.heads, 1, shape.dim)).astype(dtype)
@@ -139,7 +152,7 @@ def measure(shape: Shape, rows: int, prefix: int, own: int) -> Row:
         compiled = timed(lambda: fused(q, pk, pv, tail_k, tail_v, starts, scale), shape.reps)
         want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
         diff = mx.abs(shared().astype(mx.float32) - want.astype(mx.float32)).max().item()
-        for path in ("full", "split", "gqa") if mx.cuda.is_available() else ():
+        for path in ("full", "split", "gqa", "mma", "mma_gqa") if mx.cuda.is_available() else ():
             try:
                 with shared_prefix_decode.forced(path):
                     got = shared_prefix_decode.attention(q, pk, pv, tail_k, tail_v, starts, scale)
@@ -150,10 +163,35 @@ def measure(shape: Shape, rows: int, prefix: int, own: int) -> Row:
                 print(f"shared path {path} failed: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
     kv_mb = (keys.nbytes + values.nbytes) / 1e6
     full, split = paths.get("full", (None, None)), paths.get("split", (None, None))
-    shared_gqa = paths.get("gqa", (None, None))
+    shared_gqa, shared_mma = paths.get("gqa", (None, None)), paths.get("mma", (None, None))
+    by_target = mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, mma_targets, shape.reps) if prefix else None
+    prefix_only = by_target.pop("prefix", None) if by_target else None
+    mma_gqa = paths.get("mma_gqa", (None, None))
     tbps = None if gqa is None else round(kv_mb / 1e6 / (gqa / 1e3), 2)
     return Row(rows, prefix, own, round(kv_mb, 1), masked, kernel, gqa, ops, compiled, full[0], split[0], diff,
-               full[1], split[1], gqa_diff, tbps, shared_gqa[0], shared_gqa[1])
+               full[1], split[1], gqa_diff, tbps, shared_gqa[0], shared_gqa[1], shared_mma[0], shared_mma[1],
+               by_target, prefix_only, mma_gqa[0], mma_gqa[1])
+
+
+def mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, targets, reps) -> dict[str, float] | None:
+    """The mma path's time per target number of blocks (how finely the prefix is split); under key 0
+    the prefix kernel alone at its default target."""
+    if not targets or not mx.cuda.is_available():
+        return None
+    from mlxq.kv.prefix_mma_kernel import prefix_partials
+    from mlxq.kv.tail_merge_kernel import tails_and_merge
+
+    def run(spec):
+        target, warps = (int(x) for x in f"{spec}:4".split(":")[:2])
+        stats = prefix_partials(q, pk, pv, scale, target, warps)
+        return tails_and_merge(q, tail_k, tail_v, starts, scale, None, stats, None)
+
+    try:
+        times = {str(t): timed(lambda: run(t), reps) for t in targets}  # noqa: B023
+        return times | {"prefix": timed(lambda: prefix_partials(q, pk, pv, scale), reps)}
+    except Exception as exc:
+        print(f"mma sweep failed: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+        return None
 
 
 def float32_check() -> float:
@@ -207,6 +245,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     parser.add_argument("--json", help="write the rows here as JSON")
     parser.add_argument("--cases", help="only these cases, e.g. 64x2048+300,64x0+2048 (rows x prefix + own)")
+    parser.add_argument("--mma-targets", default="", help="also time the mma path at these blocks per launch "
+                        "[:warps per block], e.g. 132,264,264:8 (CUDA)")
     parser.add_argument("--quantized-check", action="store_true",
                         help="only compare quantized shared attention with mlx-lm's over copies (bf16)")
     args = parser.parse_args()
@@ -223,17 +263,18 @@ def main() -> None:
                         "bfloat16": shared_prefix_decode.self_check(mx.bfloat16)}
         print(f"shared-prefix kernels' self-checks (max |kernel - plain|): {kernel_check}", flush=True)
     if mx.cuda.is_available():
-        from mlxq.kv import gqa_decode_kernel
+        from mlxq.kv import gqa_decode_kernel, prefix_mma_kernel
 
-        try:
-            print(f"GQA decode kernel self-check (max |kernel - MLX|): {gqa_decode_kernel.self_check():.3g}",
-                  flush=True)
-        except Exception as exc:
-            print(f"GQA decode kernel self-check failed: {type(exc).__name__}: {str(exc)[:3000]}", flush=True)
+        for name, kernel_self_check in (("GQA decode kernel", gqa_decode_kernel.self_check),
+                            ("mma prefix kernel", prefix_mma_kernel.self_check)):
+            try:
+                print(f"{name} self-check (max |kernel - MLX|): {kernel_self_check():.3g}", flush=True)
+            except Exception as exc:
+                print(f"{name} self-check failed: {type(exc).__name__}: {str(exc)[:3000]}", flush=True)
     cases = shape.cases if not args.cases else [parse_case(c) for c in args.cases.split(",")]
     out = []
     for rows, prefix, own in cases:
-        row = measure(shape, rows, prefix, own)
+        row = measure(shape, rows, prefix, own, tuple(t for t in args.mma_targets.split(",") if t))
         out.append(row)
         print(json.dumps(asdict(row)), flush=True)
     if args.json:

@@ -144,13 +144,20 @@ _SOURCE = """
         }
     }
     __syncthreads();
+    // Precomputed prefix levels (kv/prefix_mma_kernel.py: [Hkv, splits, rows x G, n], stacked rows).
+    const int splits = HAS_LEVELS && shares[b] ? level_peak_shape[1] : 0;
+    const int64_t stacked = level_peak_shape[2];
     for (int idx = t; idx < G * D; idx += NT) {
         const int h = idx / D;
         const int d = idx % D;
+        const int64_t level = (int64_t)kvh * level_peak_shape[1] * stacked + (int64_t)b * G + h;
         const float sink = HAS_SINKS ? sinks[kvh * G + h] : NEG_INF;
         float peak = sink;
         for (int k = 0; k < SLOTS; k++) {
             peak = fmaxf(peak, slot_max[k][h]);
+        }
+        for (int p = 0; p < splits; p++) {
+            peak = fmaxf(peak, level_peak[level + p * stacked]);
         }
         float denom = HAS_SINKS ? expf(sink - peak) : 0.0f;
         float acc = 0.0f;
@@ -158,6 +165,12 @@ _SOURCE = """
             const float f = slot_max[k][h] == NEG_INF ? 0.0f : expf(slot_max[k][h] - peak);
             denom += slot_total[k][h] * f;
             acc += slot_out[k][h][d] * f;
+        }
+        for (int p = 0; p < splits; p++) {
+            const int64_t at = level + p * stacked;
+            const float f = expf(level_peak[at] - peak);
+            denom += level_total[at] * f;
+            acc += level_weighted[at * D + d] * f;
         }
         out[((int64_t)b * heads + kvh * G + h) * D + d] = static_cast<T>(acc / denom);
     }
@@ -199,7 +212,7 @@ def gqa_decode_attention(queries: mx.array, keys: mx.array, values: mx.array, st
 
     Keys and values are read where they lie (strided cache views), their last axis contiguous
     and 16-byte aligned, as mlx-lm's caches hold them."""
-    return _launch(queries, None, None, keys, values, starts, scale, None, None)
+    return _launch(queries, keys, values, starts, scale)
 
 
 def gqa_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
@@ -208,43 +221,58 @@ def gqa_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tai
     walks the prefix ([1, Hkv, P, D], read by every row's blocks at about the same time, so mostly
     from L2) then its own tail, one online softmax over both; ``shares`` [B] bool: rows that see the
     prefix (None: all); ``sinks`` [Hq]: one more level per head."""
-    return _launch(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale, sinks, shares)
+    return _launch(queries, tail_keys, tail_values, tail_starts, scale, sinks, shares, prefix=(prefix_keys,
+                                                                                               prefix_values))
 
 
-def _launch(queries, prefix_keys, prefix_values, keys, values, starts, scale: float, sinks, shares) -> mx.array:
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="mlxq_gqa_decode_attention",
-            input_names=["queries", "prefix_keys", "prefix_values", "keys", "values", "starts", "scale", "sinks",
-                         "shares"],
-            output_names=["out"],
-            source=_SOURCE,
-            header=_HEADER,
-            ensure_row_contiguous=False,
-        )
+def gqa_levels_decode(queries, tail_keys, tail_values, tail_starts, scale: float, sinks: mx.array | None,
+                      levels: tuple[mx.array, mx.array, mx.array], shares: mx.array | None) -> mx.array:
+    """Each row's tail walked by this kernel, merged in its epilogue with precomputed prefix levels
+    (weighted, peak, total; [Hkv, splits, rows x group, n] float32, the stacked layout of
+    kv/prefix_mma_kernel.prefix_partials) for the rows that ``shares`` marks (None: all)."""
+    return _launch(queries, tail_keys, tail_values, tail_starts, scale, sinks, shares, levels=levels)
+
+
+def _launch(queries, keys, values, starts, scale: float, sinks=None, shares=None, prefix=None,
+            levels=None) -> mx.array:
     batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    threads = block_threads(queries.dtype, dim, group)
+    threads = block_threads(queries.dtype, dim, heads // kv_heads)
     if scale not in _scales:
         _scales[scale] = mx.array([scale], mx.float32)
-    has_prefix = prefix_keys is not None
     none = _constant(("prefix", queries.dtype), lambda: mx.zeros((1, 1, 1, 1), queries.dtype))
+    no_levels = _constant(("levels",), lambda: mx.zeros((1, 1, 1, 1), mx.float32))
     no_sinks = _constant(("sinks",), lambda: mx.zeros((1,), mx.float32))
     everyone = _constant(("shares", batch), lambda: mx.ones((batch,), mx.int32))
-    return _kernel(
-        inputs=[mx.contiguous(queries), prefix_keys if has_prefix else none, prefix_values if has_prefix else none,
-                keys, values, mx.contiguous(starts.astype(mx.int32)), _scales[scale],
+    return _compiled()(
+        inputs=[mx.contiguous(queries), *(prefix or (none, none)), keys, values,
+                mx.contiguous(starts.astype(mx.int32)), _scales[scale],
                 no_sinks if sinks is None else mx.contiguous(sinks.astype(mx.float32)),
-                everyone if shares is None else mx.contiguous(shares.astype(mx.int32))],
-        template=[("T", queries.dtype), ("D", dim), ("G", group), ("NT", threads), ("LOADS", LOADS),
-                  ("HAS_PREFIX", has_prefix), ("HAS_SINKS", sinks is not None)],
+                everyone if shares is None else mx.contiguous(shares.astype(mx.int32)),
+                *(mx.contiguous(x) for x in levels or (no_levels,) * 3)],
+        template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("NT", threads), ("LOADS", LOADS),
+                  ("HAS_PREFIX", prefix is not None), ("HAS_SINKS", sinks is not None),
+                  ("HAS_LEVELS", levels is not None)],
         grid=(kv_heads * threads, batch, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[queries.shape],
         output_dtypes=[queries.dtype],
     )[0]
+
+
+def _compiled():
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="mlxq_gqa_decode_levels",
+            input_names=["queries", "prefix_keys", "prefix_values", "keys", "values", "starts", "scale", "sinks",
+                         "shares", "level_weighted", "level_peak", "level_total"],
+            output_names=["out"],
+            source=_SOURCE,
+            header=_HEADER,
+            ensure_row_contiguous=False,
+        )
+    return _kernel
 
 
 def self_check(dtype=mx.bfloat16, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> float:

@@ -10,27 +10,37 @@
 - ``gqa``: kv/gqa_decode_kernel.py, one block per (row, KV head) walking the
   prefix (mostly from L2: every row's blocks read it at about the same
   time) then the row's tail, one online softmax over both: below
-  ``GQA_MAX_GROUP_TOKENS``, where its own self-check passed.
+  ``GQA_MAX_GROUP_TOKENS``, where its own self-check passed;
+- ``mma``: kv/prefix_mma_kernel.py, the prefix on tensor cores in splits
+  (flash-decoding), then the split path's kernel for the tails and the
+  merge of every split: bf16 groups from ``MMA_MIN_GROUP_TOKENS`` on, where
+  its own self-checks passed;
+- ``mma_gqa``: the same prefix levels merged by kv/gqa_decode_kernel.py
+  walking the tails (one block per row and KV head) instead of the split
+  path's per-head kernel: only when forced (benchmarks; not measured yet,
+  and not in the start-up self-check: the micro script reports its
+  difference to MLX).
 
 The kernels run only on CUDA, only after ``enable()``'s self-check agrees
 with the plain path, and only for one query per row with a head width they
 have. The thresholds come from the H200 measurements in docs/benchmarks.md
 ("H200: shared-prefix attention per layer"), in group tokens (rows x prefix
-length): from 32k on the split path beats one kernel (64 x 512: 0.26 vs
-0.36 ms; 16 x 2k: 0.17 vs 0.18; 8 x 2k: 0.33 vs 0.11), and per-row copies
-through kv/decode_kernel.py beat both below it (8 x 2k: 0.10 ms; 16 x 512:
-0.07) while the split path beats the copies from it on (16 x 2k: 0.17 vs
-0.24 ms; 64 x 16k: 0.83 vs 4.34). ``worth_sharing``, the scheduler's
-gate, asks more of a whole server than of one layer: end to end, 16 agents
-on a 2.2k prefix (35k group tokens) decoded slower shared (ITL p50 12.5 vs
-10.7 ms), while whole-model steps were faster from 64 x 2k (131k) on
-(docs/benchmarks.md, "H200: shared-prefix attention end to end"). On the
-CPU sharing measured at parity with copies (the exponentials, not the
-reads, bound it there), so it says no. Since copies decode through
-kv/gqa_decode_kernel.py too (kv/cuda_attention.py), the per-layer gap
-narrowed: 64 x 2k + 300 copies 0.25 ms, shared (gqa) 0.22; 16 x 12k 0.39
-vs 0.29; 64 x 16k 1.57 vs 0.88 (split); the whole-model gate was not
-measured again.
+length). Per layer: the mma path wins from 131k on (64 x 2k + 50: 0.14-0.21
+ms vs gqa 0.20; 16 x 12k: 0.12 vs 0.27; 64 x 16k: 0.36-0.43 vs split 0.81)
+and the gqa path below it (32 x 2k: 0.13 vs 0.14-0.20; 64 x 512: 0.11 vs
+0.22); whole-model steps agree (64 x 2k + 50: 15.2 vs 16.1 ms; 16 x 12k:
+19.6 vs 26.7). For float16 and float32, which the mma kernel does not take,
+the split path's GEMMs beat the gqa path from 524k on (64 x 16k: 0.81 vs
+1.37 ms) and one kernel below 32k (64 x 512: 0.26 vs 0.36 ms).
+
+``worth_sharing``, the scheduler's gate: whole-model steps shared beat
+per-row copies from 131k group tokens (64 x 2k + 50: 15.2 vs 16.2 ms; 16 x
+12k + 300: 19.6 vs 24.8); end to end 64 agents on a 2k prefix decoded 1.19x
+faster shared, while 16 agents on a 2.2k prefix (35k) were slower (ITL p50
+12.5 vs 10.7 ms, before the gqa and mma kernels) (docs/benchmarks.md, "H200:
+shared-prefix attention end to end"). On the CPU sharing measured at
+parity with copies (the exponentials, not the reads, bound it there), so it
+says no.
 """
 
 from __future__ import annotations
@@ -41,20 +51,20 @@ import os
 
 import mlx.core as mx
 
-from mlxq.kv import gqa_decode_kernel, shared_prefix_kernel, tail_merge_kernel
+from mlxq.kv import gqa_decode_kernel, prefix_mma_kernel, shared_prefix_kernel, tail_merge_kernel
 from mlxq.kv.shared_prefix_attention import Quant, RowGroups, grouped_shared_prefix_attention, shared_prefix_attention
 
 log = logging.getLogger("mlxq.kv")
 
-SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path wins (H200, 8B layer)
-# Below this the gqa path beats the split path (H200, 8B layer: 64 x 2k 0.22 vs 0.37-0.49 ms, 16 x 12k
-# 0.29 vs 0.37-0.52); at 64 x 16k (1M) the split path's GEMMs win (0.88 vs 1.31). Between: not measured.
-GQA_MAX_GROUP_TOKENS = 524_288
+SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split path beats one kernel (H200)
+GQA_MAX_GROUP_TOKENS = 524_288  # from here the split path's GEMMs beat the gqa path (float16, float32)
+MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 groups (H200, 8B shape)
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
-PATHS = ("ops", "full", "split", "gqa")
+PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa")
 
 _enabled = False
 _gqa_enabled = False  # the gqa path's self-check passed (it is checked apart: a failure keeps the others)
+_mma_enabled = False  # the same for the mma path
 _checked = False  # enable() ran its self-check
 _grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
@@ -67,6 +77,8 @@ def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant 
                                                                               tail_values):
         return "ops"
     tokens = queries.shape[0] * prefix_keys.shape[2]
+    if _mma_enabled and tokens >= MMA_MIN_GROUP_TOKENS and prefix_mma_kernel.can_run(queries, prefix_keys):
+        return "mma"
     if _gqa_enabled and tokens < GQA_MAX_GROUP_TOKENS and gqa_decode_kernel.can_run(queries, tail_keys, tail_values):
         return "gqa"
     return "split" if queries.shape[0] * prefix_keys.shape[2] >= SPLIT_MIN_GROUP_TOKENS else "full"
@@ -90,6 +102,12 @@ def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_
         return tail_merge_kernel.split_shared_prefix_decode(*args, shares)
     if path == "gqa":
         return gqa_decode_kernel.gqa_shared_prefix_decode(*args, shares)
+    if path == "mma":
+        return tail_merge_kernel.mma_shared_prefix_decode(*args, shares)
+    if path == "mma_gqa":
+        levels = prefix_mma_kernel.prefix_partials(queries, prefix_keys, prefix_values, scale)
+        return gqa_decode_kernel.gqa_levels_decode(queries, tail_keys, tail_values, tail_starts, scale, sinks, levels,
+                                                   shares)
     return shared_prefix_attention(*args, quant, shares)
 
 
@@ -131,9 +149,9 @@ def _check_inputs(dtype):
 
 def self_check(dtype=mx.bfloat16) -> dict[str, float]:
     """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
-    the group, tails as strided views."""
+    the group, tails as strided views (``mma`` in bf16 only)."""
     q, pk, pv, tk, tv, starts, scale = _check_inputs(dtype)
-    worst = {"full": 0.0, "split": 0.0, "gqa": 0.0}
+    worst = {"full": 0.0, "split": 0.0, "gqa": 0.0} | ({"mma": 0.0} if dtype == mx.bfloat16 else {})
     for sinks, shares in ((None, None), (mx.random.normal((q.shape[1],)),
                                          mx.array([True, False, True, True, False, True]))):
         want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
@@ -142,9 +160,9 @@ def self_check(dtype=mx.bfloat16) -> dict[str, float]:
                 with forced(path):
                     got = attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
             except Exception as exc:  # one kernel that does not build must not take the others down
-                if path != "gqa":
+                if path not in ("gqa", "mma"):
                     raise
-                log.warning("gqa shared-prefix path unavailable (%s: %s)", type(exc).__name__, exc)
+                log.warning("%s shared-prefix path unavailable (%s: %s)", path, type(exc).__name__, exc)
                 worst[path] = float("inf")
                 continue
             worst[path] = max(worst[path], mx.abs(got - want).max().item())
@@ -164,7 +182,7 @@ def grouped_self_check(dtype=mx.bfloat16) -> float:
 def enable() -> bool:
     """Let the kernels run from now on, if CUDA is here and both self-checks agree with the plain
     path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path."""
-    global _enabled, _checked, _gqa_enabled
+    global _enabled, _checked, _gqa_enabled, _mma_enabled
     if not _checked and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
         _checked = True  # once: a batch forming groups again does not repeat a failed check
         try:
@@ -174,9 +192,19 @@ def enable() -> bool:
             return False
         _enabled = max(errors["full"], errors["split"]) < 2e-2
         _gqa_enabled = _enabled and errors["gqa"] < 2e-2
-        if not _gqa_enabled:
+        _mma_enabled = _enabled and errors["mma"] < 2e-2 and _mma_partials_agree()
+        if not (_gqa_enabled and _mma_enabled):
             log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
     return _enabled
+
+
+def _mma_partials_agree() -> bool:
+    """The tensor-core kernel's own check over whole chunks of several staged blocks."""
+    try:
+        return prefix_mma_kernel.self_check() < 2e-2
+    except Exception as exc:
+        log.warning("mma prefix kernel unavailable (%s: %s)", type(exc).__name__, exc)
+        return False
 
 
 def _grouped_ready() -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxq.kv import prefix_mma_kernel
 from mlxq.kv.decode_kernel import splice
 from mlxq.kv.shared_prefix_attention import RowGroups, grouped_prefix_stats, stacked_prefix_stats
 from mlxq.kv.shared_prefix_kernel import HEADER, KEY_STEP, row_shares
@@ -33,7 +34,9 @@ _SOURCE = splice("""
     const int group = heads / tail_keys_shape[1];
     const int g = h / group;
     const int tail_len = tail_keys_shape[2];
-    const int64_t level = (int64_t)g * prefix_peak_shape[1] + (int64_t)b * group + h % group;
+    const int splits = prefix_peak_shape[1];
+    const int stacked = prefix_peak_shape[2];
+    const int64_t level = (int64_t)g * splits * stacked + (int64_t)b * group + h % group;  // split 0
     const T* q = queries + ((int64_t)b * heads + h) * D + lane * E;
     const T* tk = tail_keys + b * tail_keys_strides[0] + g * tail_keys_strides[1] + lane * E;
     const T* tv = tail_values + b * tail_values_strides[0] + g * tail_values_strides[1] + lane * E;
@@ -47,14 +50,22 @@ SPILL_WARPS
     const int t = threadIdx.x;
     if (t < D) {
         const float sink = HAS_SINKS ? static_cast<float>(sinks[h]) : NEG_INF;
-        const float p_peak = shares[b] ? prefix_peak[level] : NEG_INF;  // outside the group: no prefix
-        float mx_all = fmaxf(sink, p_peak);
+        const int seen = shares[b] ? splits : 0;  // outside the group: no prefix
+        float mx_all = sink;
+        for (int p = 0; p < seen; p++) {
+            mx_all = fmaxf(mx_all, prefix_peak[level + p * stacked]);
+        }
         for (int w = 0; w < W; w++) {
             mx_all = fmaxf(mx_all, warp_max[w]);
         }
-        const float pf = expf(p_peak - mx_all);
-        float denom = (HAS_SINKS ? expf(sink - mx_all) : 0.0f) + (shares[b] ? prefix_total[level] * pf : 0.0f);
-        float acc = shares[b] ? prefix_weighted[level * D + t] * pf : 0.0f;
+        float denom = HAS_SINKS ? expf(sink - mx_all) : 0.0f;
+        float acc = 0.0f;
+        for (int p = 0; p < seen; p++) {
+            const int64_t at = level + p * stacked;
+            const float pf = expf(prefix_peak[at] - mx_all);
+            denom += prefix_total[at] * pf;
+            acc += prefix_weighted[at * D + t] * pf;
+        }
         for (int w = 0; w < W; w++) {
             const float f = warp_max[w] == NEG_INF ? 0.0f : expf(warp_max[w] - mx_all);
             denom += warp_total[w] * f;
@@ -87,20 +98,29 @@ def split_grouped_decode(queries, prefixes, tail_keys, tail_values, tail_starts,
     return tails_and_merge(queries, tail_keys, tail_values, tail_starts, scale, sinks, stats, layout.in_group)
 
 
+def mma_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts,
+                             scale: float, sinks: mx.array | None = None,
+                             shares: mx.array | None = None) -> mx.array:
+    """The same with the prefix on tensor cores (kv/prefix_mma_kernel.py): one level per split."""
+    stats = prefix_mma_kernel.prefix_partials(queries, prefix_keys, prefix_values, scale)
+    return tails_and_merge(queries, tail_keys, tail_values, tail_starts, scale, sinks, stats, shares)
+
+
 def tails_and_merge(queries, tail_keys, tail_values, tail_starts, scale: float, sinks: mx.array | None,
                     stats: tuple[mx.array, mx.array, mx.array], shares: mx.array | None) -> mx.array:
-    """Each row's tail walked by the kernel, merged with its prefix level (``stats``, stacked layout)."""
+    """Each row's tail walked by the kernel, merged with its prefix levels: ``stats`` in the stacked
+    layout, [Hkv, rows x group, n] (one level) or [Hkv, splits, rows x group, n] (one per split)."""
     global _kernel, _NO_SINKS
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
-            name="mlxq_tail_merge_decode",
+            name="mlxq_tail_merge_splits",
             input_names=["queries", "tail_keys", "tail_values", "starts", "scale", "sinks",
                          "prefix_weighted", "prefix_peak", "prefix_total", "shares"],
             output_names=["out"], source=_SOURCE, header=HEADER, ensure_row_contiguous=False)
         _NO_SINKS = mx.zeros((1,), mx.float32)
     if scale not in _scales:
         _scales[scale] = mx.array([scale], mx.float32)
-    weighted, peak, total = stats
+    weighted, peak, total = (x if x.ndim == 4 else x[:, None] for x in stats)
     batch, heads, _, dim = queries.shape
     return _kernel(
         inputs=[mx.contiguous(queries), tail_keys, tail_values, mx.contiguous(tail_starts.astype(mx.int32)),

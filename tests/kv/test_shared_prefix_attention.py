@@ -128,6 +128,44 @@ def test_the_path_is_decided_from_the_group_shape(monkeypatch):
         pass
 
 
+def test_bf16_groups_from_the_mma_threshold_take_the_tensor_core_prefix(monkeypatch):
+    """The mma path once its self-checks passed: bf16 only (float32 keeps the other kernels), one query
+    per row, from MMA_MIN_GROUP_TOKENS group tokens on."""
+    from mlxq.kv import shared_prefix_decode as decode
+
+    def shapes(rows, prefix, dtype=mx.bfloat16):
+        return (mx.zeros((rows, 32, 1, 128), dtype), mx.zeros((1, 8, prefix, 128), dtype),
+                mx.zeros((rows, 8, 5, 128), dtype))
+
+    monkeypatch.setattr(decode, "_enabled", True)
+    monkeypatch.setattr(decode, "_mma_enabled", True)
+    rows = 64
+    q, pk, tk = shapes(rows, decode.MMA_MIN_GROUP_TOKENS // rows)
+    assert decode.choose(q, pk, tk, tk) == "mma"
+    q, pk, tk = shapes(rows, decode.MMA_MIN_GROUP_TOKENS // rows - 64)
+    assert decode.choose(q, pk, tk, tk) != "mma"
+    q, pk, tk = shapes(rows, 16384, mx.float32)
+    assert decode.choose(q, pk, tk, tk) == "split"
+    monkeypatch.setattr(decode, "_mma_enabled", False)
+    q, pk, tk = shapes(rows, 16384)
+    assert decode.choose(q, pk, tk, tk) == "split"
+
+
+@pytest.mark.parametrize("rows, kv_heads, length, target", [
+    (256, 8, 2048, 264), (256, 8, 16384, 264), (64, 8, 12288, 264), (4, 2, 333, 264), (76, 8, 1000, 1),
+    (2048, 8, 64, 264), (1, 1, 1, 264)])
+def test_the_prefix_splits_cover_every_key_once_in_whole_staged_blocks(rows, kv_heads, length, target):
+    """Every split of the tensor-core kernel has a key (its peak is finite), chunks are whole blocks of
+    staged keys, and the launch stays near its target number of blocks unless the prefix is too short."""
+    from mlxq.kv.prefix_mma_kernel import KEYS_PER_BLOCK, QUERY_ROWS, split_plan
+
+    chunk, splits = split_plan(rows, kv_heads, length, target)
+    assert chunk % KEYS_PER_BLOCK == 0 and (splits - 1) * chunk < length <= splits * chunk
+    blocks = splits * -(-rows // QUERY_ROWS) * kv_heads
+    assert blocks <= max(target, -(-rows // QUERY_ROWS) * kv_heads) * 2
+    assert splits == 1 or blocks >= target // 2 or chunk == KEYS_PER_BLOCK
+
+
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 def test_the_cuda_kernels_match_the_plain_path():
     """Measured on the H200: float32 9.2e-5 (one kernel) / 1.5e-7 (split) / 9.2e-5 (gqa); bf16 4.9e-3 /
@@ -138,6 +176,28 @@ def test_the_cuda_kernels_match_the_plain_path():
     assert max(shared_prefix_decode.self_check(mx.bfloat16).values()) < 2e-2
     assert shared_prefix_decode.grouped_self_check(mx.float32) < 2e-4  # not run on a device yet
     assert shared_prefix_decode.grouped_self_check(mx.bfloat16) < 2e-2
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+def test_the_tensor_core_prefix_kernel_matches_the_stacked_gemms():
+    from mlxq.kv import prefix_mma_kernel
+
+    assert prefix_mma_kernel.self_check() < 2e-2
+    assert prefix_mma_kernel.self_check(rows=64, heads=32, kv_heads=8, length=2048) < 2e-2
+    assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64) < 2e-2
+    assert prefix_mma_kernel.self_check(rows=70, warps=8) < 2e-2  # not run on a device yet
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+def test_the_mma_path_with_gqa_tails_matches_the_plain_path():
+    """Not run on a device yet."""
+    from mlxq.kv import shared_prefix_decode
+
+    q, pk, pv, tk, tv, starts, scale = shared_prefix_decode._check_inputs(mx.bfloat16)
+    want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale).astype(mx.float32)
+    with shared_prefix_decode.forced("mma_gqa"):
+        got = shared_prefix_decode.attention(q, pk, pv, tk, tv, starts, scale).astype(mx.float32)
+    assert mx.abs(got - want).max().item() < 2e-2
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -159,3 +219,16 @@ def test_quantized_triples_equal_mlx_lm_quantized_attention_over_copies(bits):
     want = base.quantized_scaled_dot_product_attention(mx.array(q), keys, values, 0.125, own[:, None, None, :],
                                                        64, bits)
     assert mx.abs(got - want).max().item() < TOLERANCE
+
+
+def test_split_prefix_levels_merge_to_the_whole_prefix():
+    """The flash-decoding identity the tensor-core kernel relies on: the prefix cut into chunks, each
+    chunk's level (its own peak) stacked along a split axis, merges to the whole prefix's level."""
+    from mlxq.kv.prefix_mma_kernel import merged
+    from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
+
+    q, pk, pv, _, _, _ = make_group(5, 8, 2, 300, 4, 1, 64, [0, 1, 2, 3, 0], seed=4)
+    weighted, _, total = stacked_prefix_stats(q, pk, pv, 0.125)
+    levels = [stacked_prefix_stats(q, pk[:, :, a:a + 64], pv[:, :, a:a + 64], 0.125) for a in range(0, 300, 64)]
+    got = merged(*(mx.stack([level[i] for level in levels], axis=1) for i in range(3)))
+    assert mx.abs(got - weighted / total).max().item() < 1e-6

@@ -1,0 +1,326 @@
+"""A group's queries against its shared prefix on tensor cores: flash-decoding partials per split.
+
+The split path (kv/tail_merge_kernel.py) computes the prefix level as
+stacked GEMMs per KV head (cuBLAS) with the softmax between them as plain
+MLX operations: the [rows x group, prefix] score matrix goes to device
+memory in float32 and back three times, and at 64 rows on a 16k prefix
+that traffic, not the 64 MB of prefix K/V, bounds the layer (0.88 ms on the
+H200, docs/benchmarks.md). The gqa path walks the prefix per row on CUDA
+cores: ~17 GFLOP per layer at 64 x 16k, too many multiply-adds for them.
+
+Here one kernel does both products on tensor cores (``mma.sync`` m16n8k16,
+bf16 in, float32 accumulate) with the online softmax in registers between
+them, FlashAttention-2's shape turned to decode: the rows' queries of one
+KV head are the M axis (row b's query head kv * group + i is row
+b * group + i), the prefix is split into chunks of keys (flash-decoding),
+and one block of ``WARPS`` warps (16 query rows each) walks one chunk for
+their query rows, 64 keys at a time staged in shared memory by ``cp.async`` (the next
+block's keys load while this block's values are multiplied). Each split
+writes its partial level (weighted values, peak, total; float32, natural
+log units) and kv/tail_merge_kernel.py merges the splits with each row's
+tail and the sink in its epilogue. The probabilities enter the second
+product rounded to bf16, as the plain path's ``weights.astype(values.dtype)
+@ values`` does; their sums stay float32.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
+
+HEAD_DIMS = (64, 128)
+KEYS_PER_BLOCK = 64  # keys staged in shared memory per step (and the chunk granularity)
+WARPS = 4  # per block, 16 query rows each
+QUERY_ROWS = 16 * WARPS  # query rows per block
+TARGET_BLOCKS = 264  # blocks per launch the splits aim at: two per SM of an H200 (132 SMs)
+
+_HEADER = """
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    unsigned address;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
+    return address;
+}
+
+// 16 bytes global -> shared, zero-filled when ``valid`` is false (``src`` must still be a valid address).
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;"); }
+
+// All committed copies but the newest group are done (then a barrier makes them visible to the block).
+__device__ __forceinline__ void wait_all_but_newest() { asm volatile("cp.async.wait_group 1;"); }
+
+__device__ __forceinline__ void load_matrices(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+
+__device__ __forceinline__ void load_matrices_transposed(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+
+// c += a (16x16, row-major fragment) * b (16x8, column-major fragment), bf16 in, float32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float low, float high) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(low, high);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Query row m of KV head kvh in the stacked layout: row m / group's head kvh * group + m % group.
+__device__ __forceinline__ unsigned query_word(const __nv_bfloat16* queries, int m, int rows, int group, int heads,
+                                               int kvh, int dim, int column) {
+    if (m >= rows) {
+        return 0u;
+    }
+    const int64_t at = ((int64_t)(m / group) * heads + kvh * group + m % group) * dim + column;
+    return *reinterpret_cast<const unsigned*>(queries + at);
+}
+
+// Stage keys [first, first + KB) of one head into shared rows of PAD elements; rows past ``end`` are zeros.
+template <int D, int KB, int PAD, int NT>
+__device__ __forceinline__ void stage_keys(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride, int first,
+                                           int end) {
+    constexpr int PER_ROW = D / 8;  // 16-byte pieces per key
+    for (int c = threadIdx.x; c < KB * PER_ROW; c += NT) {
+        const int row = c / PER_ROW;
+        const int piece = c % PER_ROW;
+        const bool valid = first + row < end;
+        const __nv_bfloat16* from = src + (valid ? (int64_t)(first + row) * stride + piece * 8 : 0);
+        copy16_async(dst + row * PAD + piece * 8, from, valid);
+    }
+}
+"""
+
+_SOURCE = """
+    constexpr int KB = 64;
+    constexpr int PAD = D + 8;  // 16-byte aligned rows whose ldmatrix reads hit 32 different banks
+    constexpr int KSTEPS = D / 16;
+    constexpr int DTILES = D / 8;
+    constexpr int NTILES = KB / 8;
+    constexpr float LOG2E = 1.4426950408889634f;
+    __shared__ __align__(16) __nv_bfloat16 key_tile[KB * PAD];
+    __shared__ __align__(16) __nv_bfloat16 value_tile[KB * PAD];
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int kvh = blockIdx.z;
+    const int split = blockIdx.y;
+    const int splits = gridDim.y;
+    const int heads = queries_shape[1];
+    const int group = heads / prefix_keys_shape[1];
+    const int rows = queries_shape[0] * group;
+    const int length = prefix_keys_shape[2];
+    const int first = split * chunk[0];
+    const int end = min(first + chunk[0], length);
+    const int r0 = blockIdx.x * NT / 2 + warp * 16 + lane / 4;  // 16 query rows per warp
+    const int r1 = r0 + 8;
+    const float scale2 = scale[0] * LOG2E;  // scores in log2 units: exp2f
+    const __nv_bfloat16* kbase = prefix_keys + kvh * prefix_keys_strides[1];
+    const __nv_bfloat16* vbase = prefix_values + kvh * prefix_values_strides[1];
+    const int64_t kstride = prefix_keys_strides[2];
+    const int64_t vstride = prefix_values_strides[2];
+
+    unsigned qa[KSTEPS][4];
+    for (int k = 0; k < KSTEPS; k++) {
+        const int column = k * 16 + (lane % 4) * 2;
+        qa[k][0] = query_word(queries, r0, rows, group, heads, kvh, D, column);
+        qa[k][1] = query_word(queries, r1, rows, group, heads, kvh, D, column);
+        qa[k][2] = query_word(queries, r0, rows, group, heads, kvh, D, column + 8);
+        qa[k][3] = query_word(queries, r1, rows, group, heads, kvh, D, column + 8);
+    }
+    float o[DTILES][4];
+    for (int t = 0; t < DTILES; t++) {
+        o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+    }
+    float peak[2] = {NEG_INF, NEG_INF};
+    float total[2] = {0.0f, 0.0f};
+
+    stage_keys<D, KB, PAD, NT>(key_tile, kbase, kstride, first, end);
+    commit_async();
+    stage_keys<D, KB, PAD, NT>(value_tile, vbase, vstride, first, end);
+    commit_async();
+    for (int block = first; block < end; block += KB) {
+        wait_all_but_newest();  // this block's keys (its values may still be in flight)
+        __syncthreads();
+        float s[NTILES][4];
+        for (int n = 0; n < NTILES; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            for (int k = 0; k < KSTEPS; k += 2) {
+                unsigned b[4];
+                load_matrices(b, key_tile + (n * 8 + lane % 8) * PAD + k * 16 + (lane / 8) * 8);
+                mma_bf16(s[n], qa[k], b[0], b[1]);
+                mma_bf16(s[n], qa[k + 1], b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with the keys: the next block's may overwrite them
+        if (block + KB < end) {
+            stage_keys<D, KB, PAD, NT>(key_tile, kbase, kstride, block + KB, end);
+        }
+        commit_async();
+        float top[2] = {peak[0], peak[1]};
+        for (int n = 0; n < NTILES; n++) {
+            const int key = block + n * 8 + (lane % 4) * 2;
+            for (int i = 0; i < 4; i++) {
+                s[n][i] = key + (i & 1) < end ? s[n][i] * scale2 : NEG_INF;
+            }
+            top[0] = fmaxf(top[0], fmaxf(s[n][0], s[n][1]));
+            top[1] = fmaxf(top[1], fmaxf(s[n][2], s[n][3]));
+        }
+        for (int h = 0; h < 2; h++) {  // the quad holding a row agrees on its peak
+            top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 1));
+            top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 2));
+        }
+        const float f0 = exp2f(peak[0] - top[0]);  // every block has a key in range: top is finite
+        const float f1 = exp2f(peak[1] - top[1]);
+        total[0] *= f0;
+        total[1] *= f1;
+        for (int n = 0; n < NTILES; n++) {
+            s[n][0] = exp2f(s[n][0] - top[0]);
+            s[n][1] = exp2f(s[n][1] - top[0]);
+            s[n][2] = exp2f(s[n][2] - top[1]);
+            s[n][3] = exp2f(s[n][3] - top[1]);
+            total[0] += s[n][0] + s[n][1];
+            total[1] += s[n][2] + s[n][3];
+        }
+        for (int t = 0; t < DTILES; t++) {
+            o[t][0] *= f0;
+            o[t][1] *= f0;
+            o[t][2] *= f1;
+            o[t][3] *= f1;
+        }
+        peak[0] = top[0];
+        peak[1] = top[1];
+        wait_all_but_newest();  // this block's values
+        __syncthreads();
+        for (int k = 0; k < KB / 16; k++) {
+            const unsigned a[4] = {pack_bf16(s[2 * k][0], s[2 * k][1]), pack_bf16(s[2 * k][2], s[2 * k][3]),
+                                   pack_bf16(s[2 * k + 1][0], s[2 * k + 1][1]),
+                                   pack_bf16(s[2 * k + 1][2], s[2 * k + 1][3])};
+            for (int t = 0; t < DTILES; t += 2) {
+                unsigned b[4];
+                load_matrices_transposed(b, value_tile + (k * 16 + lane % 8 + ((lane / 8) % 2) * 8) * PAD + t * 8
+                                             + (lane / 16) * 8);
+                mma_bf16(o[t], a, b[0], b[1]);
+                mma_bf16(o[t + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with the values
+        if (block + KB < end) {
+            stage_keys<D, KB, PAD, NT>(value_tile, vbase, vstride, block + KB, end);
+        }
+        commit_async();
+    }
+    for (int h = 0; h < 2; h++) {  // each lane of the quad summed its own columns
+        total[h] += __shfl_xor_sync(0xffffffff, total[h], 1);
+        total[h] += __shfl_xor_sync(0xffffffff, total[h], 2);
+    }
+    constexpr float LN2 = 0.6931471805599453f;
+    const int64_t level = ((int64_t)kvh * splits + split) * rows;
+    const int mine[2] = {r0, r1};
+    for (int h = 0; h < 2; h++) {
+        if (mine[h] >= rows) {
+            continue;
+        }
+        if (lane % 4 == 0) {
+            out_peak[level + mine[h]] = peak[h] * LN2;
+            out_total[level + mine[h]] = total[h];
+        }
+        float* w = out_weighted + (level + mine[h]) * D + (lane % 4) * 2;
+        for (int t = 0; t < DTILES; t++) {
+            *reinterpret_cast<float2*>(w + t * 8) = make_float2(o[t][2 * h], o[t][2 * h + 1]);
+        }
+    }
+"""
+
+_kernel = None
+_scales: dict[float, mx.array] = {}
+_chunks: dict[int, mx.array] = {}
+
+
+def can_run(queries: mx.array, prefix_keys: mx.array) -> bool:
+    """One bf16 query per row, a head width the kernel has, a non-empty bf16 prefix, GQA-divisible heads
+    (the values are the keys' shape and dtype in every cache)."""
+    dim = queries.shape[-1]
+    return (queries.shape[2] == 1 and dim in HEAD_DIMS and queries.dtype == prefix_keys.dtype == mx.bfloat16
+            and prefix_keys.shape[-1] == dim and prefix_keys.shape[2] > 0
+            and queries.shape[1] % prefix_keys.shape[1] == 0)
+
+
+def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGET_BLOCKS,
+               warps: int = WARPS) -> tuple[int, int]:
+    """(keys per split, splits) for ``rows`` stacked query rows per KV head over ``length`` keys: enough
+    splits that the launch has about ``target_blocks`` blocks, each a whole number of staged blocks."""
+    tiles = -(-rows // (16 * warps)) * kv_heads
+    wanted = max(1, min(-(-target_blocks // tiles), -(-length // KEYS_PER_BLOCK)))
+    chunk = -(-length // wanted)
+    chunk = -(-chunk // KEYS_PER_BLOCK) * KEYS_PER_BLOCK
+    return chunk, -(-length // chunk)
+
+
+def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, scale: float,
+                    target_blocks: int = TARGET_BLOCKS, warps: int = WARPS) -> tuple[mx.array, mx.array, mx.array]:
+    """Every row's queries against the prefix, one level per split (``can_run`` shapes).
+
+    queries [B, Hq, 1, D]; prefix_* [1, Hkv, P, D] (last axis contiguous, rows 16-byte aligned, as
+    caches hold them). Returns (weighted [Hkv, S, B * group, D], peak and total [Hkv, S, B * group,
+    1]), float32, in the stacked row order of kv/shared_prefix_attention.stacked_prefix_stats."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="mlxq_prefix_mma_partials",
+            input_names=["queries", "prefix_keys", "prefix_values", "scale", "chunk"],
+            output_names=["out_weighted", "out_peak", "out_total"],
+            source=_SOURCE, header=_HEADER, ensure_row_contiguous=False)
+    batch, heads, _, dim = queries.shape
+    kv_heads, length = prefix_keys.shape[1], prefix_keys.shape[2]
+    rows = batch * heads // kv_heads
+    chunk, splits = split_plan(rows, kv_heads, length, target_blocks, warps)
+    if scale not in _scales:
+        _scales[scale] = mx.array([scale], mx.float32)
+    if chunk not in _chunks:
+        _chunks[chunk] = mx.array([chunk], mx.int32)
+    level = (kv_heads, splits, rows)
+    return tuple(_kernel(
+        inputs=[mx.contiguous(queries), prefix_keys, prefix_values, _scales[scale], _chunks[chunk]],
+        template=[("D", dim), ("NT", 32 * warps)],
+        grid=(-(-rows // (16 * warps)) * 32 * warps, splits, kv_heads),
+        threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(*level, dim), (*level, 1), (*level, 1)],
+        output_dtypes=[mx.float32] * 3,
+    ))
+
+
+def merged(weighted: mx.array, peak: mx.array, total: mx.array) -> mx.array:
+    """The splits' levels as one normalized output [Hkv, rows, D] (plain MLX; the check's reference form)."""
+    top = peak.max(axis=1, keepdims=True)
+    factor = mx.exp(peak - top)
+    return (weighted * factor).sum(axis=1) / (total * factor).sum(axis=1)
+
+
+def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int = 1000, dim: int = 128,
+               warps: int = WARPS) -> float:
+    """Max |kernel - plain stacked GEMMs| of the normalized prefix level, bf16, for one split (a chunk of
+    many staged blocks, the last one partial) and for many; rows x group not a multiple of 64; the
+    prefix a strided view of a longer buffer."""
+    q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
+    buffer = mx.random.normal((2, 1, kv_heads, length + 77, dim)).astype(mx.bfloat16)
+    keys, values = buffer[0, :, :, 5:length + 5], buffer[1, :, :, 5:length + 5]
+    scale = dim**-0.5
+    weighted, _, total = stacked_prefix_stats(q, keys, values, scale)
+    want = weighted / total
+    worst = 0.0
+    for target in (1, TARGET_BLOCKS):
+        got = merged(*prefix_partials(q, keys, values, scale, target, warps))
+        worst = max(worst, mx.abs(got - want).max().item())
+    return worst
