@@ -113,15 +113,23 @@ class TailSharing:
 
     def _join_shared_tails(self, joining: list[Joiner]) -> list[Joiner]:
         """Join the joiners whose tails this step prefilled on a shared prefix (they must: their own
-        caches hold the prefix only); returns the others, to join the usual way."""
+        caches hold the prefix only, so a join that fails fails them); returns the others, to join
+        the usual way."""
         kept = self._prefilled_together
         shared = None if kept is None else kept.shared
         if shared is None:
             return joining
-        group = [j for j in joining if j in kept.joiners]
-        if not kept.serves(group):
-            raise RuntimeError("joiners prefilled on a shared prefix must join together, in order")
         self._prefilled_together = None
+        group = [j for j in joining if j in kept.joiners]
+        try:
+            if not kept.serves(group):
+                raise RuntimeError("joiners prefilled on a shared prefix must join together, in order")
+            self._adopt_shared(group, shared)
+        except Exception as exc:
+            self._fail_joiners(group, "join", exc)
+        return [j for j in joining if j not in kept.joiners]
+
+    def _adopt_shared(self, group: list[Joiner], shared: SharedTails) -> None:
         rows = [j.row for j in group]
         lasts = mx.array([j.prompt[-1] for j in group], dtype=mx.uint32)
         pending = Pending(lasts, [None] * len(group), [True] * len(group))
@@ -133,5 +141,3 @@ class TailSharing:
             self.sharing_stats.rows_joined += len(rows)
         self.batch.copies.kept += len(rows)
         self.batch.copies.referenced += len(rows)
-        return [j for j in joining if j not in kept.joiners]
-

@@ -31,12 +31,13 @@ def routed():
 
 
 def sharing_scheduler(model, tokenizer):
-    finished: dict[str, tuple[list[int], int]] = {}
+    finished: dict[str, tuple] = {}  # request id -> (tokens, cached tokens, finish reason)
     scheduler = BatchScheduler(
         model, tokenizer, measure_footprint(model), SchedulerConfig(32, 4, 2048, None, token0_in_decode=True),
         prompt_cache=PromptCache(1 << 30), sharing=SharingPolicy("on", plan_sharing(model)),
-        on_finish=lambda row: finished.__setitem__(row.request.request_id,
-                                                   (row.output.tokens, row.output.cached_tokens)))
+        on_finish=lambda row: finished.__setitem__(row.request.request_id, (row.output.tokens,
+                                                                            row.output.cached_tokens,
+                                                                            row.output.finished)))
     return scheduler, finished
 
 
@@ -108,3 +109,25 @@ def test_a_lone_agent_on_its_own_copy_is_grouped_when_a_burst_on_its_prefix_arri
     expected = serial_with_cache(model, tokenizer, cold + cached)
     for r in cold + cached:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_a_failed_join_of_shared_tails_fails_those_rows_and_the_scheduler_goes_on(load_tiny, monkeypatch):
+    from mlxq.engine.types import FinishReason
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    run_wave(scheduler, wave(tokenizer, shared, "cold", 2, "Agent"))
+
+    def broken(*args, **kwargs):
+        raise TypeError("no room for these rows")
+
+    monkeypatch.setattr(scheduler.batch, "adopt_grouped", broken)
+    failing = wave(tokenizer, shared, "failing", 4, "Please")
+    run_wave(scheduler, failing)  # their KV lived only in the shared batch: they fail, nothing hangs
+    assert all(finished[r.request_id][2] is FinishReason.ERROR for r in failing)
+    monkeypatch.undo()
+    later = wave(tokenizer, shared, "later", 4, "Kindly")
+    run_wave(scheduler, later)
+    assert all(finished[r.request_id][2] is FinishReason.LENGTH for r in later)
+    assert scheduler.batch.copies.referenced == 4
