@@ -179,9 +179,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes
         room = None if limit is None else limit * SHED_AT - mx.get_active_memory()
-        step = self.config.prefill_step_size
-        # Short tails take up to two chunks' worth a step: what the transient reserve assumes a step
-        # may take (engine/transient.py), so a burst of agents on a cached prompt prefills together.
+        step = self.config.prefill_step_size  # short tails: two chunks' worth, as engine/transient.py assumes
         return Limits(self.caps.rows, self.config.prompt_concurrency, self.caps.group, step,
                       self.config.kv_budget_bytes, self.config.transient_budget_bytes, room, tail_budget=2 * step)
 
