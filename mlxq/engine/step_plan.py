@@ -27,7 +27,7 @@ same way in engine/preempt.py (``plan_decode_preemption``, ``rows_that_fit``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from mlxq.engine.transient import ModelShape, joiners_transient
@@ -282,13 +282,16 @@ class LeaderChoice:
     shared: int  # prompt tokens the follower then takes from the prompt cache
 
 
-def choose_leader(joiner: PrefixView, candidates: Sequence[PrefixView]) -> LeaderChoice | None:
+def choose_leader(joiner: PrefixView, candidates: Iterable[PrefixView]) -> LeaderChoice | None:
     """The first joiner still prefilling at least MIN_SHARED_PREFILL tokens this one would compute too.
 
     A full-attention leader's whole prompt state serves any shared prefix (stored when its
     prefill ends); sliding-window and recurrent state exists only where the leader snapshots:
-    the end of its system prompt."""
+    the end of its system prompt. A joiner with fewer tokens of its own left (an agent's tail
+    after a cached prefix) follows nobody: ``candidates`` (lazily built) are then not read."""
     prompt = joiner.prompt
+    if len(prompt) - 1 - joiner.done < MIN_SHARED_PREFILL:
+        return None
     for index, leader in enumerate(candidates):
         if not leader.can_lead or leader.namespace != joiner.namespace:
             continue

@@ -209,6 +209,15 @@ def test_no_leader_for_a_short_share_another_namespace_or_a_leader_already_past_
     assert choose_leader(view(SHARED + [1], done=len(SHARED)), [view(SHARED + [2, 3])]) is None
 
 
+def test_an_agents_short_tail_looks_at_no_candidate():
+    def unread():
+        raise AssertionError("candidates read")
+        yield
+
+    tail = view(SHARED + [1] * (MIN_SHARED_PREFILL - 1), done=len(SHARED) + 1)  # 63 tokens of its own left
+    assert choose_leader(tail, unread()) is None
+
+
 def test_rings_and_recurrent_state_follow_only_to_the_leaders_system_prompt_snapshot():
     at = len(SHARED)
     leader = view(SHARED + [2] * 50, trimmable=False, snapshot_at=at)
