@@ -20,7 +20,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlxq.engine.faults import MemoryFault
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
-from mlxq.engine.shared_tails import evaluable
+from mlxq.engine.shared_tails import SharedTails, evaluable
 from mlxq.engine.step_plan import PrefillPlan
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
@@ -132,11 +132,7 @@ class Prefilling:
         last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
         with mx.stream(generation_stream):
             sources = self._lease_sources(group)
-            # Their last chunks on one leased prefix: read it by reference (engine/shared_tails.py).
-            shared = self._shared_tails(group) if last else None
-            # Else room for this chunk, and for the decode steps after it when the rows join as they are.
-            caches = shared.caches if shared else merge_with_room(
-                [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
+            caches, shared = self._forward_caches(group, longest, last, sources)
             padding = [longest - n for n in lengths]
             if any(padding):
                 for cache in caches:
@@ -161,6 +157,16 @@ class Prefilling:
         for i, (joiner, n) in enumerate(zip(group, lengths, strict=True)):  # only once everything succeeded
             joiner.caches = joiner.caches if rows is None else rows[i]
             self._advanced(joiner, n)
+
+    def _forward_caches(self, group: list[Joiner], longest: int, last: bool,
+                        sources: list) -> tuple[list, SharedTails | None]:
+        """(caches for the joiners' forward, SharedTails or None): their last chunks on one leased
+        prefix read it by reference (engine/shared_tails.py); else their caches merged, with room for
+        this chunk and for the decode steps after it when the rows join as they are."""
+        shared = self._shared_tails(group) if last else None
+        if shared is not None:
+            return shared.caches, shared
+        return merge_with_room([j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources), None
 
     def _lease_sources(self, group: list[Joiner]) -> list:
         """Per joiner, (its lease's node, tokens) while it holds exactly what its lease lent (nothing of
