@@ -118,6 +118,9 @@ def wave_summary(records: list[Record], samples: list[Sample], wall: float, stat
             "ram_tier": {k: cache.get(k) for k in ("entries", "nodes", "bytes", "max_bytes", "evictions", "puts")},
             "shared_prefills": (stats.get("batch") or {}).get("shared_prefills"),
             "preemptions": (stats.get("batch") or {}).get("faults", {}).get("preemptions"),
+            # Totals since the server started: how the joins went (kept/referenced/copied rows), prefill steps.
+            "row_copies": (stats.get("batch") or {}).get("row_copies"),
+            "prefill_iterations": ((stats.get("batch") or {}).get("phase_timing") or {}).get("prefill_iterations"),
             "max_pending": max((s.pending for s in samples), default=0),
             "queue_ms": spread([r.queue_ms for r in records if r.queue_ms is not None]),
             "ttft_phases_ms": phase_spread(records),

@@ -49,7 +49,7 @@ class Intake:
 
     def _follow_a_leader(self, joiner: Joiner) -> None:
         """Agents that arrive together with the same long prefix: prefill it once (step_plan.choose_leader)."""
-        choice = choose_leader(joiner.prefix_view(), [j.prefix_view() for j in self.joiners])
+        choice = choose_leader(joiner.prefix_view(), (j.prefix_view() for j in self.joiners))
         if choice is not None:
             leader = self.joiners[choice.leader]
             joiner.leader, joiner.wait_until, joiner.shared = leader, choice.wait_until, choice.shared
@@ -63,7 +63,7 @@ class Intake:
             return len(request.prompt_ids)
         _, cached = self.prompt_cache.held_path(request.namespace, request.prompt_ids)
         view = PrefixView(request.namespace, request.prompt_ids, cached, True, request.snapshot_at)
-        choice = choose_leader(view, [j.prefix_view() for j in self.joiners])
+        choice = choose_leader(view, (j.prefix_view() for j in self.joiners))
         return len(request.prompt_ids) - 1 - max(cached, choice.shared if choice else 0)
 
     def _release(self, joiner: Joiner) -> None:

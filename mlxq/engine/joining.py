@@ -52,7 +52,7 @@ class Joining:
         empty = [j for j in ready if j.done == 0]
         if empty:
             self._first_tokens(empty)
-        joining = [j for j in ready if j.done > 0]
+        joining = self._join_shared_tails([j for j in ready if j.done > 0])
         if not joining:
             return
         lasts = mx.array([j.prompt[-1] for j in joining], dtype=mx.uint32)

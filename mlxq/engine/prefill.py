@@ -20,6 +20,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlxq.engine.faults import MemoryFault
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
+from mlxq.engine.shared_tails import SharedTails, evaluable
 from mlxq.engine.step_plan import PrefillPlan
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
@@ -130,31 +131,42 @@ class Prefilling:
         chunks = [j.prompt[j.done : j.done + n] for j, n in zip(group, lengths, strict=True)]
         last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
         with mx.stream(generation_stream):
-            # Room for this chunk, and for the decode steps after it when the rows join as they are.
             sources = self._lease_sources(group)
-            caches = merge_with_room([j.caches for j in group], longest + (BatchKVCache.step if last else 0),
-                                     sources)
+            caches, shared = self._forward_caches(group, longest, last, sources)
             padding = [longest - n for n in lengths]
             if any(padding):
                 for cache in caches:
                     cache.prepare(lengths=lengths, right_padding=padding)
             tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
-            with adapter_rows(self.model, [j.row.request.adapter for j in group]):
+            with adapter_rows(self.model, [j.row.request.adapter for j in group]), self._routed(shared):
                 self.model(tokens, cache=caches)
             if any(padding):
                 for cache in caches:
                     finalize_chunks(cache)
-            self.faults.run("prefill", lambda: mx.eval([c.state for c in caches]))
-            # Joining next: the rows stay in this batch, the joiners read views into it (no copy).
-            rows = view_rows(caches, len(group)) if last else [extract_row(caches, i) for i in range(len(group))]
-        self.batch.copies.broadcast += same_as_previous(sources)
+            self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
+            # Joining next: the rows stay in this batch, the joiners read views into it (no copy); on a
+            # shared prefix their own caches (the prefix) are read no more: they join with this batch.
+            rows = (None if shared else view_rows(caches, len(group)) if last
+                    else [extract_row(caches, i) for i in range(len(group))])
         if last:
-            self._prefilled_together = PrefilledTogether(tuple(group), caches)
+            self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
         else:
             self.batch.copies.extracted += len(group)
-        for joiner, row_caches, n in zip(group, rows, lengths, strict=True):  # only once everything succeeded
-            joiner.caches = row_caches
+        if not shared:
+            self.batch.copies.broadcast += same_as_previous(sources)
+        for i, (joiner, n) in enumerate(zip(group, lengths, strict=True)):  # only once everything succeeded
+            joiner.caches = joiner.caches if rows is None else rows[i]
             self._advanced(joiner, n)
+
+    def _forward_caches(self, group: list[Joiner], longest: int, last: bool,
+                        sources: list) -> tuple[list, SharedTails | None]:
+        """(caches for the joiners' forward, SharedTails or None): their last chunks on one leased
+        prefix read it by reference (engine/shared_tails.py); else their caches merged, with room for
+        this chunk and for the decode steps after it when the rows join as they are."""
+        shared = self._shared_tails(group) if last else None
+        if shared is not None:
+            return shared.caches, shared
+        return merge_with_room([j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources), None
 
     def _lease_sources(self, group: list[Joiner]) -> list:
         """Per joiner, (its lease's node, tokens) while it holds exactly what its lease lent (nothing of

@@ -191,3 +191,38 @@ class SharingStats:
             "group_rows": sum(group.rows for group in groups),
             "prefix_tokens": [group.prefix_length for group in groups],
         }
+
+
+@dataclass(frozen=True)
+class TailsGroup:
+    """Where joiners prefilling their last chunks in one forward read a prefix by reference."""
+
+    group: Group  # the prefix (node, length); ``shares``: the running rows in it (those first, as the batch has them)
+    into: int | None  # the running group they join; None: a new group (running members, if any, grouped first)
+
+
+def tails_group(groups: tuple[Group, ...], running: list[Lease | None], joining: list[Lease | None],
+                waiting: list[Lease | None], policy: SharingPolicy | None) -> TailsGroup | None:
+    """The prefix every joiner of ``joining`` (all advancing their last chunks together) reads by
+    reference, or None (then their caches are merged, a copy of the prefix per row).
+
+    Every joiner must hold the prefix from the same node chain (its lease: the same K/V) and be
+    in the group: a running group it may join in place (``join_in_place``), else the group
+    ``choose_group`` picks among the running rows, the joiners and the joiners still ``waiting``
+    on their prefixes (so ``auto`` counts the whole wave, not one step's share of it). A batch
+    running without a group joins only when some of its rows are in the new group (they are
+    grouped first); one running other groups does not."""
+    if policy is None or len(joining) < 2 or any(lease is None or not lease.held for lease in joining):
+        return None
+    if groups:
+        into = join_in_place(groups, running, joining, policy)
+        if into is None or into[0] < 0 or any(g != into[0] for g in into):
+            return None
+        return TailsGroup(groups[into[0]], into[0])
+    group = choose_group(running + joining + waiting, policy)
+    if group is None or not all(group.shares[len(running) : len(running) + len(joining)]):
+        return None
+    members = group.shares[: len(running)]
+    if running and not any(members):
+        return None
+    return TailsGroup(Group(group.node, group.prefix_length, members), None)

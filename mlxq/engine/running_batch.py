@@ -57,10 +57,14 @@ class RunningBatch:
     groups: tuple[Group, ...] = ()  # rows reading a shared prefix, per prefix (none: every row holds its own)
     copies: RowCopies = field(default_factory=RowCopies)  # whole-row copies around joins, counted
 
-    def __setattr__(self, name, value) -> None:
-        super().__setattr__(name, value)
-        if name == "groups":  # the model's attention goes through the seam only while a group runs
-            attention_route.use_shared(bool(value))
+    def __post_init__(self) -> None:
+        self.set_groups(self.groups)  # a new batch routes as its groups say (plan_sharing's probe installed the seam)
+
+    def set_groups(self, groups: tuple[Group, ...]) -> None:
+        """Every change of the groups comes here: the model's attention goes through the shared-prefix
+        seam only while a group runs (kv/attention_route.py)."""
+        self.groups = groups
+        attention_route.use_shared(bool(groups))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -100,7 +104,7 @@ class RunningBatch:
         extend_batch(self.caches, joining)
         self.pending = self.pending.extend(pending)
         self.rows += rows
-        self.groups = tuple(group.extend([g == i for i in into]) for g, group in enumerate(self.groups))
+        self.set_groups(tuple(group.extend([g == i for i in into]) for g, group in enumerate(self.groups)))
 
     def row_caches(self, index: int) -> list:
         """Row ``index``'s caches as solo caches: a copy out of a batch, the caches themselves when alone."""
@@ -128,24 +132,28 @@ class RunningBatch:
             keep_rows(self.caches, keep)  # a group no row reads any more leaves the caches too
             groups = tuple(g for g in (group.keep(keep) for group in self.groups) if g.rows)
             if len(keep) == 1:
-                self.caches, self.batched, self.groups = extract_row(self.caches, 0), False, ()
+                self.caches, self.batched = extract_row(self.caches, 0), False
+                self.set_groups(())
             elif self.groups and sum(group.rows for group in groups) < 2:
                 self._unshare()  # also when every group left: strays alone go back to per-row caches
             else:
-                self.groups = groups
+                self.set_groups(groups)
 
     def clear(self) -> list[Row]:
         """Drop every row's KV and pending state; the rows are returned to be finished or requeued."""
         rows = self.rows
-        self.rows, self.caches, self.batched, self.pending, self.groups = [], None, False, None, ()
+        self.rows, self.caches, self.batched, self.pending = [], None, False, None
+        self.set_groups(())
         return rows
 
     def share(self, groups: tuple[Group, ...], plan: SharingPlan) -> None:
         """Rebuild the batched caches so each group's rows hold only their tails past its prefix
-        (read from its node chain) and every other row its whole history."""
-        self.caches = _grouped_caches(plan, view_rows(self.caches, len(self.rows)), groups)
+        (read from its node chain) and every other row its whole history. A lone row's solo caches
+        become a batch of one."""
+        rows = view_rows(self.caches, len(self.rows)) if self.batched else [self.caches]
+        self.caches, self.batched = _grouped_caches(plan, rows, groups), True
         # No layer may share (e.g. quantized KV on a GPU backend): the caches are per row again.
-        self.groups = groups if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else ()
+        self.set_groups(groups if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else ())
 
     def start_grouped(self, rows: list[Row], solo_caches: list[list], groups: tuple[Group, ...], plan: SharingPlan,
                       pending: Pending) -> None:
@@ -154,15 +162,30 @@ class RunningBatch:
         first (a second copy of each row's prefix, for a moment) is never made."""
         if self.rows:
             raise ValueError("start_grouped needs an empty batch")
-        caches = _grouped_caches(plan, solo_caches, groups)
+        self.adopt_grouped(rows, _grouped_caches(plan, solo_caches, groups), groups, pending)
+
+    def adopt_grouped(self, rows: list[Row], caches: list, groups: tuple[Group, ...], pending: Pending) -> None:
+        """Into an empty batch: rows whose batched caches already read their groups' prefixes by
+        reference (``start_grouped``, or joiners whose tails were prefilled on the group: engine/prefill.py)."""
+        if self.rows:
+            raise ValueError("adopt_grouped needs an empty batch")
         self.rows, self.caches, self.batched, self.pending = list(rows), caches, True, pending
-        self.groups = groups if any(isinstance(c, SharedPrefixBatchCache) for c in caches) else ()
+        self.set_groups(groups if any(isinstance(c, SharedPrefixBatchCache) for c in caches) else ())
+
+    def join_shared(self, rows: list[Row], caches: list, group: int, pending: Pending) -> None:
+        """Add rows whose batched caches read running group ``group``'s prefix arrays (the same
+        objects: one group, kv/shared_prefix_cache.py ``extend``) and hold only their tails."""
+        check_extendable(self.caches, caches)
+        extend_batch(self.caches, caches)
+        self.pending = self.pending.extend(pending)
+        self.rows += rows
+        self.set_groups(tuple(g.extend([i == group] * len(rows)) for i, g in enumerate(self.groups)))
 
     def _unshare(self) -> None:
         """Back to per-row batched caches (each group row's copy of its prefix plus its tail)."""
         if self.groups:
             self.caches = merge_solo_rows([extract_row(self.caches, i) for i in range(len(self.rows))])
-            self.groups = ()
+            self.set_groups(())
 
 
 def _grouped_caches(plan: SharingPlan, rows: list[list], groups: tuple[Group, ...]) -> list:

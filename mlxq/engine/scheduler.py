@@ -46,6 +46,7 @@ from mlxq.engine.prefix_sharing import SharingPolicy, SharingStats
 from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending, RunningBatch
 from mlxq.engine.shared_accounting import credited, credits, shares_layers
+from mlxq.engine.shared_tails import TailSharing
 from mlxq.engine.shedding import MemoryShedding, resumed_size
 from mlxq.engine.step_plan import (
     Extent,
@@ -87,7 +88,7 @@ class SchedulerConfig:
     shape: ModelShape | None = None  # what those transients are computed from
 
 
-class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints):
+class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, RowCheckpoints):
     def __init__(self, model, tokenizer, footprint: KvFootprint, config: SchedulerConfig,
                  on_finish: Callable[[Row], None] = lambda row: None, prompt_cache=None,
                  scheme: KvScheme = NATIVE, evaluator: Evaluator | None = None,
@@ -178,8 +179,9 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, Joining, RowCheckpoints
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes
         room = None if limit is None else limit * SHED_AT - mx.get_active_memory()
-        return Limits(self.caps.rows, self.config.prompt_concurrency, self.caps.group, self.config.prefill_step_size,
-                      self.config.kv_budget_bytes, self.config.transient_budget_bytes, room)
+        step = self.config.prefill_step_size  # short tails: two chunks' worth, as engine/transient.py assumes
+        return Limits(self.caps.rows, self.config.prompt_concurrency, self.caps.group, step,
+                      self.config.kv_budget_bytes, self.config.transient_budget_bytes, room, tail_budget=2 * step)
 
     def _finish(self, row: Row, reason: FinishReason, error: str | None = None) -> None:
         row.output.finish(reason, error=error)

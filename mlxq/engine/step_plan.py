@@ -27,7 +27,7 @@ same way in engine/preempt.py (``plan_decode_preemption``, ``rows_that_fit``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from mlxq.engine.transient import ModelShape, joiners_transient
@@ -69,6 +69,7 @@ class Limits:
     kv_budget: int | None = None  # bytes: projected KV of every row at prompt + max_tokens (--kv-budget)
     transient_budget: int | None = None  # bytes: the joiners' worst prefill step together; 0/None: no reserve
     memory_room: int | None = None  # bytes MLX may still take before the shed line; None = no limit
+    tail_budget: int | None = None  # prompt tokens per step while only short last chunks advance (None: prefill_budget)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,12 @@ class JoinerView:
         return self.done >= self.extent.prompt - 1
 
     @property
+    def finishes_short_tail(self) -> bool:
+        """Its next chunk ends its prefill and is short (SHORT_PREFILL): an agent's own tail after a
+        cached or shared prefix."""
+        return 0 < self.next_chunk <= SHORT_PREFILL and self.done + self.next_chunk >= self.extent.prompt - 1
+
+    @property
     def own_tokens(self) -> int:
         """Prompt tokens it prefills itself: what neither the prompt cache nor its leader gives it."""
         start = max(self.done, self.shared) if self.following else self.done
@@ -230,17 +237,28 @@ class PrefillPlan:
 
 def plan_prefill(joiners: Sequence[JoinerView], limits: Limits, quantized: bool = False) -> PrefillPlan:
     """Joiners advance FIFO until one chunk's worth of tokens was spent this step (the last one
-    may pass it), at most ``group_cap`` of them; restoring and waiting joiners do not advance."""
-    budget = limits.prefill_budget
+    may pass it), at most ``group_cap`` of them; restoring and waiting joiners do not advance.
+
+    While every joiner advancing finishes a short tail (a burst of agents on a cached prompt),
+    the step takes up to ``tail_budget`` tokens instead, never more: such a wave's tails run as
+    one forward rather than in groups the later ones wait behind."""
+    tail_budget = limits.tail_budget or limits.prefill_budget
+    spent, tails_only, closed = 0, True, False
     restore, advance = [], []
     for i, joiner in enumerate(joiners):
         if joiner.restoring:
             restore.append(i)
             continue
-        if joiner.following or joiner.is_prefilled or budget <= 0 or len(advance) >= limits.group_cap:
+        if closed or joiner.following or joiner.is_prefilled or len(advance) >= limits.group_cap:
+            continue
+        if tails_only and joiner.finishes_short_tail and spent + joiner.next_chunk <= tail_budget:
+            spent += joiner.next_chunk
+        elif spent < limits.prefill_budget:
+            spent, tails_only = spent + joiner.next_chunk, False
+        else:
+            closed = True  # FIFO: nobody behind it advances before it
             continue
         advance.append(i)
-        budget -= joiner.next_chunk
     chunks = tuple(joiners[i].next_chunk for i in advance)
     return PrefillPlan(tuple(restore), tuple(advance), chunks, len(advance) > 1 and not quantized)
 
@@ -264,13 +282,16 @@ class LeaderChoice:
     shared: int  # prompt tokens the follower then takes from the prompt cache
 
 
-def choose_leader(joiner: PrefixView, candidates: Sequence[PrefixView]) -> LeaderChoice | None:
+def choose_leader(joiner: PrefixView, candidates: Iterable[PrefixView]) -> LeaderChoice | None:
     """The first joiner still prefilling at least MIN_SHARED_PREFILL tokens this one would compute too.
 
     A full-attention leader's whole prompt state serves any shared prefix (stored when its
     prefill ends); sliding-window and recurrent state exists only where the leader snapshots:
-    the end of its system prompt."""
+    the end of its system prompt. A joiner with fewer tokens of its own left (an agent's tail
+    after a cached prefix) follows nobody: ``candidates`` (lazily built) are then not read."""
     prompt = joiner.prompt
+    if len(prompt) - 1 - joiner.done < MIN_SHARED_PREFILL:
+        return None
     for index, leader in enumerate(candidates):
         if not leader.can_lead or leader.namespace != joiner.namespace:
             continue

@@ -42,6 +42,7 @@ class RowCopies:
     each is a new buffer of the row's whole KV, the cost a burst of agents pays per row."""
 
     kept: int = 0  # rows that joined in the batch their last chunk ran in (no copy)
+    referenced: int = 0  # of those, rows whose tails ran on their shared prefix by reference (no prefix copy)
     broadcast: int = 0  # rows merged from the row before them (the same stored prefix): no copy kernel of their own
     gathered: int = 0  # rows merged into a new batch to join (copied)
     extracted: int = 0  # rows copied out of a batch: after a chunk that was not their last, or leaving it to be stored
@@ -58,6 +59,7 @@ class PrefilledTogether:
 
     joiners: tuple
     caches: list
+    shared: object = None  # engine/shared_tails.SharedTails when the tails read their prefix by reference
 
     def serves(self, joiners: list) -> bool:
         """These caches hold exactly ``joiners``' rows, in that order."""

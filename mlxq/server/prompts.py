@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from mlxq.server.errors import APIError, invalid
+from mlxq.server.system_heads import system_head
 from mlxq.server.token_bound import token_lower_bound
 
 # The model's own template (a client cannot supply one: server/template_kwargs.py) still runs with a budget,
@@ -126,12 +127,18 @@ def system_prefix_length(tokenizer, messages, tools, template_kwargs: dict, prom
         leading += 1
     if leading == 0 or leading == len(messages):
         return None
-    try:
-        text = render_chat(tokenizer, messages[:leading] + [{"role": "user", "content": ""}], tools,
-                           template_kwargs, add_generation_prompt=False)
-    except APIError:  # the template insists on more context: no boundary, no harm
+
+    def render_head() -> list[int] | None:
+        try:
+            text = render_chat(tokenizer, messages[:leading] + [{"role": "user", "content": ""}], tools,
+                               template_kwargs, add_generation_prompt=False)
+        except APIError:  # the template insists on more context: no boundary, no harm
+            return None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    head = system_head(tokenizer, messages[:leading], tools, template_kwargs, render_head)
+    if head is None:
         return None
-    head = tokenizer.encode(text, add_special_tokens=False)
     n = 0
     for a, b in zip(head, prompt_ids, strict=False):
         if a != b:

@@ -55,7 +55,7 @@ def test_joiners_and_leavers_keep_the_group_and_equal_solo(load_tiny, arch):
     batch = RunningBatch()
     batch.join(["r0", "r1"], share_prefix(plan, [prefilled(model, p) for p in rows[:2]], prefix_length), True,
                pending(rows[:2]))
-    batch.groups = (Group(None, prefix_length, (True, True)),)
+    batch.set_groups((Group(None, prefix_length, (True, True)),))
     layers = shared_layers(batch)
     assert layers, "the plan shares at least one layer"
     prefix = [(c.prefix_keys, c.prefix_values) for c in layers]
@@ -101,7 +101,7 @@ def test_a_join_that_cannot_extend_changes_nothing(load_tiny):
     batch = RunningBatch()
     batch.join(["r0", "r1"], share_prefix(plan, [prefilled(model, p) for p in rows[:2]], prefix_length), True,
                pending(rows[:2]))
-    batch.groups = (Group(None, prefix_length, (True, True)),)
+    batch.set_groups((Group(None, prefix_length, (True, True)),))
     short = rows[2][: prefix_length - 3]  # holds fewer tokens than the prefix: cannot share it
     with pytest.raises(ValueError, match="fewer than"):
         batch.join_group(["r2"], [prefilled(model, short)], (0,), pending([short]), plan)
@@ -127,7 +127,7 @@ def test_joiners_reach_each_of_two_groups_and_a_group_can_leave_whole(load_tiny)
     batch, out = RunningBatch(), {}
     batch.join([0, 1], share_groups(plan, [prefilled(model, rows[i]) for i in (0, 1)],
                                     [PrefixSpec(n) for n in lengths], [0, 1]), True, pending([rows[0], rows[1]]))
-    batch.groups = (Group(None, lengths[0], (True, False)), Group(None, lengths[1], (False, True)))
+    batch.set_groups((Group(None, lengths[0], (True, False)), Group(None, lengths[1], (False, True))))
     layers = shared_layers(batch)
     prefix_b = [c.prefixes[1] for c in layers]
     decode(model, batch, out, 2)
@@ -199,7 +199,7 @@ def test_strays_left_without_a_group_go_back_to_per_row_caches_and_unrouted_atte
     batch, out = RunningBatch(), {}
     batch.join(names, share_groups(plan, [prefilled(model, p) for p in prompts_], [PrefixSpec(lengths[0])],
                                    [0, 0, -1, -1]), True, pending(prompts_))
-    batch.groups = (Group(None, lengths[0], (True, True, False, False)),)
+    batch.set_groups((Group(None, lengths[0], (True, True, False, False)),))
     assert llama.scaled_dot_product_attention is attention_route.route
     decode(model, batch, out, 2)
 

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from mlxq.engine.prefix_sharing import Group, SharingPolicy, choose_group, choose_groups, join_in_place, row_groups
+from mlxq.engine.prefix_sharing import (
+    Group,
+    SharingPolicy,
+    TailsGroup,
+    choose_group,
+    choose_groups,
+    join_in_place,
+    row_groups,
+    tails_group,
+)
 from mlxq.kv.sharing_plan import SharingPlan
 from mlxq.store.lease import Lease
 from mlxq.store.prefix_tree import Node
@@ -75,3 +84,46 @@ def test_agents_of_two_prompts_form_two_groups_under_on_and_one_under_auto():
     assert SharingPolicy("auto", PLAN).max_groups == 1 and SharingPolicy("on", PLAN).max_groups == 4
     late = [Lease(70, None, c), Lease(100, None, b)]
     assert join_in_place(groups, leases, late, SharingPolicy("on", PLAN)) == (1, 0)
+
+
+
+def test_joiners_read_by_reference_the_prefix_they_all_lease_from_one_chain():
+    a, b, c = tree()
+    on = SharingPolicy("on", PLAN)
+    # b: 3 rows x min(100, 80, 90) = 240 beats a's 3 x 40: the tails start past 80 tokens of b's chain.
+    choice = tails_group((), [], [Lease(100, None, b), Lease(80, None, b), Lease(90, None, b)], [], on)
+    assert (choice.group.node, choice.group.prefix_length, choice.group.shares, choice.into) == (b, 80, (), None)
+    # Leases that part after a: the prefix is a's 40 tokens; what each holds past it is its own tail.
+    choice = tails_group((), [], [Lease(100, None, b), Lease(60, None, c)], [], on)
+    assert (choice.group.node, choice.group.prefix_length) == (a, 40)
+    assert tails_group((), [], [Lease(100, None, b), None], [], on) is None  # one found nothing stored
+    assert tails_group((), [], [Lease(100, None, b)], [], on) is None  # a lone joiner
+    assert tails_group((), [], [Lease(100, None, b), Lease(80, None, b)], [], SharingPolicy("off", None)) is None
+    assert tails_group((), [], [Lease(100, None, b), Lease(80, None, b)], [], None) is None
+
+
+def test_tails_join_the_running_rows_on_their_prefix_grouping_them_first_if_need_be():
+    a, b, c = tree()
+    on = SharingPolicy("on", PLAN)
+    joining = [Lease(90, None, b), Lease(85, None, b)]
+    # Rows decoding on copies of b's prefix (and one on c's): those on b are grouped with the joiners.
+    choice = tails_group((), [Lease(100, None, b), Lease(60, None, c), Lease(80, None, b)], joining, [], on)
+    assert (choice.group.node, choice.group.prefix_length, choice.group.shares) == (b, 80, (True, False, True))
+    assert choice.into is None
+    assert tails_group((), [Lease(60, None, c), None], joining, [], on) is None  # no running row on it
+    # A running group on b: the joiners append to it.
+    running = [Lease(100, None, b), Lease(80, None, b)]
+    group = Group(b, 80, (True, True))
+    assert tails_group((group,), running, joining, [], on) == TailsGroup(group, 0)
+    assert tails_group((group,), running, joining + [Lease(60, None, c)], [], on) is None  # not all of them
+
+
+def test_auto_counts_the_joiners_still_waiting_on_the_prefix(monkeypatch):
+    from mlxq.engine import prefix_sharing
+
+    a, b, c = tree()
+    monkeypatch.setattr(prefix_sharing, "worth_sharing", lambda rows, length: rows * length >= 5 * 80)
+    auto = SharingPolicy("auto", PLAN)
+    joining, waiting = [Lease(100, None, b), Lease(80, None, b)], [Lease(90, None, b)] * 3
+    assert tails_group((), [], joining, [], auto) is None  # 2 x 80: per-row copies decode faster
+    assert tails_group((), [], joining, waiting, auto).group.prefix_length == 80  # the wave's other three follow

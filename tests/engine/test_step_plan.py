@@ -90,6 +90,22 @@ def test_released_tails_advance_together_within_the_step_budget():
     assert plan_prefill(tails, limits(group_cap=16, prefill_budget=200)).advance == tuple(range(6))
 
 
+def test_a_wave_of_short_tails_prefills_as_one_forward_within_the_tail_budget():
+    def cached(n):  # agents whose 2195-token system prompt is cached: 52 tokens of their own each
+        return [joiner(2248, done=2195) for _ in range(n)]
+
+    wide = dict(group_cap=128, prefill_budget=2048)
+    assert plan_prefill(cached(64), limits(**wide)).advance == tuple(range(40))  # one chunk's worth (the last passes)
+    plan = plan_prefill(cached(64), limits(**wide, tail_budget=4096))
+    assert plan.advance == tuple(range(64)) and plan.together and set(plan.chunks) == {52}
+    assert plan_prefill(cached(100), limits(**wide, tail_budget=4096)).advance == tuple(range(78))  # never past it
+    # A long chunk among them: one chunk's worth again, FIFO (no tail passes it).
+    mixed = cached(50) + [joiner(3000)] + cached(5)
+    assert plan_prefill(mixed, limits(**wide, tail_budget=4096)).advance == tuple(range(50))
+    long_first = [joiner(1000)] + cached(40)
+    assert plan_prefill(long_first, limits(**wide, tail_budget=4096)).advance == tuple(range(31))
+
+
 def test_memory_room_holds_newcomers_only_while_busy():
     one = Extent(100, 100)
     tight = limits(memory_room=ROW // 2)
@@ -191,6 +207,15 @@ def test_no_leader_for_a_short_share_another_namespace_or_a_leader_already_past_
     assert choose_leader(view(SHARED + [1]), [done]) is None
     # A joiner that has the shared part already (from the prompt cache) follows nobody.
     assert choose_leader(view(SHARED + [1], done=len(SHARED)), [view(SHARED + [2, 3])]) is None
+
+
+def test_an_agents_short_tail_looks_at_no_candidate():
+    def unread():
+        raise AssertionError("candidates read")
+        yield
+
+    tail = view(SHARED + [1] * (MIN_SHARED_PREFILL - 1), done=len(SHARED) + 1)  # 63 tokens of its own left
+    assert choose_leader(tail, unread()) is None
 
 
 def test_rings_and_recurrent_state_follow_only_to_the_leaders_system_prompt_snapshot():

@@ -1,0 +1,143 @@
+"""Agents on one cached prefix prefill their tails reading it by reference, then join as one group.
+
+A mixin of BatchScheduler (engine/scheduler.py). A burst of agents on a
+cached system prompt becomes joiners that each lease the same stored
+prefix. Merging their caches for one forward writes a copy of that prefix
+per row (and moving the rows by their padding after right-padded tails
+copies it again): on the H200, for 64 agents on a 2.2k-token prefix, those
+copies and their fresh buffers cost more than the forward itself. When
+``prefix_sharing.tails_group`` finds such a prefix, the tails' forward runs on
+SharedPrefixBatchCache layers instead: the prefix they all lease from one
+node chain referenced once (the chain's spans, or the running group's own
+arrays), only each row's tail written (what its lease lent past that
+prefix, and its chunk); the rows then join the batch as that group (adopted into an empty
+batch, or appended to the running group on the same prefix, which rows
+already decoding on their own copies of it form first), and no joiner
+ever holds a copy of the prefix.
+
+The tails' attention is the shared-prefix path (kv/shared_prefix_attention.py:
+the prefix and the tail merged by log-sum-exp), so rows grouped this way
+compute what grouped decode steps compute, not bit for bit what a row
+alone computes; it runs only where the policy groups rows anyway (never
+under ``--shared-prefix-attention off``, nor in ``auto`` on the CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxq.engine.joiners import Joiner
+from mlxq.engine.prefix_sharing import Group, tails_group
+from mlxq.engine.running_batch import Pending
+from mlxq.kv import attention_route
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
+from mlxq.kv.sharing_plan import PrefixSpec, prefix_from_spans, share_groups
+
+
+@dataclass(frozen=True)
+class SharedTails:
+    """Caches for one forward of joiners' last chunks over their leased prefix, and where they join."""
+
+    caches: list
+    group: Group  # the joiners as one group (every one of them in it)
+    into: int | None  # the running group they join (its prefix arrays are theirs); None: an empty batch
+
+
+def evaluable(caches: list) -> list:
+    """What to evaluate after a forward on ``caches`` (a shared-prefix layer's state is its tail's)."""
+    return [c.tail.state if isinstance(c, SharedPrefixBatchCache) else c.state for c in caches]
+
+
+class TailSharing:
+    """Tails prefilled on a prefix read by reference (mixed into BatchScheduler)."""
+
+    def _shared_tails(self, group: list[Joiner]) -> SharedTails | None:
+        """Caches for ``group``'s last chunks that read their common leased prefix by reference, or
+        None when ``prefix_sharing.tails_group`` finds no such prefix (their caches are then merged,
+        a copy per row). Joiners must hold exactly what their leases lent, on full attention, and
+        store nothing of their own when their prefill ends."""
+        policy = self.sharing
+        if not self.config.token0_in_decode or policy is None or policy.plan is None:
+            return None
+        if not all(self._holds_lease_only(j) and j.trimmable and not self._stores_boundary(j) for j in group):
+            return None
+        running = [self._leases.get(row.request.request_id) for row in self.batch.rows]
+        waiting = [self._leases.get(j.row.request.request_id) for j in self.joiners
+                   if j not in group and not j.is_prefilled and self._holds_lease_only(j)]
+        choice = tails_group(self.batch.groups, running, [self._leases.get(j.row.request.request_id) for j in group],
+                             waiting, policy)
+        if choice is None:
+            return None
+        into = choice.into
+        if into is None and self.batch:
+            # Rows already decoding on this prefix, each on its own copy: grouped first (their tails
+            # kept, the copies dropped), so the joiners append to that group.
+            self.batch.share((choice.group,), policy.plan)
+            self.sharing_stats.groups += 1
+            if not self.batch.groups:
+                return None
+            into = 0
+        length = choice.group.prefix_length
+        if into is None:
+            prefix = prefix_from_spans(choice.group.prefix_lease().layer_spans())
+        else:  # the running group's arrays: the batch's caches then extend that group, not add one
+            prefix = [c.prefixes[into] if isinstance(c, SharedPrefixBatchCache) else None for c in self.batch.caches]
+        caches = share_groups(policy.plan, [j.caches for j in group], [PrefixSpec(length, prefix)], [0] * len(group))
+        return SharedTails(caches, Group(choice.group.node, length, (True,) * len(group)), into)
+
+    def _holds_lease_only(self, joiner: Joiner) -> bool:
+        """Its caches are what its lease lent, nothing computed on them yet."""
+        lease = self._leases.get(joiner.row.request.request_id)
+        return lease is not None and lease.held and joiner.caches is lease.caches and joiner.done == lease.cached
+
+    def _stores_boundary(self, joiner: Joiner) -> bool:
+        """It stores its caches when its prefill ends (followers wait for it, or its system prompt
+        is not stored yet: ``Prefilling._snapshot``), which needs its own caches."""
+        system = joiner.row.request.snapshot_at
+        return joiner.followers > 0 or (system is not None and joiner.row.output.cached_tokens < system)
+
+    @contextlib.contextmanager
+    def _routed(self, shared: SharedTails | None):
+        """The model's attention through the shared-prefix seam for this forward (kv/attention_route.py)."""
+        if shared is None:
+            yield
+            return
+        attention_route.use_shared(True)
+        try:
+            yield
+        finally:
+            attention_route.use_shared(bool(self.batch.groups))
+
+    def _join_shared_tails(self, joining: list[Joiner]) -> list[Joiner]:
+        """Join the joiners whose tails this step prefilled on a shared prefix (they must: their own
+        caches hold the prefix only, so a join that fails fails them); returns the others, to join
+        the usual way."""
+        kept = self._prefilled_together
+        shared = None if kept is None else kept.shared
+        if shared is None:
+            return joining
+        self._prefilled_together = None
+        group = [j for j in joining if j in kept.joiners]
+        try:
+            if not kept.serves(group):
+                raise RuntimeError("joiners prefilled on a shared prefix must join together, in order")
+            self._adopt_shared(group, shared)
+        except Exception as exc:
+            self._fail_joiners(group, "join", exc)
+        return [j for j in joining if j not in kept.joiners]
+
+    def _adopt_shared(self, group: list[Joiner], shared: SharedTails) -> None:
+        rows = [j.row for j in group]
+        lasts = mx.array([j.prompt[-1] for j in group], dtype=mx.uint32)
+        pending = Pending(lasts, [None] * len(group), [True] * len(group))
+        if shared.into is None:
+            self.batch.adopt_grouped(rows, shared.caches, (shared.group,), pending)
+            self.sharing_stats.groups += 1
+        else:
+            self.batch.join_shared(rows, shared.caches, shared.into, pending)
+            self.sharing_stats.rows_joined += len(rows)
+        self.batch.copies.kept += len(rows)
+        self.batch.copies.referenced += len(rows)

@@ -1,0 +1,171 @@
+"""A burst of agents on a cached prefix, in process: the scheduler's steps until every row has token 0.
+
+    python scripts/burst_step_probe.py --model DIR --rows 64 --prefix 2195 --out probe.json
+
+Stores one ``--prefix``-token prompt in a RAM prompt cache, then ``--rounds``
+times adds ``--rows`` requests (that prefix plus a tail of 40-64 tokens of
+their own) at once and runs ``BatchScheduler.step()`` until each has its
+first token. Odd rounds time every step whole (what a server pays); even
+rounds put an evaluation fence after each stage (lease, merge, forward, row
+moves, views, join, decode) and time the stages apart, so their sum is
+larger than the unfenced step. The first round pays kernel compilation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from contextlib import ExitStack
+from unittest import mock
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxq.engine import joining, prefill, running_batch, shared_tails
+from mlxq.engine.prefix_sharing import SharingPolicy
+from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+from mlxq.engine.transient import ModelShape
+from mlxq.engine.types import Request, SamplingParams
+from mlxq.kv import attention_route, cuda_attention
+from mlxq.kv.projection import measure_footprint
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
+from mlxq.kv.sharing_plan import plan_sharing
+from mlxq.models.loader import load_model
+from mlxq.store.prompt_cache import PromptCache
+
+
+def _arrays(value) -> list:
+    if isinstance(value, mx.array):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [a for v in value for a in _arrays(v)]
+    if isinstance(value, SharedPrefixBatchCache):
+        value = value.tail  # its state is the tail's (the prefix is referenced)
+    state = getattr(value, "state", None)
+    return _arrays(state) if state is not None and not callable(state) else []
+
+
+class Fences:
+    """Wraps functions so each call is evaluated and timed apart (ms summed per stage and call count)."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, name: str, fn):
+        def fenced(*args, **kwargs):
+            mx.synchronize()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            mx.eval(_arrays(out) + [a for arg in args for a in _arrays(arg)])
+            mx.synchronize()
+            self.ms[name] = round(self.ms.get(name, 0.0) + 1000 * (time.perf_counter() - start), 1)
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return out
+        return fenced
+
+
+class FencedModel:
+    def __init__(self, model, fences: Fences):
+        self.model, self.fences = model, fences
+
+    def __call__(self, *args, **kwargs):
+        stage = "decode_forward" if args[0].shape[1] == 1 else "prefill_forward"
+        return self.fences.wrap(stage, self.model)(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def scheduler_for(model, tokenizer, rows: int, sharing: str) -> BatchScheduler:
+    plan = plan_sharing(model) if sharing != "off" else None
+    policy = SharingPolicy(sharing, plan)
+    cache = PromptCache(8_000_000_000)
+    config = SchedulerConfig(max(rows, 128), 4, 2048, None, token0_in_decode=True, shape=ModelShape.of(model))
+    return BatchScheduler(model, tokenizer, measure_footprint(model), config, prompt_cache=cache, sharing=policy)
+
+
+def store_prefix(sched: BatchScheduler, model, prefix: list[int]) -> None:
+    caches = make_prompt_cache(model)
+    for start in range(0, len(prefix), 2048):
+        model(mx.array([prefix[start : start + 2048]]), cache=caches)
+        mx.eval([c.state for c in caches])
+    sched.prompt_cache.put("", prefix, caches)
+
+
+def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int, fences: Fences | None) -> dict:
+    firsts: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def emitter(rid):
+        def emit(event):
+            if rid not in firsts and getattr(event, "token_id", None) is not None:
+                firsts[rid] = time.perf_counter() - t0
+        return emit
+
+    with ExitStack() as stack:
+        if fences is not None:
+            stack.enter_context(mock.patch.object(sched, "model", FencedModel(sched.model, fences)))
+            for module, name in ((prefill, "merge_with_room"), (prefill, "finalize_chunks"), (prefill, "view_rows"),
+                                 (prefill, "extract_row"), (joining, "merge_solo_rows"),
+                                 (running_batch, "extend_batch"), (running_batch, "_grouped_caches"),
+                                 (running_batch, "share_groups"), (shared_tails, "share_groups")):
+                stack.enter_context(mock.patch.object(module, name, fences.wrap(name, getattr(module, name))))
+            stack.enter_context(mock.patch.object(sched.prompt_cache, "lease",
+                                                  fences.wrap("lease", sched.prompt_cache.lease)))
+            stack.enter_context(mock.patch.object(sched.prompt_cache, "put", fences.wrap("put",
+                                                                                         sched.prompt_cache.put)))
+        ids = []
+        for i in range(rows):
+            tail = [(round_no * 977 + i * 31 + j * 7) % 5000 + 100 for j in range(40 + (i * 7) % 25)]
+            rid = f"r{round_no}-{i}"
+            ids.append(rid)
+            sched.add(Request(rid, prefix + tail, SamplingParams(), 8, ignore_eos=True), emitter(rid))
+        added = time.perf_counter() - t0
+        steps = []
+        while len(firsts) < rows and len(steps) < 64:
+            start = time.perf_counter()
+            joiners = sched.num_prefilling
+            sched.step()
+            mx.synchronize()
+            steps.append({"ms": round(1000 * (time.perf_counter() - start), 1), "joiners_before": joiners,
+                          "rows": sched.num_rows, "first_tokens": len(firsts)})
+    while not sched.is_idle:
+        sched.step()
+    ttfts = sorted(firsts.values())
+    return {"round": round_no, "fenced": fences is not None, "add_ms": round(1000 * added, 1),
+            "ttft_ms_p50": round(1000 * ttfts[len(ttfts) // 2], 1),
+            "ttft_ms_max": round(1000 * ttfts[-1], 1), "steps": steps,
+            "stages_ms": dict(fences.ms) if fences else None, "stage_calls": dict(fences.calls) if fences else None,
+            "copies": sched.batch.copies.as_dict(), "groups": sched.sharing_stats.groups}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--prefix", type=int, default=2195)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--sharing", default="auto", choices=("off", "auto", "on"))
+    ap.add_argument("--out", default="burst-step-probe.json")
+    args = ap.parse_args()
+    loaded = load_model(args.model)
+    cuda_attention.install()  # as the engine does after a load
+    if args.sharing != "off":
+        attention_route.install()  # turns the shared-prefix kernels on (their self-checks), then routes per batch
+        attention_route.uninstall()
+    sched = scheduler_for(loaded.model, loaded.tokenizer, args.rows, args.sharing)
+    prefix = [(7 * j) % 5000 + 100 for j in range(args.prefix)]
+    store_prefix(sched, loaded.model, prefix)
+    results = []
+    for round_no in range(args.rounds):
+        results.append(one_round(sched, prefix, args.rows, round_no, Fences() if round_no % 2 else None))
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "steps"}), flush=True)
+        print("  steps:", json.dumps(results[-1]["steps"]), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

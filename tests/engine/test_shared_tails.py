@@ -1,0 +1,133 @@
+"""A burst of agents on a cached system prompt prefills its tails on that prompt by reference.
+
+With ``--shared-prefix-attention`` grouping them (``on`` here, on the CPU),
+joiners whose leases lend the same stored prefix run their tails as one
+forward over SharedPrefixBatchCache layers (engine/shared_tails.py) and
+join the batch as its group: no row's caches ever hold a copy of the
+prefix (/stats.batch.row_copies ``referenced``), the wave's tails take one
+prefill step (the tail budget, engine/step_plan.py), and every row's greedy
+tokens equal the serial lane's on the same prompt cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxq.engine.prefix_sharing import SharingPolicy
+from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+from mlxq.golden.cases import LONG
+from mlxq.kv import attention_route
+from mlxq.kv.projection import measure_footprint
+from mlxq.kv.sharing_plan import plan_sharing
+from mlxq.store.prompt_cache import PromptCache
+from tests.engine.test_shared_prefill import serial_with_cache
+from tests.engine.test_wave_join import run_wave, wave
+
+
+@pytest.fixture(autouse=True)
+def routed():
+    yield
+    attention_route.uninstall()
+
+
+def sharing_scheduler(model, tokenizer):
+    finished: dict[str, tuple] = {}  # request id -> (tokens, cached tokens, finish reason)
+    scheduler = BatchScheduler(
+        model, tokenizer, measure_footprint(model), SchedulerConfig(32, 4, 2048, None, token0_in_decode=True),
+        prompt_cache=PromptCache(1 << 30), sharing=SharingPolicy("on", plan_sharing(model)),
+        on_finish=lambda row: finished.__setitem__(row.request.request_id, (row.output.tokens,
+                                                                            row.output.cached_tokens,
+                                                                            row.output.finished)))
+    return scheduler, finished
+
+
+def counters(scheduler) -> dict:
+    return scheduler.batch.copies.as_dict() | {"prefill_steps": scheduler.phases.prefill_iterations,
+                                               "groups": scheduler.sharing_stats.groups,
+                                               "joined": scheduler.sharing_stats.rows_joined}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_a_cached_burst_prefills_its_tails_on_the_stored_prefix_and_decodes_as_one_group(load_tiny):
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    cold, cached = wave(tokenizer, shared, "cold", 2, "Agent"), wave(tokenizer, shared, "cached", 12, "Please")
+    run_wave(scheduler, cold)
+    before = counters(scheduler)
+    run_wave(scheduler, cached)
+    change = delta(counters(scheduler), before)
+    # One forward for twelve tails on the prefix by reference, adopted as the batch's group: no copy of it.
+    assert change["prefill_steps"] == 1 and change["referenced"] == 12 and change["kept"] == 12, change
+    assert change["broadcast"] == change["gathered"] == change["batch_extends"] == 0, change
+    assert change["groups"] == 1, change
+    assert scheduler._prefilled_together is None
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+    for r in cached:
+        assert finished[r.request_id][1] >= len(shared)  # the prefix came from the RAM tier
+
+
+def test_agents_arriving_while_their_group_decodes_join_it_by_reference(load_tiny):
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    cold, cached = wave(tokenizer, shared, "cold", 2, "Agent"), wave(tokenizer, shared, "cached", 10, "Please")
+    run_wave(scheduler, cold)
+    before = counters(scheduler)
+    for r in cached[:6]:
+        scheduler.add(r, lambda e: None)
+    scheduler.step()  # the first six prefill on the prefix, join as a group and decode a step
+    assert len(scheduler.batch.groups) == 1 and scheduler.batch.groups[0].rows == 6
+    run_wave(scheduler, cached[6:])  # four more while the group runs: appended to it, the prefix not copied
+    change = delta(counters(scheduler), before)
+    assert change["referenced"] == 10 and change["joined"] == 4 and change["groups"] == 1, change
+    assert change["gathered"] == change["batch_extends"] == 0, change
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_a_lone_agent_on_its_own_copy_is_grouped_when_a_burst_on_its_prefix_arrives(load_tiny):
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    cold, cached = wave(tokenizer, shared, "cold", 2, "Agent"), wave(tokenizer, shared, "cached", 6, "Please")
+    run_wave(scheduler, cold)
+    scheduler.add(cached[0], lambda e: None)
+    scheduler.step()  # alone: it decodes on its own solo caches (a copy of the prefix)
+    assert len(scheduler.batch) == 1 and not scheduler.batch.batched and not scheduler.batch.groups
+    before = counters(scheduler)
+    run_wave(scheduler, cached[1:])  # the burst: the lone row is grouped first, the five tails append to it
+    change = delta(counters(scheduler), before)
+    assert change["referenced"] == 5 and change["joined"] == 5 and change["groups"] == 1, change
+    assert change["gathered"] == change["batch_extends"] == 0, change
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_a_failed_join_of_shared_tails_fails_those_rows_and_the_scheduler_goes_on(load_tiny, monkeypatch):
+    from mlxq.engine.types import FinishReason
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    run_wave(scheduler, wave(tokenizer, shared, "cold", 2, "Agent"))
+
+    def broken(*args, **kwargs):
+        raise TypeError("no room for these rows")
+
+    monkeypatch.setattr(scheduler.batch, "adopt_grouped", broken)
+    failing = wave(tokenizer, shared, "failing", 4, "Please")
+    run_wave(scheduler, failing)  # their KV lived only in the shared batch: they fail, nothing hangs
+    assert all(finished[r.request_id][2] is FinishReason.ERROR for r in failing)
+    monkeypatch.undo()
+    later = wave(tokenizer, shared, "later", 4, "Kindly")
+    run_wave(scheduler, later)
+    assert all(finished[r.request_id][2] is FinishReason.LENGTH for r in later)
+    assert scheduler.batch.copies.referenced == 4

@@ -1,0 +1,65 @@
+"""A chat's system head (its system messages rendered and tokenized) is computed once per system prompt.
+
+``prompts.system_prefix_length`` (the prompt-cache snapshot point of every
+chat with a system prompt) renders the system messages a second time;
+agents resend the same system prompt, so the head is kept
+(server/system_heads.py) and every later request reuses it, with the same
+snapshot point as a fresh render.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxq.server import system_heads
+from mlxq.server.prompts import system_prefix_length, tokenize_chat
+
+SYSTEM = "You are a careful agent. Follow the rules of the shop. " * 20
+
+
+@pytest.fixture(autouse=True)
+def fresh_heads():
+    system_heads._heads.clear()
+    yield
+    system_heads._heads.clear()
+
+
+def messages(system: str, question: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def snapshot_at(tokenizer, msgs, tools=None) -> int | None:
+    return system_prefix_length(tokenizer, msgs, tools, {}, tokenize_chat(tokenizer, msgs, tools, {}))
+
+
+def test_agents_on_one_system_prompt_share_one_rendered_head(load_tiny):
+    _, tokenizer = load_tiny("llama")
+    points = [snapshot_at(tokenizer, messages(SYSTEM, f"Question {i}: what now?")) for i in range(5)]
+    entries = system_heads._heads[tokenizer]
+    assert len(entries) == 1
+    system_heads._heads.clear()  # each computed afresh: the same snapshot points
+    fresh = []
+    for i in range(5):
+        fresh.append(snapshot_at(tokenizer, messages(SYSTEM, f"Question {i}: what now?")))
+        system_heads._heads.clear()
+    assert points == fresh and points[0] is not None and len(set(points)) == 1
+    head = tokenizer.encode(tokenizer.apply_chat_template(messages(SYSTEM, "")[:1] + [{"role": "user", "content": ""}],
+                                                          tokenize=False), add_special_tokens=False)
+    assert points[0] <= len(head)
+
+
+def test_another_system_prompt_or_tools_get_their_own_head_and_old_ones_expire(load_tiny, monkeypatch):
+    _, tokenizer = load_tiny("llama")
+    snapshot_at(tokenizer, messages(SYSTEM, "a?"))
+    snapshot_at(tokenizer, messages("Another shop. " + SYSTEM, "a?"))
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {"type": "object", "properties": {}}}}]
+    snapshot_at(tokenizer, messages(SYSTEM, "a?"), tools)
+    entries = system_heads._heads[tokenizer]
+    assert len(entries) == 3
+    kept = entries[next(iter(entries))]
+    monkeypatch.setattr(system_heads, "MAX_AGE_S", 0.0)
+    snapshot_at(tokenizer, messages(SYSTEM, "b?"))
+    assert len(entries) == 3 and entries[next(reversed(entries))] is not kept  # rendered again
+    monkeypatch.setattr(system_heads, "KEPT", 2)
+    snapshot_at(tokenizer, messages("A third shop. " + SYSTEM, "a?"))
+    assert len(entries) == 2
