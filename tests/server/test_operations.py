@@ -153,7 +153,8 @@ def test_stats_split_each_decode_step(ops_server):
     phases = batch["phase_timing"]
     assert phases["prefill_iterations"] >= 1 and phases["joins"] >= 1
     # Whole-row KV copies around joins, counted (tests/engine/test_wave_join.py checks the counts).
-    assert set(batch["row_copies"]) == {"kept", "broadcast", "gathered", "extracted", "batch_extends", "extended_rows"}
+    assert set(batch["row_copies"]) == {"kept", "broadcast", "gathered", "extracted", "batch_extends", "extended_rows",
+                                        "referenced"}
     assert abs(sum(phases["busy_share"].values()) - 1) < 1e-3
     assert scraped['mlxq:scheduler_phase_seconds_total{phase="prefill"}'] == phases["totals"]["prefill_s"]
 
