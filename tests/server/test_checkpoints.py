@@ -80,14 +80,21 @@ def flush(url: str) -> dict:
 
 def interrupt(model, cache, payload: dict, how: str, *extra: str, reference: bool = True) -> tuple[str | None, dict]:
     """The uninterrupted text of ``payload`` (``reference``); then ``payload`` again, run past INTERRUPT_AT
-    tokens, a flush, and the server stopped under it (kill -9 or SIGTERM): (text, the flush's result)."""
-    with serve(model, cache, "--shutdown-timeout", "0.2", *extra) as server:
-        text = complete(server.url, payload)["choices"][0]["text"] if reference else None  # completion removes
-        # its checkpoint
-        assert stream_until(server.url, payload, INTERRUPT_AT).wait(120)
-        flushed = flush(server.url)
-        server.proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGTERM)
-        server.proc.wait(60)
+    tokens, a flush, and the server stopped under it (kill -9 or SIGTERM): (text, the flush's result).
+
+    On a loaded host the generation can end before the flush lands, leaving nothing to resume (completion
+    removes the checkpoint): such a run says nothing about resuming and is run again, up to three times."""
+    text = None
+    for _ in range(3):
+        with serve(model, cache, "--shutdown-timeout", "0.2", *extra) as server:
+            if reference and text is None:
+                text = complete(server.url, payload)["choices"][0]["text"]  # completion removes its checkpoint
+            assert stream_until(server.url, payload, INTERRUPT_AT).wait(120)
+            flushed = flush(server.url)
+            server.proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGTERM)
+            server.proc.wait(60)
+        if flushed["checkpoints"]["requests"]:
+            break
     return text, flushed
 
 
