@@ -52,21 +52,21 @@ class RowCheckpoints:
         return joiner
 
     def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array,
-                             fed: list[int | None]) -> None:
+                             fed: list[int], fed_emitted: list[bool]) -> None:
         """Rows going on whose interval is up publish, the longest without a checkpoint first, at most
         ``publishes_per_step`` of them per step and while the lane's byte budget allows
         (engine/checkpoint_budget.py); the others stay due, so rows that reached their interval
         together spread over the next steps. ``handed_out``: their next token already went out (token 0
         in the step that computed it), so they are not at a checkpoint boundary this step. Rows
-        cancelled in this step publish their last checkpoint: ``fed[i]``, this step's input, was not
-        handed out (None: it had been), and ``next_tokens[i]`` was drawn after it."""
+        cancelled in this step publish their last checkpoint when ``fed[i]``, this step's input, was not
+        handed out (``fed_emitted[i]``: it had been); ``next_tokens[i]`` was drawn after it."""
         rows, budget = self.batch.rows, self.checkpoints.batch_budget
         due = sorted((i for i in keep if rows[i].checkpoint is not None and not handed_out[i]
                       and rows[i].checkpoint.is_due(rows[i].output)),
                      key=lambda i: rows[i].checkpoint.last - rows[i].output.num_generated)
         kept = set(keep)
         cancelled = [i for i, row in enumerate(rows) if i not in kept and row.checkpoint is not None
-                     and fed[i] is not None and row.output.finished is FinishReason.CANCELLED]
+                     and not fed_emitted[i] and row.output.finished is FinishReason.CANCELLED]
         if not cancelled and not (due and budget.allows()):
             return
         pending = next_tokens.tolist()

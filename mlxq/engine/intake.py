@@ -56,12 +56,13 @@ class Intake:
             leader.followers += 1
             self.shared_prefills += 1
 
-    def _own_prefill(self, request: Request) -> int:
+    def _own_prefill(self, request: Request, held: tuple | None) -> int:
         """Prompt tokens ``request`` would prefill itself if admitted now: what neither the RAM tier
-        holds nor a joiner it would follow is prefilling (``step_plan.can_admit`` asks)."""
-        if self.prompt_cache is None:
+        holds (``held``: its path there, None without a prompt cache) nor a joiner it would follow is
+        prefilling (``step_plan.can_admit`` asks)."""
+        if held is None:
             return len(request.prompt_ids)
-        _, cached = self.prompt_cache.held_path(request.namespace, request.prompt_ids)
+        _, cached = held
         view = PrefixView(request.namespace, request.prompt_ids, cached, True, request.snapshot_at)
         choice = choose_leader(view, (j.prefix_view() for j in self.joiners))
         return len(request.prompt_ids) - 1 - max(cached, choice.shared if choice else 0)

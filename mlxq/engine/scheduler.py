@@ -146,8 +146,11 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         return not self.batch and not self.joiners and not self._preempted
 
     def can_admit(self, request: Request) -> bool:
-        load, extent = self._kv_load(Extent(len(request.prompt_ids), request.max_tokens), request)
-        return can_admit(load, extent, self._limits(), self.sizing, self._own_prefill(request))
+        # One walk of the RAM tree serves both questions: the KV it would credit and what it would prefill.
+        held = None if self.prompt_cache is None else self.prompt_cache.held_path(request.namespace,
+                                                                                    request.prompt_ids)
+        load, extent = self._kv_load(Extent(len(request.prompt_ids), request.max_tokens), held)
+        return can_admit(load, extent, self._limits(), self.sizing, self._own_prefill(request, held))
 
     def projected_bytes(self) -> int:
         """Worst-case KV bytes of every row at prompt + max_tokens, plus the joiners' ring transients."""
@@ -163,16 +166,17 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         running = [Extent(len(r.request.prompt_ids), r.request.max_tokens) for r in self.batch.rows]
         return load_of(running, self.joiners.views(self._chunk_len), len(self._preempted))
 
-    def _kv_load(self, extent: Extent | None = None, request: Request | None = None) -> tuple[Load, Extent | None]:
-        """The load (and a request asking in) with the rows that read a shared prefix by reference
-        marked: the KV budget counts that prefix once (engine/shared_accounting.py)."""
+    def _kv_load(self, extent: Extent | None = None, held: tuple | None = None) -> tuple[Load, Extent | None]:
+        """The load (and a request asking in: its ``extent`` and its ``held`` path in the RAM tree) with
+        the rows that read a shared prefix by reference marked: the KV budget counts that prefix once
+        (engine/shared_accounting.py)."""
         load = self._load()
         if not shares_layers(self.sharing) or self.prompt_cache is None:
             return load, extent
         rows = [r.request for r in self.batch.rows] + [j.row.request for j in self.joiners]
         leases = [self._leases.get(r.request_id) for r in rows]
-        if request is not None:
-            nodes, cached = self.prompt_cache.held_path(request.namespace, request.prompt_ids)
+        if held is not None:
+            nodes, cached = held
             leases.append(Lease(cached, None, nodes[-1]) if nodes else None)  # unpinned: a view to compare
         return credited(load, extent, credits(leases, len(self.batch.rows), self.batch.groups, self.sharing))
 
@@ -271,8 +275,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
                     keep.remove(i)
         batch.pending = Pending(next_tokens, next_logprobs, done_now)
         if self.checkpoints is not None:
-            self._publish_checkpoints(keep, done_now, next_tokens, [None if pending.emitted[i] else t
-                                                                    for i, t in enumerate(tokens)])
+            self._publish_checkpoints(keep, done_now, next_tokens, tokens, pending.emitted)
         self.sharing_stats.count_step(batch.groups)
         if len(keep) < len(batch.rows):
             self._evict(keep)

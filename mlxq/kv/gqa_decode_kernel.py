@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxq.kv.decode_kernel import max_error_vs_mlx
+from mlxq.kv.shared_prefix_kernel import row_shares
 
 LOADS = 2  # 16-byte loads per thread and key (its share of the head dimension): 2 measured faster than 1
 _SHARED_BYTES = 40 * 1024  # the slots' partials, under the 48 KiB a block may take without opting in
@@ -243,12 +244,11 @@ def _launch(queries, keys, values, starts, scale: float, sinks=None, shares=None
     none = _constant(("prefix", queries.dtype), lambda: mx.zeros((1, 1, 1, 1), queries.dtype))
     no_levels = _constant(("levels",), lambda: mx.zeros((1, 1, 1, 1), mx.float32))
     no_sinks = _constant(("sinks",), lambda: mx.zeros((1,), mx.float32))
-    everyone = _constant(("shares", batch), lambda: mx.ones((batch,), mx.int32))
     return _compiled()(
         inputs=[mx.contiguous(queries), *(prefix or (none, none)), keys, values,
                 mx.contiguous(starts.astype(mx.int32)), _scales[scale],
                 no_sinks if sinks is None else mx.contiguous(sinks.astype(mx.float32)),
-                everyone if shares is None else mx.contiguous(shares.astype(mx.int32)),
+                row_shares(shares, batch),
                 *(mx.contiguous(x) for x in levels or (no_levels,) * 3)],
         template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("NT", threads), ("LOADS", LOADS),
                   ("HAS_PREFIX", prefix is not None), ("HAS_SINKS", sinks is not None),

@@ -81,7 +81,7 @@ def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant 
         return "mma"
     if _gqa_enabled and tokens < GQA_MAX_GROUP_TOKENS and gqa_decode_kernel.can_run(queries, tail_keys, tail_values):
         return "gqa"
-    return "split" if queries.shape[0] * prefix_keys.shape[2] >= SPLIT_MIN_GROUP_TOKENS else "full"
+    return "split" if tokens >= SPLIT_MIN_GROUP_TOKENS else "full"
 
 
 def worth_sharing(rows: int, prefix_length: int) -> bool:

@@ -103,9 +103,17 @@ _scales: dict[float, mx.array] = {}
 _NO_SINKS = None
 
 
+_everyone: dict[int, mx.array] = {}
+
+
 def row_shares(shares: mx.array | None, rows: int) -> mx.array:
-    """[rows] int32: 1 where the row sees the prefix."""
-    return mx.ones((rows,), mx.int32) if shares is None else mx.contiguous(shares.astype(mx.int32))
+    """[rows] int32: 1 where the row sees the prefix (None: every row; one array per batch size, not one
+    per layer and step)."""
+    if shares is not None:
+        return mx.contiguous(shares.astype(mx.int32))
+    if rows not in _everyone:
+        _everyone[rows] = mx.ones((rows,), mx.int32)
+    return _everyone[rows]
 
 
 def can_run(queries: mx.array, prefix_keys: mx.array, tail_keys: mx.array, tail_values: mx.array) -> bool:

@@ -72,6 +72,3 @@ def pack_layers(layers: list) -> list:
         out.append((kind, meta, packed))
     return out
 
-
-def host_bytes(tensor: PackedTensor) -> memoryview:
-    return tensor.host_bytes()

@@ -37,7 +37,7 @@ from mlxq.store.checkpoint_links import (
     link_name,
     parse_link_name,
 )
-from mlxq.store.checkpoint_pack import host_bytes as packed_bytes
+from mlxq.store.checkpoint_pack import PackedTensor
 from mlxq.store.checkpoint_state import CheckpointCounters, CheckpointFlush, LinkJob, newest_chain, reaches_first
 from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import Identity, MlxkvError, read_arrays_steps, read_header, run_steps
@@ -241,7 +241,7 @@ class CheckpointStore:
             pending = len(self._jobs())
             paths = [self._path(key, end) for key, links in self._links.items() for end in links]
             requests = len(self._links)
-        nbytes = sum(p.stat().st_size for p in paths if p.exists())
+        nbytes = sum(_size(p) for p in paths)
         return {"requests": requests, "files": len(paths), "bytes": nbytes, "pending": pending,
                 **asdict(self.counters)}
 
@@ -293,7 +293,7 @@ class CheckpointStore:
         path = self._path(job.key, job.end)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for _ in mlxkv_write_steps(path, job.header, job.layers, host_bytes=packed_bytes):
+            for _ in mlxkv_write_steps(path, job.header, job.layers, host_bytes=PackedTensor.host_bytes):
                 pass
         except Exception as exc:  # OSError from the disk (full, refused); anything else is logged in full
             if isinstance(exc, OSError):
@@ -317,3 +317,11 @@ class CheckpointStore:
             self.counters.written_bytes += job.nbytes
             self.counters.superseded += len(older)
         self._unlink(job.key, older)
+
+
+def _size(path: Path) -> int:
+    """A link file's size; 0 once it is gone (completion may remove it meanwhile): one stat per file."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0

@@ -75,8 +75,7 @@ class SsdStore:
 
     @property
     def directory(self) -> Path:
-        return self.root / self.identity.directory / self.rank_dir if self.rank_dir else \
-            self.root / self.identity.directory
+        return self.root / self.identity.directory / self.rank_dir  # "" (one process) adds nothing
 
     @property
     def bytes(self) -> int:

@@ -105,6 +105,7 @@ def test_a_row_outside_the_group_is_counted_whole(load_tiny):
     for r in reqs[1:3]:
         scheduler.add(r, lambda e: None)
     fresh = Request("fresh", tokenizer.encode("Something else entirely, with no shared start."), SamplingParams(), 4)
-    load, extent = scheduler._kv_load(Extent(len(fresh.prompt_ids), 4), fresh)
+    held = cache.held_path(fresh.namespace, fresh.prompt_ids)
+    load, extent = scheduler._kv_load(Extent(len(fresh.prompt_ids), 4), held)
     assert [e.prefix for e in load.prefilling] == [0, 0] and min(e.shared for e in load.prefilling) >= shared
     assert extent.prefix is None and extent.shared == 0
