@@ -4,15 +4,24 @@
 
 Two servers on the same model and flags, one with ``--checkpoint-interval``
 (default 256) and one with 0, both with ``--ssd-cache`` (each its own
-directory). Each round sends the same load to both, the order alternating:
+directory), started at once. Each round sends the same load to both:
 ``--rows`` concurrent streamed greedy requests of ``--tokens`` tokens
 (``ignore_eos``), distinct prompts per round so no checkpoint is ever
 restored. Decode tok/s per request is measured at the client from the first
 to the last token; the summary is the median per server and the on/off
-ratio, and how many checkpoints the "on" server wrote (from /stats).
-``--batch 1`` runs the serial lane; a larger ``--batch`` the batch lane.
-``--together`` loads both servers at once in each round instead (on a
-shared, busy machine both then see the same background load).
+ratio, how many checkpoints the "on" server wrote (from /stats), and each
+server's decode steps in their parts (/stats ``batch.decode_timing``, the
+difference over the mode's rounds). ``--batch 1`` runs the serial lane; a
+larger ``--batch`` the batch lane.
+
+``--mode sequential`` (the default) loads one server at a time, the order
+alternating (on, off, off, on, ...): on a dedicated machine the fair side by
+side, since with both loaded at once on one GPU any stall of one server
+hands device time to the other, and the ratio counts it about twice.
+``--mode together`` (or ``--together``) loads both at once in each round: on
+a shared, busy machine both then see the same background load. ``--mode
+both`` runs the sequential rounds, then the together rounds, on the same two
+servers.
 
 ``--resume N``: instead, the time a resumed request takes: one greedy
 request of ``--tokens`` run to the end (wall time), then the same request
@@ -63,13 +72,14 @@ def one_round(url: str, rows: int, tokens: int, tag: str) -> list[float]:
     return rates
 
 
-def measure(servers: dict, args) -> dict[str, list[float]]:
+def measure(servers: dict, args, together: bool) -> dict[str, list[float]]:
     """Per-request decode tok/s of each server over the rounds."""
     rates: dict[str, list[float]] = {name: [] for name in servers}
+    mode = "together" if together else "sequential"
     for r in range(args.rounds):
         order = list(servers) if r % 2 == 0 else list(servers)[::-1]
-        if args.together:
-            loads = [threading.Thread(target=lambda n=name, tag=f"{r}-{name}": rates[n].extend(
+        if together:
+            loads = [threading.Thread(target=lambda n=name, tag=f"{mode}{r}-{name}": rates[n].extend(
                 one_round(servers[n].url, args.rows, args.tokens, tag))) for name in order]
             for t in loads:
                 t.start()
@@ -77,10 +87,42 @@ def measure(servers: dict, args) -> dict[str, list[float]]:
                 t.join()
         else:
             for name in order:
-                rates[name] += one_round(servers[name].url, args.rows, args.tokens, f"{r}-{name}")
-        print(f"round {r}: " + ", ".join(f"{n} {statistics.median(v[-args.rows:]):.1f} tok/s"
-                                         for n, v in rates.items()), flush=True)
+                rates[name] += one_round(servers[name].url, args.rows, args.tokens, f"{mode}{r}-{name}")
+        print(f"{mode} round {r}: " + ", ".join(f"{n} {statistics.median(v[-args.rows:]):.1f} tok/s"
+                                                for n, v in rates.items()), flush=True)
     return rates
+
+
+def decode_totals(url: str) -> dict:
+    timing = httpx.get(url + "/stats").json()["batch"]["decode_timing"] or {}
+    return {"steps": timing.get("steps", 0), **{k: v for k, v in timing.get("totals", {}).items() if k.endswith("_s")}}
+
+
+def per_step_ms(before: dict, after: dict) -> dict:
+    """Each part of a decode step, ms per step, over the steps between ``before`` and ``after``."""
+    steps = after["steps"] - before["steps"]
+    if not steps:
+        return {"steps": 0}
+    ms = {k[:-2] + "_ms": 1000 * (after[k] - before[k]) / steps for k in after if k.endswith("_s") and k != "cycle_s"}
+    ms["output_ms"] = ms["step_ms"] - ms["build_ms"] - ms["submit_ms"] - ms["device_wait_ms"]  # publishes are here
+    return {"steps": steps, **{k: round(v, 3) for k, v in ms.items()}}
+
+
+def run_mode(servers: dict, args, together: bool) -> dict:
+    """One mode's rounds: tok/s per request, their medians and ratio, checkpoints and decode steps."""
+    before = {n: decode_totals(s.url) for n, s in servers.items()}
+    written_before = httpx.get(servers["on"].url + "/stats").json()["checkpoints"]
+    rates = measure(servers, args, together)
+    steps = {n: per_step_ms(before[n], decode_totals(s.url)) for n, s in servers.items()}
+    written = httpx.get(servers["on"].url + "/stats").json()["checkpoints"]
+    median = {name: round(statistics.median(v), 2) for name, v in rates.items()}
+    summary = {"per_request_tok_s": {n: [round(x, 2) for x in v] for n, v in rates.items()},
+               "decode_tok_s_median": median, "on_over_off": round(median["on"] / median["off"], 4),
+               "decode_step": steps}
+    summary.update({f"checkpoints_{k}": written[k] - written_before[k] for k in ("written", "dropped")})
+    summary["checkpoint_bytes_written"] = written["written_bytes"] - written_before["written_bytes"]
+    print(json.dumps({k: v for k, v in summary.items() if k != "per_request_tok_s"}), flush=True)
+    return summary
 
 
 def resume_times(model: Path, tmp: Path, args) -> dict:
@@ -124,8 +166,9 @@ def main() -> None:
     ap.add_argument("--batch", default="1")
     ap.add_argument("--interval", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--together", action="store_true",
-                    help="each round loads both servers at once: both see the same background load")
+    ap.add_argument("--mode", choices=sorted(MODES), default="sequential")
+    ap.add_argument("--together", action="store_const", const="together", dest="mode",
+                    help="--mode together: each round loads both servers at once")
     ap.add_argument("--resume", type=int, default=0, help="measure a resume after this many tokens instead")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -142,22 +185,23 @@ def main() -> None:
         env = {"MLXQ_SSE_COALESCE": "0"}  # one chunk per token, so the client's count is the token count
         on_args = (*common, "--ssd-cache", str(tmp / "on"), "--checkpoint-interval", str(args.interval))
         off_args = (*common, "--ssd-cache", str(tmp / "off"), "--checkpoint-interval", "0")
-        with ServeProcess(*on_args, env=env) as on, ServeProcess(*off_args, env=env) as off:
-            servers = {"on": on, "off": off}
-            for server in servers.values():
-                one_round(server.url, 1, 16, "warm")  # first-request costs out of the measured rounds
-            rates = measure(servers, args)
-            written = httpx.get(on.url + "/stats").json()["checkpoints"]
-    median = {name: round(statistics.median(v), 2) for name, v in rates.items()}
+        servers = {"on": ServeProcess(*on_args, env=env), "off": ServeProcess(*off_args, env=env)}  # both start
+        try:
+            with servers["on"], servers["off"]:
+                for server in servers.values():
+                    one_round(server.url, 1, 16, "warm")  # first-request costs out of the measured rounds
+                modes = {m: run_mode(servers, args, m == "together") for m in MODES[args.mode]}
+        finally:
+            for server in servers.values():  # the other one too when one failed to start
+                server.__exit__()
     summary = {"model": str(args.model or f"tiny llama {args.preset}"), "tokens": args.tokens, "rows": args.rows,
-               "batch": args.batch, "together": args.together, "interval": args.interval, "rounds": args.rounds,
-               "per_request_tok_s": {n: [round(x, 2) for x in v] for n, v in rates.items()},
-               "decode_tok_s_median": median, "on_over_off": round(median["on"] / median["off"], 4),
-               "checkpoints_written": written["written"], "checkpoint_bytes_written": written["written_bytes"],
-               "checkpoints_dropped": written["dropped"]}
-    name = f"checkpoints-b{args.batch}-r{args.rows}{'-together' if args.together else ''}.json"
+               "batch": args.batch, "interval": args.interval, "rounds": args.rounds, **modes}
+    name = f"checkpoints-b{args.batch}-r{args.rows}-{args.mode}.json"
     (args.out / name).write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    print(json.dumps({m: {k: v[k] for k in ("decode_tok_s_median", "on_over_off")} for m, v in modes.items()}))
+
+
+MODES = {"sequential": ("sequential",), "together": ("together",), "both": ("sequential", "together")}
 
 
 if __name__ == "__main__":

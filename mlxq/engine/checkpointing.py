@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxq.engine.checkpoint_budget import ByteBudget
 from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
+from mlxq.engine.checkpoint_moves import HostMoves
 from mlxq.engine.serial_resume import InexactResume
 from mlxq.engine.types import Request
 from mlxq.kv.capabilities import is_trimmable
 from mlxq.store.checkpoint_links import cut_layer
-from mlxq.store.checkpoint_pack import pack_layers
+from mlxq.store.checkpoint_pack import pack_layers, stage_packs
 from mlxq.store.checkpoints import CheckpointRecord, CheckpointStore
 from mlxq.store.mlxkv import encode_layer
 from mlxq.store.ssd_config import CHECKPOINT_DIR
@@ -47,7 +47,7 @@ class Checkpointing:
     store: CheckpointStore
     interval: int  # tokens handed out between checkpoints
     kv_scheme: str
-    batch_budget: ByteBudget = field(default_factory=ByteBudget)  # the batch lane's rows share it
+    batch_moves: HostMoves = field(default_factory=HostMoves)  # the batch lane's links on their way to the host
 
     def key_for(self, request: Request) -> str | None:
         """The request's key digest, or None when it is not checkpointed."""
@@ -77,9 +77,31 @@ def open_checkpointing(config, store, kv_scheme: str) -> Checkpointing | None:
 
 def owned_layers(caches: list, start: int = 0) -> list:
     """Each cache's encoded layer as a checkpoint link starting at token ``start`` holds it (full attention
-    from ``start`` on, other layers whole), copied into one buffer the writer owns (evaluated;
-    store/checkpoint_pack.py). Only the copied tokens are read: ``caches`` may be views into a batch."""
-    return pack_layers([cut_layer(*encode_layer(cache), start) for cache in caches])
+    from ``start`` on, other layers whole), copied into one buffer the writer owns (evaluated and on the
+    host; store/checkpoint_pack.py). Only the copied tokens are read: ``caches`` may be views into a batch."""
+    return pack_layers(link_layers(caches, start))
+
+
+def link_layers(caches: list, start: int) -> list:
+    """The encoded layers a link starting at ``start`` holds (views: nothing copied yet)."""
+    return [cut_layer(*encode_layer(cache), start) for cache in caches]
+
+
+@dataclass(frozen=True, eq=False)
+class StagedLink:
+    """A link whose copy is described (or done) but not published yet: what ``RowCheckpoint.commit``
+    needs besides the pending token and the key."""
+
+    output: object  # the request's output
+    generated: tuple[int, ...]  # tokens the caches hold after the prompt
+    start: int  # the link covers tokens [start, prompt + generated)
+    layers: list  # encoded layers, tensors packed (store/checkpoint_pack.py)
+    packs: list  # their Packs
+    trimmable: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(pack.nbytes for pack in self.packs)
 
 
 @dataclass
@@ -94,19 +116,37 @@ class RowCheckpoint:
     def is_due(self, output) -> bool:
         return is_due(output.num_generated, self.checkpointing.interval, self.last)
 
+    def stage(self, output, caches: list, drawn: tuple[int, ...] = (), max_pack_bytes: int | None = None
+              ) -> StagedLink:
+        """Describe the link after ``output``'s tokens and ``drawn`` (generated, not handed out yet):
+        ``caches`` hold the prompt and every one of them. Its copies are not evaluated here."""
+        self.last = output.num_generated
+        generated = (*output.tokens, *drawn)
+        end = len(output.request.prompt_ids) + len(generated)
+        start = self.tip if 0 < self.tip <= end and self.checkpointing.store.is_link(self.key, self.tip) else 0
+        layers, packs = stage_packs(link_layers(caches, start), max_pack_bytes)
+        return StagedLink(output, generated, start, layers, packs, is_trimmable(caches))
+
+    def commit(self, link: StagedLink, pending: int, rng_key: tuple[int, ...] | None) -> int:
+        """Queue ``link`` for the writer, ``pending`` drawn after its tokens (its Packs evaluated and moved
+        to the host here where they are not yet). The bytes copied."""
+        for pack in link.packs:
+            pack.host()
+        request = link.output.request
+        record = CheckpointRecord(self.key, len(request.prompt_ids), link.generated, pending, rng_key, time.time())
+        published = self.checkpointing.store.publish(record, request.prompt_ids + list(link.generated), link.layers,
+                                                     link.trimmable, link.start)
+        self.tip = record.end if published else 0  # a dropped link breaks the chain: the next one starts anew
+        return link.nbytes
+
     def publish(self, output, pending: int, rng_key: tuple[int, ...] | None, caches: list,
                 drawn: tuple[int, ...] = ()) -> int:
-        """Queue the state after ``output``'s tokens and ``drawn`` (generated, not handed out yet): ``caches``
-        hold the prompt and every one of them; ``pending`` was drawn after them. The bytes copied."""
-        self.last = output.num_generated
-        request, store = output.request, self.checkpointing.store
-        generated = (*output.tokens, *drawn)
-        record = CheckpointRecord(self.key, len(request.prompt_ids), generated, pending, rng_key, time.time())
-        start = self.tip if 0 < self.tip <= record.end and store.is_link(self.key, self.tip) else 0
-        layers = owned_layers(caches, start)
-        published = store.publish(record, request.prompt_ids + list(generated), layers, is_trimmable(caches), start)
-        self.tip = record.end if published else 0  # a dropped link breaks the chain: the next one starts anew
-        return sum(a.nbytes for _, _, named in layers for _, a in named)
+        """Queue the state after ``output``'s tokens and ``drawn`` (generated, not handed out yet) at once:
+        ``caches`` hold the prompt and every one of them; ``pending`` was drawn after them. The bytes
+        copied."""
+        link = self.stage(output, caches, drawn)
+        mx.eval(*(pack.flat for pack in link.packs))
+        return self.commit(link, pending, rng_key)
 
     def after_serial_token(self, run, caches: list) -> None:
         """The serial lane handed a token out and goes on: mlx-lm's loop already drew the next one."""

@@ -84,8 +84,9 @@ def view_rows(batch: list, rows: int) -> list[list]:
 
 def view_row(batch: list, index: int) -> list:
     """One row as a solo cache list to read a part of at once: plain full-attention layers as views into
-    the batch's arrays (no copy), other layers extracted as ``extract_row`` does."""
-    return [_view(cache, index, cache.left_padding[index].item())
+    the batch's arrays (no copy), other layers extracted as ``extract_row`` does. The paddings are read
+    whole (``tolist``, no device work once they are evaluated): indexing one runs an operation and waits."""
+    return [_view(cache, index, cache.left_padding.tolist()[index])
             if type(cache) is BatchKVCache and cache.keys is not None else extract_row([cache], index)[0]
             for cache in batch]
 

@@ -1,16 +1,18 @@
-"""A checkpoint link's tensors packed in one buffer, moved to the host once, by the engine thread.
+"""A checkpoint link's tensors packed in a few buffers, moved to the host by the engine thread.
 
 On the CUDA backend an array lives in device memory until the host first
 reads it; that first read (MLX's buffer protocol) moves the whole buffer to
-unified memory with a synchronous copy that waits for the device's queued
-work, and it does so holding the GIL. Made by the writer thread, it held
-the engine thread (which needs the GIL to build its next step) for the
-device's step in flight and the copy, once per tensor (64 per row and link
-for an 8B model). Packed, the engine thread copies every tensor of a link
-into one byte buffer (one evaluation, the copy the writer needs anyway)
-and reads it at once, while the device has nothing else queued: one move
-per link that waits for no other work; the writer then reads host memory.
-On the CPU and Metal the buffer is read in place.
+unified memory with a synchronous copy made holding the GIL. Made by the
+writer thread, it held the engine thread (which needs the GIL to build its
+next step) once per tensor. Packed, a link's tensors are copied on the
+device into a few byte buffers of bounded size (the copy the writer needs
+anyway: the live caches go on being updated in place), and the engine
+thread moves each to the host at a moment it chooses: the batch lane
+queues the copies behind a decode step without waiting for them
+(``stage_packs``) and moves them during a later step, a bounded number of
+bytes per step (engine/checkpoint_moves.py); the serial lane evaluates and
+moves at once (``pack_layers``). The writer then reads host memory. On the
+CPU and Metal a buffer is read in place.
 """
 
 from __future__ import annotations
@@ -22,14 +24,22 @@ import mlx.core as mx
 
 @dataclass(eq=False)
 class Pack:
-    """The bytes of many arrays, one after the other, in one evaluated uint8 array (on the host once
-    ``host`` was called)."""
+    """The bytes of many arrays, one after the other, in one uint8 array (evaluated, and on the host,
+    once ``host`` was called)."""
 
     flat: mx.array
     _host: memoryview | None = field(default=None, repr=False)
 
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    @property
+    def on_host(self) -> bool:
+        return self._host is not None
+
     def host(self) -> memoryview:
-        """The whole buffer on the host (the first call moves it there)."""
+        """The whole buffer on the host (the first call waits for its copy and moves it there)."""
         if self._host is None:
             self._host = memoryview(self.flat).cast("B")
         return self._host
@@ -54,21 +64,45 @@ class PackedTensor:
         return mx.array(part.view(self.dtype).reshape(self.shape))
 
 
-def pack_layers(layers: list) -> list:
-    """Encoded layers [(kind, meta, [(name, array)])] with every array copied into one Pack, evaluated and
-    moved to the host here (on the engine thread, right after the evaluation drained the device)."""
-    arrays = [a for _, _, named in layers for _, a in named]
-    parts = [a.reshape(-1).view(mx.uint8) for a in arrays if a.nbytes]
-    # always a copy (one part alone is copied too): the live caches go on being updated in place
-    flat = mx.concatenate(parts) if len(parts) > 1 else mx.array(parts[0]) if parts else mx.zeros((0,), mx.uint8)
-    mx.eval(flat)
-    pack, offset, out = Pack(flat), 0, []
-    pack.host()
+def stage_packs(layers: list, max_pack_bytes: int | None = None) -> tuple[list, list[Pack]]:
+    """Encoded layers [(kind, meta, [(name, array)])] with their arrays copied into Packs of at most
+    ``max_pack_bytes`` each (an array larger than that gets a Pack of its own; None: one Pack), and
+    those Packs, not evaluated yet: the copies are only described here."""
+    groups: list[list[mx.array]] = [[]]
+    size = 0
+    for _, _, named in layers:
+        for _, a in named:
+            if not a.nbytes:
+                continue
+            if groups[-1] and max_pack_bytes is not None and size + a.nbytes > max_pack_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(a)
+            size += a.nbytes
+    packs = [Pack(_flat(group)) for group in groups]
+    out, pack_index, offset = [], 0, 0
     for kind, meta, named in layers:
         packed = []
         for name, a in named:
-            packed.append((name, PackedTensor(pack, offset, a.nbytes, tuple(a.shape), a.dtype)))
+            if a.nbytes and offset == packs[pack_index].nbytes:
+                pack_index, offset = pack_index + 1, 0
+            packed.append((name, PackedTensor(packs[pack_index], offset, a.nbytes, tuple(a.shape), a.dtype)))
             offset += a.nbytes
         out.append((kind, meta, packed))
-    return out
+    return out, packs
 
+
+def _flat(arrays: list[mx.array]) -> mx.array:
+    parts = [a.reshape(-1).view(mx.uint8) for a in arrays]
+    # always a copy (one part alone is copied too): the live caches go on being updated in place
+    return mx.concatenate(parts) if len(parts) > 1 else mx.array(parts[0]) if parts else mx.zeros((0,), mx.uint8)
+
+
+def pack_layers(layers: list) -> list:
+    """Encoded layers with every array copied into one Pack, evaluated and moved to the host here (on
+    the engine thread, right after the evaluation drained the device)."""
+    out, packs = stage_packs(layers)
+    mx.eval(*(pack.flat for pack in packs))
+    for pack in packs:
+        pack.host()
+    return out

@@ -138,6 +138,11 @@ class CheckpointStore:
             self._cond.notify_all()
         return True
 
+    def queued_bytes(self) -> int:
+        """Bytes of links queued or being written: copied off the device, not yet on disk."""
+        with self._cond:
+            return sum(job.nbytes for job in self._jobs())
+
     def _parent_known(self, key: str, end: int) -> bool:
         return end in self._links.get(key, {}) or any(j.key == key and j.end == end and j.layers is not None
                                                         for j in self._jobs())

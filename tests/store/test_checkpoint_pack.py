@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlxq.store.checkpoint_pack import pack_layers
+from mlxq.store.checkpoint_pack import pack_layers, stage_packs
 
 
 def test_packed_tensors_keep_their_bytes_shapes_and_dtypes():
@@ -24,3 +24,15 @@ def test_packed_tensors_keep_their_bytes_shapes_and_dtypes():
             as_bytes = np.asarray(mx.contiguous(original.view(mx.uint8) if original.dtype == mx.bfloat16
                                                 else original)).tobytes()
             assert bytes(tensor.host_bytes()) == as_bytes
+
+
+def test_staged_packs_stay_under_their_size_and_move_to_the_host_only_when_asked():
+    arrays = [mx.full((4, 8), float(i)) for i in range(5)] + [mx.full((40, 8), 9.0)]  # 128 B each, one 1280 B
+    layers = [("kv", {}, [("keys", a)]) for a in arrays]
+    packed, packs = stage_packs(layers, max_pack_bytes=300)
+    assert [p.nbytes for p in packs] == [256, 256, 128, 1280]  # two to a pack; the large one alone
+    assert not any(p.on_host for p in packs)
+    for (_, _, [(_, tensor)]), a in zip(packed, arrays, strict=True):
+        assert mx.array_equal(tensor.array(), a).item()
+        assert bytes(tensor.host_bytes()) == np.asarray(a).tobytes()
+    assert all(p.on_host for p in packs)
