@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from mlxq.engine.checkpoint_moves import IN_FLIGHT_BYTES, MOVE_BYTES_PER_STEP, LinkInFlight
+from mlxq.engine.checkpoint_staging import IN_FLIGHT_BYTES, STAGE_BYTES_PER_STEP, LinkInFlight
 from mlxq.engine.checkpointing import Checkpointing, restore_output
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.rows import Row, resume_row
@@ -55,17 +55,16 @@ class RowCheckpoints:
 
     def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array,
                              fed: list[int], fed_emitted: list[bool]) -> None:
-        """Links staged in earlier steps move to the host and publish (engine/checkpoint_moves.py); rows
-        going on whose interval is up stage theirs, the longest without a checkpoint first, at most
-        ``publishes_per_step`` of them and ``MOVE_BYTES_PER_STEP`` of copies per step, while fewer than
+        """Links staged in the last step publish (engine/checkpoint_staging.py); rows going on whose
+        interval is up stage theirs, the longest without a checkpoint first, at most
+        ``publishes_per_step`` of them and ``STAGE_BYTES_PER_STEP`` of copies per step, while fewer than
         ``IN_FLIGHT_BYTES`` are on their way to disk; the others stay due, so rows that reached their
         interval together spread over the next steps. ``handed_out``: their next token already went out
         (token 0 in the step that computed it), so they are not at a checkpoint boundary this step. Rows
         cancelled in this step publish their last checkpoint at once when ``fed[i]``, this step's input,
         was not handed out (``fed_emitted[i]``: it had been); ``next_tokens[i]`` was drawn after it."""
         rows = self.batch.rows
-        for item in self.checkpoints.batch_moves.advance():
-            item.checkpoint.commit(item.link, item.pending, item.rng_key)
+        self.checkpoints.batch_staged.publish()
         kept = set(keep)
         cancelled = [i for i, row in enumerate(rows) if i not in kept and row.checkpoint is not None
                      and not fed_emitted[i] and row.output.finished is FinishReason.CANCELLED]
@@ -80,21 +79,18 @@ class RowCheckpoints:
         due = sorted((i for i in keep if rows[i].checkpoint is not None and not handed_out[i]
                       and rows[i].checkpoint.is_due(rows[i].output)),
                      key=lambda i: rows[i].checkpoint.last - rows[i].output.num_generated)
-        if not due or self.checkpoints.batch_moves.bytes() + self.checkpoints.store.queued_bytes() >= IN_FLIGHT_BYTES:
+        if not due or self.checkpoints.store.queued_bytes() >= IN_FLIGHT_BYTES:
             return
         staged, nbytes = [], 0
         with mx.stream(generation_stream):  # right behind this step's forward, before the next one's
             for i in due[:publishes_per_step(len(rows))]:
-                if nbytes >= MOVE_BYTES_PER_STEP:
+                if nbytes >= STAGE_BYTES_PER_STEP:
                     break
                 row = rows[i]
-                link = row.checkpoint.stage(row.output, self._row_for_checkpoint(i), max_pack_bytes=MOVE_BYTES_PER_STEP)
+                link = row.checkpoint.stage(row.output, self._row_for_checkpoint(i), STAGE_BYTES_PER_STEP, True)
                 staged.append(LinkInFlight(row.checkpoint, link, next_tokens, i, row.key))
                 nbytes += link.nbytes
-            mx.async_eval(*(p.flat for item in staged for p in item.link.packs),
-                          *(item.key for item in staged if item.key is not None))
-        for item in staged:
-            self.checkpoints.batch_moves.add(item)
+            self.checkpoints.batch_staged.stage(staged)
 
     def _row_for_checkpoint(self, i: int) -> list:
         """Row ``i``'s caches to copy a link from: views into the batch where the layer allows (only the

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
-from mlxq.engine.checkpoint_moves import HostMoves
+from mlxq.engine.checkpoint_staging import StagedLinks
 from mlxq.engine.serial_resume import InexactResume
 from mlxq.engine.types import Request
 from mlxq.kv.capabilities import is_trimmable
@@ -47,7 +47,7 @@ class Checkpointing:
     store: CheckpointStore
     interval: int  # tokens handed out between checkpoints
     kv_scheme: str
-    batch_moves: HostMoves = field(default_factory=HostMoves)  # the batch lane's links on their way to the host
+    batch_staged: StagedLinks = field(default_factory=StagedLinks)  # the batch lane's links of the last step
 
     def key_for(self, request: Request) -> str | None:
         """The request's key digest, or None when it is not checkpointed."""
@@ -116,22 +116,20 @@ class RowCheckpoint:
     def is_due(self, output) -> bool:
         return is_due(output.num_generated, self.checkpointing.interval, self.last)
 
-    def stage(self, output, caches: list, drawn: tuple[int, ...] = (), max_pack_bytes: int | None = None
-              ) -> StagedLink:
+    def stage(self, output, caches: list, max_pack_bytes: int | None = None, host_side: bool = False,
+              drawn: tuple[int, ...] = ()) -> StagedLink:
         """Describe the link after ``output``'s tokens and ``drawn`` (generated, not handed out yet):
-        ``caches`` hold the prompt and every one of them. Its copies are not evaluated here."""
+        ``caches`` hold the prompt and every one of them. Its copies are not evaluated here
+        (store/checkpoint_pack.stage_packs)."""
         self.last = output.num_generated
         generated = (*output.tokens, *drawn)
         end = len(output.request.prompt_ids) + len(generated)
         start = self.tip if 0 < self.tip <= end and self.checkpointing.store.is_link(self.key, self.tip) else 0
-        layers, packs = stage_packs(link_layers(caches, start), max_pack_bytes)
+        layers, packs = stage_packs(link_layers(caches, start), max_pack_bytes, host_side)
         return StagedLink(output, generated, start, layers, packs, is_trimmable(caches))
 
     def commit(self, link: StagedLink, pending: int, rng_key: tuple[int, ...] | None) -> int:
-        """Queue ``link`` for the writer, ``pending`` drawn after its tokens (its Packs evaluated and moved
-        to the host here where they are not yet). The bytes copied."""
-        for pack in link.packs:
-            pack.host()
+        """Queue ``link`` for the writer, ``pending`` drawn after its tokens. The bytes copied."""
         request = link.output.request
         record = CheckpointRecord(self.key, len(request.prompt_ids), link.generated, pending, rng_key, time.time())
         published = self.checkpointing.store.publish(record, request.prompt_ids + list(link.generated), link.layers,
@@ -144,8 +142,10 @@ class RowCheckpoint:
         """Queue the state after ``output``'s tokens and ``drawn`` (generated, not handed out yet) at once:
         ``caches`` hold the prompt and every one of them; ``pending`` was drawn after them. The bytes
         copied."""
-        link = self.stage(output, caches, drawn)
+        link = self.stage(output, caches, drawn=drawn)
         mx.eval(*(pack.flat for pack in link.packs))
+        for pack in link.packs:  # moved here, right after the evaluation drained the device
+            pack.host()
         return self.commit(link, pending, rng_key)
 
     def after_serial_token(self, run, caches: list) -> None:

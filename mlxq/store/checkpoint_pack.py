@@ -1,18 +1,19 @@
-"""A checkpoint link's tensors packed in a few buffers, moved to the host by the engine thread.
+"""A checkpoint link's tensors packed in a few buffers, and how they reach host memory.
 
 On the CUDA backend an array lives in device memory until the host first
 reads it; that first read (MLX's buffer protocol) moves the whole buffer to
 unified memory with a synchronous copy made holding the GIL. Made by the
 writer thread, it held the engine thread (which needs the GIL to build its
-next step) once per tensor. Packed, a link's tensors are copied on the
-device into a few byte buffers of bounded size (the copy the writer needs
-anyway: the live caches go on being updated in place), and the engine
-thread moves each to the host at a moment it chooses: the batch lane
-queues the copies behind a decode step without waiting for them
-(``stage_packs``) and moves them during a later step, a bounded number of
-bytes per step (engine/checkpoint_moves.py); the serial lane evaluates and
-moves at once (``pack_layers``). The writer then reads host memory. On the
-CPU and Metal a buffer is read in place.
+next step) once per tensor; made by the engine thread, it stalled decoding
+for the copy. Packed, a link's tensors are copied on the device into a few
+byte buffers of bounded size (the copy the writer needs anyway: the live
+caches go on being updated in place). The batch lane only describes that
+copy and, on CUDA, a copy of each buffer made by MLX's CPU stream
+(``stage_packs(host_side=True)``): MLX's CPU worker thread waits for the
+device copy, moves it to host memory and copies it, holding no GIL, and
+the writer's read waits for it without the GIL. The serial lane evaluates
+and moves at once (``pack_layers``). On the CPU and Metal a buffer is read
+in place.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ class PackedTensor:
         return mx.array(part.view(self.dtype).reshape(self.shape))
 
 
-def stage_packs(layers: list, max_pack_bytes: int | None = None) -> tuple[list, list[Pack]]:
+def stage_packs(layers: list, max_pack_bytes: int | None = None, host_side: bool = False
+                ) -> tuple[list, list[Pack]]:
     """Encoded layers [(kind, meta, [(name, array)])] with their arrays copied into Packs of at most
     ``max_pack_bytes`` each (an array larger than that gets a Pack of its own; None: one Pack), and
-    those Packs, not evaluated yet: the copies are only described here."""
+    those Packs, not evaluated yet: the copies are only described here. ``host_side``: on CUDA each
+    Pack is brought to host memory by MLX's CPU stream (see above)."""
     groups: list[list[mx.array]] = [[]]
     size = 0
     for _, _, named in layers:
@@ -79,7 +82,8 @@ def stage_packs(layers: list, max_pack_bytes: int | None = None) -> tuple[list, 
                 size = 0
             groups[-1].append(a)
             size += a.nbytes
-    packs = [Pack(_flat(group)) for group in groups]
+    to_host = host_side and mx.cuda.is_available()
+    packs = [Pack(_on_cpu_stream(_flat(group)) if to_host else _flat(group)) for group in groups]
     out, pack_index, offset = [], 0, 0
     for kind, meta, named in layers:
         packed = []
@@ -96,6 +100,12 @@ def _flat(arrays: list[mx.array]) -> mx.array:
     parts = [a.reshape(-1).view(mx.uint8) for a in arrays]
     # always a copy (one part alone is copied too): the live caches go on being updated in place
     return mx.concatenate(parts) if len(parts) > 1 else mx.array(parts[0]) if parts else mx.zeros((0,), mx.uint8)
+
+
+def _on_cpu_stream(flat: mx.array) -> mx.array:
+    """``flat`` computed by the CPU stream: reading the device buffer there moves it to host memory in
+    MLX's CPU worker thread (after a fence on the device copy), not in the thread that evaluates."""
+    return mx.add(flat, 0, stream=mx.cpu)  # not a view: a view would not read the buffer
 
 
 def pack_layers(layers: list) -> list:

@@ -11,8 +11,9 @@ retires the whole chain at once (no restore from it), its removal queued
 behind any write of it in progress, so an older cleanup never erases a
 newer attempt's files.
 
-The engine thread only hands over arrays it owns (copies, evaluated); a
-writer thread puts them on disk, so a decode step never waits for the disk.
+The engine thread only hands over arrays it owns (copies, evaluated or
+scheduled by it: store/checkpoint_pack.py); a writer thread puts them on
+disk, so a decode step never waits for the disk.
 A publish that finds the queue over its byte cap is dropped; a write the
 disk refuses (full, too large) is counted and dropped; the request goes on
 either way. A restore walks the newest chain of its key, links still queued

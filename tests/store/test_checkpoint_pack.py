@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlxq.store.checkpoint_pack import pack_layers, stage_packs
+from mlxq.store.checkpoint_pack import _on_cpu_stream, pack_layers, stage_packs
 
 
 def test_packed_tensors_keep_their_bytes_shapes_and_dtypes():
@@ -36,3 +36,9 @@ def test_staged_packs_stay_under_their_size_and_move_to_the_host_only_when_asked
         assert mx.array_equal(tensor.array(), a).item()
         assert bytes(tensor.host_bytes()) == np.asarray(a).tobytes()
     assert all(p.on_host for p in packs)
+
+
+def test_the_cpu_stream_copy_keeps_every_byte():
+    """What CUDA's host-side Packs go through (store/checkpoint_pack._on_cpu_stream): every byte value."""
+    flat = mx.arange(256 * 3).astype(mx.uint8)
+    assert bytes(memoryview(_on_cpu_stream(flat))) == bytes(range(256)) * 3

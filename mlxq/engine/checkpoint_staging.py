@@ -1,0 +1,85 @@
+"""The batch lane's checkpoint links staged behind a decode step and published a step later.
+
+A publish that waited for its copy would stall decoding: reading the
+pending token and evaluating the copy wait for the step in flight, so the
+engine thread, instead of building the next step while the device runs
+the current one, waits for it, then builds the next while the device
+idles; and moving the copy to the host on the engine thread holds the
+engine (which is what bounds a batch's decode speed) for the copy. So a
+due row's link is only *staged* in the step that drew its pending token
+(engine/checkpoint_rows.py): its copies are queued on the generation
+stream right behind that step's forward, on CUDA each followed by a copy
+to host memory on MLX's CPU stream (store/checkpoint_pack.py), evaluated
+asynchronously with the row's key, and nothing is read. In the next step,
+once that step's tokens were read (the step that drew the pending tokens
+is done), each staged link reads its pending token and key (already
+computed: no wait) and is handed to the writer, whose reads of the bytes
+wait for the copies, holding no GIL. A row that ended meanwhile publishes
+nothing: it completed (its checkpoint goes anyway) or was cancelled (its
+last checkpoint, taken at the cancel, is newer).
+
+Rows stage while fewer than ``IN_FLIGHT_BYTES`` are copied but not yet on
+disk (the writer's queue): a disk slower than the lane makes due rows wait
+(their next link then covers every token since their last one), never
+drops links.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from mlxq.engine.checkpointing import RowCheckpoint, StagedLink
+
+STAGE_BYTES_PER_STEP = 32 * 2**20  # copies staged per decode step: about one 256-token link of an 8B model
+IN_FLIGHT_BYTES = 512 * 2**20  # queued for the writer: while more, due rows wait
+
+
+@dataclass(eq=False)
+class LinkInFlight:
+    checkpoint: RowCheckpoint
+    link: StagedLink
+    next_tokens: mx.array  # the step's drawn tokens: the row's pending one at ``index``
+    index: int
+    key: mx.array | None  # the row's PRNG key before its next draw (seeded rows)
+
+    def state(self, drawn: dict) -> tuple[int, tuple[int, ...] | None]:
+        """The pending token and the key, once the step that drew them is done (``drawn``: id of a step's
+        tokens -> their list, so each step's tokens are read once)."""
+        tokens = drawn.get(id(self.next_tokens))
+        if tokens is None:
+            tokens = drawn[id(self.next_tokens)] = self.next_tokens.tolist()
+        return tokens[self.index], None if self.key is None else tuple(self.key.tolist())
+
+
+class StagedLinks:
+    """Links staged in the last step, not yet published."""
+
+    def __init__(self) -> None:
+        self._links: list[LinkInFlight] = []
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def stage(self, items: list[LinkInFlight]) -> None:
+        """Queue the links' copies (and the rows' keys) behind the work already queued, without waiting:
+        call in the stream of the step that drew their pending tokens. The writer, another thread,
+        can only wait for arrays scheduled here (MLX's streams belong to the thread that made them)."""
+        mx.async_eval(*(p.flat for item in items for p in item.link.packs),
+                      *(item.key for item in items if item.key is not None))
+        self._links += items
+
+    def publish(self) -> int:
+        """Hand every staged link of a row still running to the writer, with its pending token and key
+        (call once the step that drew them is done); the bytes published."""
+        staged, self._links = self._links, []
+        drawn: dict = {}
+        nbytes = 0
+        for item in staged:
+            if item.link.output.finished is None:
+                pending, rng_key = item.state(drawn)
+                nbytes += item.checkpoint.commit(item.link, pending, rng_key)
+        return nbytes
