@@ -95,7 +95,9 @@ class RowCheckpoints:
     def _row_for_checkpoint(self, i: int) -> list:
         """Row ``i``'s caches to copy a link from: views into the batch where the layer allows (only the
         link's span is copied), the caches themselves when the row runs alone."""
-        return view_row(self.batch.caches, i) if self.batch.batched else self.batch.caches
+        if not self.batch.batched:
+            return self.batch.caches
+        return view_row(self.batch.caches, i, self.checkpoints.batch_paddings.of(self.batch.caches))
 
 
 def publishes_per_step(rows: int) -> int:

@@ -55,6 +55,29 @@ class LinkInFlight:
         return tokens[self.index], None if self.key is None else tuple(self.key.tolist())
 
 
+class LeftPaddings:
+    """Each batch layer's left paddings as lists, read once per array: a layer's paddings change only when
+    rows join or leave (a new array), and each read is a copy from the device (32 per row for an 8B
+    model, every publish, if read each time)."""
+
+    def __init__(self) -> None:
+        self._read: dict[int, tuple[mx.array, list[int]]] = {}  # layer -> (the array read, its list)
+
+    def of(self, caches: list) -> list:
+        """Per layer: its left paddings (a list), or None for a layer without them."""
+        out = []
+        for layer, cache in enumerate(caches):
+            array = getattr(cache, "left_padding", None)
+            if array is None:
+                out.append(None)
+                continue
+            read = self._read.get(layer)
+            if read is None or read[0] is not array:
+                read = self._read[layer] = (array, array.tolist())
+            out.append(read[1])
+        return out
+
+
 class StagedLinks:
     """Links staged in the last step, not yet published."""
 

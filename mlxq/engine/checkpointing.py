@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxq.engine.checkpoint_key import checkpoint_key, is_due, not_checkpointed
-from mlxq.engine.checkpoint_staging import StagedLinks
+from mlxq.engine.checkpoint_staging import LeftPaddings, StagedLinks
 from mlxq.engine.serial_resume import InexactResume
 from mlxq.engine.types import Request
 from mlxq.kv.capabilities import is_trimmable
@@ -48,6 +48,7 @@ class Checkpointing:
     interval: int  # tokens handed out between checkpoints
     kv_scheme: str
     batch_staged: StagedLinks = field(default_factory=StagedLinks)  # the batch lane's links of the last step
+    batch_paddings: LeftPaddings = field(default_factory=LeftPaddings)  # the batch's left paddings, read once
 
     def key_for(self, request: Request) -> str | None:
         """The request's key digest, or None when it is not checkpointed."""

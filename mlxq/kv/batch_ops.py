@@ -82,13 +82,19 @@ def view_rows(batch: list, rows: int) -> list[list]:
     return out
 
 
-def view_row(batch: list, index: int) -> list:
+def view_row(batch: list, index: int, paddings: list | None = None) -> list:
     """One row as a solo cache list to read a part of at once: plain full-attention layers as views into
-    the batch's arrays (no copy), other layers extracted as ``extract_row`` does. The paddings are read
-    whole (``tolist``, no device work once they are evaluated): indexing one runs an operation and waits."""
-    return [_view(cache, index, cache.left_padding.tolist()[index])
-            if type(cache) is BatchKVCache and cache.keys is not None else extract_row([cache], index)[0]
-            for cache in batch]
+    the batch's arrays (no copy), other layers extracted as ``extract_row`` does. ``paddings``: each
+    layer's left paddings already read (a list, or None for a layer without); else they are read here,
+    whole (``tolist``: indexing one runs an operation and waits for it)."""
+    out = []
+    for layer, cache in enumerate(batch):
+        if type(cache) is BatchKVCache and cache.keys is not None:
+            padding = (paddings[layer] if paddings is not None else cache.left_padding.tolist())[index]
+            out.append(_view(cache, index, padding))
+        else:
+            out.append(extract_row([cache], index)[0])
+    return out
 
 
 def _view(cache: BatchKVCache, index: int, padding: int) -> KVCache:

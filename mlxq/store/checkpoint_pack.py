@@ -97,9 +97,17 @@ def stage_packs(layers: list, max_pack_bytes: int | None = None, host_side: bool
 
 
 def _flat(arrays: list[mx.array]) -> mx.array:
+    """The arrays' bytes one after the other, always a copy (one array alone is copied too): the live
+    caches go on being updated in place."""
+    if not arrays:
+        return mx.zeros((0,), mx.uint8)
+    first = arrays[0]
+    if len(arrays) > 1 and all(a.shape == first.shape and a.dtype == first.dtype for a in arrays):
+        # A link's K/V spans are strided slices of one shape: stacked, each is copied once, straight
+        # into the buffer (flattened first, each would be copied twice, by two kernels).
+        return mx.concatenate([a[None] for a in arrays]).reshape(-1).view(mx.uint8)
     parts = [a.reshape(-1).view(mx.uint8) for a in arrays]
-    # always a copy (one part alone is copied too): the live caches go on being updated in place
-    return mx.concatenate(parts) if len(parts) > 1 else mx.array(parts[0]) if parts else mx.zeros((0,), mx.uint8)
+    return mx.concatenate(parts) if len(parts) > 1 else mx.array(parts[0])
 
 
 def _on_cpu_stream(flat: mx.array) -> mx.array:

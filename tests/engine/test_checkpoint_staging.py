@@ -58,3 +58,18 @@ def test_staged_links_publish_with_their_pending_token_and_key(load_tiny, tmp_pa
             assert cache.offset == original.offset == 7
             assert mx.array_equal(cache.keys[..., :7, :], original.keys[..., :7, :]).item()
             assert mx.array_equal(cache.values[..., :7, :], original.values[..., :7, :]).item()
+
+
+def test_left_paddings_are_read_once_per_array():
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxq.engine.checkpoint_staging import LeftPaddings
+
+    layers = [BatchKVCache([2, 0, 1]), BatchKVCache([2, 0, 1]), KVCache()]
+    paddings = LeftPaddings()
+    first = paddings.of(layers)
+    assert first == [[2, 0, 1], [2, 0, 1], None]
+    assert all(a is b for a, b in zip(paddings.of(layers)[:2], first[:2], strict=True))  # not read again
+    layers[1].left_padding = mx.array([1, 0])  # rows left: a new array
+    again = paddings.of(layers)
+    assert again[0] is first[0] and again[1] == [1, 0]

@@ -42,3 +42,14 @@ def test_the_cpu_stream_copy_keeps_every_byte():
     """What CUDA's host-side Packs go through (store/checkpoint_pack._on_cpu_stream): every byte value."""
     flat = mx.arange(256 * 3).astype(mx.uint8)
     assert bytes(memoryview(_on_cpu_stream(flat))) == bytes(range(256)) * 3
+
+
+def test_spans_of_one_shape_pack_to_the_same_bytes():
+    """A link's K/V spans (strided slices of one shape and dtype) take the stacked copy: same bytes."""
+    cache = mx.random.normal((2, 3, 16, 4)).astype(mx.bfloat16)
+    spans = [cache[1:2, :, 5:11, :], cache[0:1, :, 2:8, :], (cache * 2)[1:2, :, 5:11, :]]
+    packed, [pack] = stage_packs([("kv", {}, [(str(i), a)]) for i, a in enumerate(spans)])
+    assert pack.nbytes == sum(a.nbytes for a in spans)
+    for (_, _, [(_, tensor)]), a in zip(packed, spans, strict=True):
+        assert mx.array_equal(tensor.array(), a).item() and tensor.array().dtype == mx.bfloat16
+        assert bytes(tensor.host_bytes()) == np.asarray(mx.contiguous(a).view(mx.uint8)).tobytes()
