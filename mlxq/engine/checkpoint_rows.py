@@ -4,11 +4,11 @@ A mixin of BatchScheduler (engine/scheduler.py). After a decode step a row
 that goes on stands where a serial checkpoint does: its caches hold the
 prompt and every token it handed out, and the step drew its next (pending)
 token. A due row's new span is copied out of the batch through a view of
-the row (nothing else of it is copied) and published with that token and
-the row's own PRNG key (engine/checkpointing.py). Rows that joined together
-reach their interval together: a step publishes a few of them, so their
-copies spread over several steps, and the lane's rows share a byte budget
-(engine/checkpoint_budget.py).
+the row (nothing else of it is copied), staged behind that step and
+published in the next one with that token and the row's own PRNG key
+(engine/checkpoint_staging.py, engine/checkpointing.py). Rows that joined
+together reach their interval together: a step stages a few of them, so
+their copies spread over several steps.
 
 An identical request replays its checkpoint through its output, then enters
 as a joiner whose prompt is the prompt plus the tokens handed out, whose

@@ -73,3 +73,12 @@ def test_left_paddings_are_read_once_per_array():
     layers[1].left_padding = mx.array([1, 0])  # rows left: a new array
     again = paddings.of(layers)
     assert again[0] is first[0] and again[1] == [1, 0]
+
+
+def test_a_batch_that_reaches_its_interval_at_once_stages_over_eight_steps():
+    from mlxq.engine.checkpoint_rows import SPREAD_STEPS, publishes_per_step
+
+    assert SPREAD_STEPS == 8
+    for rows in (1, 2, 8, 9, 32, 64, 100):
+        per_step = publishes_per_step(rows)
+        assert per_step >= 1 and per_step * SPREAD_STEPS >= rows > (per_step - 1) * SPREAD_STEPS
