@@ -4,9 +4,10 @@ their step drew and the row's key; a link whose row ended meanwhile is never pub
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxq.engine.checkpoint_staging import LinkInFlight, StagedLinks
+from mlxq.engine.checkpoint_rows import SPREAD_STEPS, publishes_per_step
+from mlxq.engine.checkpoint_staging import LeftPaddings, LinkInFlight, StagedLinks
 from mlxq.engine.checkpointing import Checkpointing, RowCheckpoint
 from mlxq.engine.output import RequestOutput
 from mlxq.engine.types import FinishReason, Request, SamplingParams
@@ -61,10 +62,6 @@ def test_staged_links_publish_with_their_pending_token_and_key(load_tiny, tmp_pa
 
 
 def test_left_paddings_are_read_once_per_array():
-    from mlx_lm.models.cache import BatchKVCache
-
-    from mlxq.engine.checkpoint_staging import LeftPaddings
-
     layers = [BatchKVCache([2, 0, 1]), BatchKVCache([2, 0, 1]), KVCache()]
     paddings = LeftPaddings()
     first = paddings.of(layers)
@@ -76,8 +73,6 @@ def test_left_paddings_are_read_once_per_array():
 
 
 def test_a_batch_that_reaches_its_interval_at_once_stages_over_eight_steps():
-    from mlxq.engine.checkpoint_rows import SPREAD_STEPS, publishes_per_step
-
     assert SPREAD_STEPS == 8
     for rows in (1, 2, 8, 9, 32, 64, 100):
         per_step = publishes_per_step(rows)
