@@ -33,7 +33,9 @@ HEAD_DIMS = (64, 128)
 KEYS_PER_BLOCK = 64  # keys staged in shared memory per step (and the chunk granularity)
 WARPS = 4  # per block, 16 query rows each
 QUERY_ROWS = 16 * WARPS  # query rows per block
-TARGET_BLOCKS = 264  # blocks per launch the splits aim at: two per SM of an H200 (132 SMs)
+# Blocks per launch the splits aim at: two per SM of an H200 (132 SMs). Against 528 blocks and 8 warps
+# per block it was the fastest in all four 8B cases measured (docs/benchmarks.md, 2026-12-01).
+TARGET_BLOCKS = 264
 
 _HEADER = """
 #define NEG_INF __int_as_float(0xff800000)
