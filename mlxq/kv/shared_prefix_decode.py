@@ -42,9 +42,12 @@ per-row copies from 131k group tokens (64 x 2k + 50: 15.2 vs 16.2 ms; 16 x
 12k + 300: 19.6 vs 24.8); end to end 64 agents on a 2k prefix decoded 1.19x
 faster shared, while 16 agents on a 2.2k prefix (35k) were slower (ITL p50
 12.5 vs 10.7 ms, before the gqa and mma kernels) (docs/benchmarks.md, "H200:
-shared-prefix attention end to end"). On the CPU sharing measured at
-parity with copies (the exponentials, not the reads, bound it there), so it
-says no.
+shared-prefix attention end to end"). With mma_gqa routed, 64 agents on a
+cached 2.2k prefix ran at 0.88x of copies end to end, losing 0.44-0.86 s
+at the first token (the group's join) in rounds of only 128 tokens out:
+the gate weighs the decode step, which sharing speeds up. On the CPU
+sharing measured at parity with copies (the exponentials, not the reads,
+bound it there), so it says no.
 """
 
 from __future__ import annotations
