@@ -16,7 +16,8 @@ decode steps of the whole model are timed for:
 - ``shared_ops``: SharedPrefixBatchCache with the plain-operations path;
 - ``shared_full`` / ``shared_split`` / ``shared_gqa`` / ``shared_mma`` /
   ``shared_mma_gqa``: the same with each CUDA path of
-  kv/shared_prefix_decode.py (CUDA only; ``--paths`` picks).
+  kv/shared_prefix_decode.py (CUDA only; ``--paths`` picks; ``auto``: the
+  route's own choice per call).
 
 Also: the first step's max logit difference of each shared path to the
 copies (bf16 rounding carried through the layers on the GPU).
@@ -25,6 +26,7 @@ copies (bf16 rounding carried through the layers on the GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -106,7 +108,7 @@ def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb, paths) -> di
             mx.clear_cache()
     for path in paths if shared_prefix_decode.is_enabled() else ("ops",):
         name = f"shared_{path}"
-        with shared_prefix_decode.forced(path):
+        with contextlib.nullcontext() if path == "auto" else shared_prefix_decode.forced(path):
             ms, logits = time_steps(model, caches_for(prefix_cache, rows, own, True), rows, steps)
         result[f"{name}_ms"] = ms
         if reference is not None:
@@ -126,7 +128,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--max-copies-gb", type=float, default=60.0)
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--paths", default="ops,full,split,gqa", help="shared paths to time (CUDA)")
+    parser.add_argument("--paths", default="ops,full,split,gqa", help="shared paths to time (CUDA; auto: as routed)")
     args = parser.parse_args()
     import mlx_lm
 
