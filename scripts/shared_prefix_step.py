@@ -14,8 +14,10 @@ decode steps of the whole model are timed for:
   in ``--max-copies-gb``; on CUDA also ``copies_per_head``, the same
   through kv/decode_kernel.py (one block per row and query head);
 - ``shared_ops``: SharedPrefixBatchCache with the plain-operations path;
-- ``shared_full`` / ``shared_split`` / ``shared_gqa``: the same with each
-  CUDA path of kv/shared_prefix_decode.py (CUDA only; ``--paths`` picks).
+- ``shared_full`` / ``shared_split`` / ``shared_gqa`` / ``shared_mma`` /
+  ``shared_mma_gqa``: the same with each CUDA path of
+  kv/shared_prefix_decode.py (CUDA only; ``--paths`` picks; ``auto``: the
+  route's own choice per call).
 
 Also: the first step's max logit difference of each shared path to the
 copies (bf16 rounding carried through the layers on the GPU).
@@ -24,6 +26,7 @@ copies (bf16 rounding carried through the layers on the GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -94,6 +97,7 @@ def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb, paths) -> di
     reference = None
     if result["copies_gb"] <= max_copies_gb:
         result["copies_ms"], reference = time_steps(model, caches_for(prefix_cache, rows, own, False), rows, steps)
+        print(f"  {rows}x{prefix}+{own} copies: {result['copies_ms']:.2f} ms/step", flush=True)
         mx.clear_cache()
         if cuda_attention._gqa:
             cuda_attention._gqa = False  # the per-head kernel, side by side
@@ -104,11 +108,12 @@ def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb, paths) -> di
             mx.clear_cache()
     for path in paths if shared_prefix_decode.is_enabled() else ("ops",):
         name = f"shared_{path}"
-        with shared_prefix_decode.forced(path):
+        with contextlib.nullcontext() if path == "auto" else shared_prefix_decode.forced(path):
             ms, logits = time_steps(model, caches_for(prefix_cache, rows, own, True), rows, steps)
         result[f"{name}_ms"] = ms
         if reference is not None:
             result[f"{name}_logit_diff"] = mx.abs(logits - reference).max().item()
+        print(f"  {rows}x{prefix}+{own} {name}: {ms:.2f} ms/step", flush=True)  # a run cut short keeps these
         mx.clear_cache()
     for key in [k for k in result if k.endswith("_ms")]:
         result[key.replace("_ms", "_tok_s")] = rows * 1000 / result[key]
@@ -123,7 +128,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--max-copies-gb", type=float, default=60.0)
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--paths", default="ops,full,split,gqa", help="shared paths to time (CUDA)")
+    parser.add_argument("--paths", default="ops,full,split,gqa", help="shared paths to time (CUDA; auto: as routed)")
     args = parser.parse_args()
     import mlx_lm
 

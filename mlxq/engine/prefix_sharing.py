@@ -25,6 +25,7 @@ measured on a device), where
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxq.kv.shared_prefix_decode import worth_sharing
@@ -85,6 +86,19 @@ class Group:
     @property
     def score(self) -> int:
         return self.rows * self.prefix_length
+
+    def anchor(self, running: Sequence[Lease | None]) -> Node | None:
+        """The node holding the group's last prefix token in one of its rows' chains (``running``: the
+        running rows' leases, in batch order, read as far as both it and ``shares`` go); None when no
+        member's lease reaches it."""
+        last = self.prefix_length - 1
+        return next((node_at(lease, last) for lease, member in zip(running, self.shares, strict=False)
+                     if member and lease is not None), None)
+
+    def holds_prefix(self, lease: Lease | None, anchor: Node) -> bool:
+        """Whether ``lease`` reads the group's prefix from the same K/V: its chain holds ``anchor`` (the
+        tree has one node per token path)."""
+        return lease is not None and node_at(lease, self.prefix_length - 1) is anchor
 
 
 def row_groups(groups: tuple[Group, ...], rows: int) -> list[int]:
@@ -148,16 +162,11 @@ def join_in_place(groups: tuple[Group, ...], running: list[Lease | None], joinin
     took the same K/V."""
     if not groups:
         return None
-    anchors = []
-    for group in groups:
-        last = group.prefix_length - 1
-        anchor = next((node_at(lease, last) for lease, member in zip(running, group.shares, strict=True)
-                       if member and lease is not None), None)
-        if anchor is None:
-            return None
-        anchors.append(anchor)
+    anchors = [group.anchor(running) for group in groups]
+    if any(anchor is None for anchor in anchors):
+        return None
     into = tuple(next((g for g, (group, anchor) in enumerate(zip(groups, anchors, strict=True))
-                       if lease is not None and node_at(lease, group.prefix_length - 1) is anchor), -1)
+                       if group.holds_prefix(lease, anchor)), -1)
                  for lease in joining)
     kept = sum(group.extend([g == i for g in into]).score for i, group in enumerate(groups))
     if sum(group.score for group in choose_groups(running + joining, policy)) > kept:

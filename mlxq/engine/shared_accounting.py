@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from mlxq.engine.prefix_sharing import Group, SharingPolicy, choose_groups, node_at
+from mlxq.engine.prefix_sharing import Group, SharingPolicy, choose_groups
 from mlxq.engine.step_plan import Extent, Load
 from mlxq.store.lease import Lease
 
@@ -57,14 +57,11 @@ def credits(leases: Sequence[Lease | None], running: int, groups: tuple[Group, .
         return running_credits(predicted, len(leases))
     out = running_credits(groups, running) + [NO_CREDIT] * (len(leases) - running)
     for g, group in enumerate(groups):
-        last = group.prefix_length - 1
-        anchor = next((node_at(lease, last) for lease, member in zip(leases[:running], group.shares, strict=False)
-                       if member and lease is not None), None)
+        anchor = group.anchor(leases[:running])
         if anchor is None:
             continue
         for row in range(running, len(leases)):
-            lease = leases[row]
-            if out[row][1] is None and lease is not None and node_at(lease, last) is anchor:
+            if out[row][1] is None and group.holds_prefix(leases[row], anchor):
                 out[row] = (group.prefix_length, g)
     return out
 

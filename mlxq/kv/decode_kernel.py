@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxq.kv.kernel_inputs import row_starts, scale_array
+
 HEAD_DIMS = (64, 128, 256)
 _WARPS = 32
 
@@ -111,7 +113,6 @@ SPILL_WARPS
 """)
 
 _kernel = None
-_scales: dict[float, mx.array] = {}  # one device scalar per scale, not one per layer and step
 
 
 def masked_decode_attention(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
@@ -128,10 +129,8 @@ def masked_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
             ensure_row_contiguous=False,
         )
     batch, heads, _, dim = queries.shape
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], mx.float32)
     return _kernel(
-        inputs=[mx.contiguous(queries), keys, values, mx.contiguous(starts.astype(mx.int32)), _scales[scale]],
+        inputs=[mx.contiguous(queries), keys, values, row_starts(starts), scale_array(scale)],
         template=[("T", queries.dtype), ("D", dim), ("W", _WARPS)],
         grid=(heads * _WARPS * 32, batch, 1),
         threadgroup=(_WARPS * 32, 1, 1),

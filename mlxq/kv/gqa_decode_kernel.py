@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxq.kv.decode_kernel import max_error_vs_mlx
-from mlxq.kv.shared_prefix_kernel import row_shares
+from mlxq.kv.kernel_inputs import constant, row_shares, row_starts, scale_array, sinks_array
 
 LOADS = 2  # 16-byte loads per thread and key (its share of the head dimension): 2 measured faster than 1
 _SHARED_BYTES = 40 * 1024  # the slots' partials, under the 48 KiB a block may take without opting in
@@ -178,14 +178,6 @@ _SOURCE = """
 """
 
 _kernel = None
-_scales: dict[float, mx.array] = {}
-_constants: dict[tuple, mx.array] = {}  # one device array per (what, dtype or rows), not one per layer and step
-
-
-def _constant(key: tuple, make) -> mx.array:
-    if key not in _constants:
-        _constants[key] = make()
-    return _constants[key]
 
 
 def block_threads(dtype: mx.Dtype, dim: int, group: int, loads: int | None = None) -> int | None:
@@ -239,16 +231,11 @@ def _launch(queries, keys, values, starts, scale: float, sinks=None, shares=None
     batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
     threads = block_threads(queries.dtype, dim, heads // kv_heads)
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], mx.float32)
-    none = _constant(("prefix", queries.dtype), lambda: mx.zeros((1, 1, 1, 1), queries.dtype))
-    no_levels = _constant(("levels",), lambda: mx.zeros((1, 1, 1, 1), mx.float32))
-    no_sinks = _constant(("sinks",), lambda: mx.zeros((1,), mx.float32))
+    none = constant(("no prefix", queries.dtype), lambda: mx.zeros((1, 1, 1, 1), queries.dtype))
+    no_levels = constant(("no levels",), lambda: mx.zeros((1, 1, 1, 1), mx.float32))
     return _compiled()(
         inputs=[mx.contiguous(queries), *(prefix or (none, none)), keys, values,
-                mx.contiguous(starts.astype(mx.int32)), _scales[scale],
-                no_sinks if sinks is None else mx.contiguous(sinks.astype(mx.float32)),
-                row_shares(shares, batch),
+                row_starts(starts), scale_array(scale), sinks_array(sinks), row_shares(shares, batch),
                 *(mx.contiguous(x) for x in levels or (no_levels,) * 3)],
         template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("NT", threads), ("LOADS", LOADS),
                   ("HAS_PREFIX", prefix is not None), ("HAS_SINKS", sinks is not None),

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxq.kv.kernel_inputs import int_array, scale_array
 from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
 
 HEAD_DIMS = (64, 128)
 KEYS_PER_BLOCK = 64  # keys staged in shared memory per step (and the chunk granularity)
 WARPS = 4  # per block, 16 query rows each
 QUERY_ROWS = 16 * WARPS  # query rows per block
-TARGET_BLOCKS = 264  # blocks per launch the splits aim at: two per SM of an H200 (132 SMs)
+# Blocks per launch the splits aim at: two per SM of an H200 (132 SMs). Against 528 blocks and 8 warps
+# per block it was the fastest in all four 8B cases measured (docs/benchmarks.md, 2026-12-01).
+TARGET_BLOCKS = 264
 
 _HEADER = """
 #define NEG_INF __int_as_float(0xff800000)
@@ -244,8 +247,6 @@ _SOURCE = """
 """
 
 _kernel = None
-_scales: dict[float, mx.array] = {}
-_chunks: dict[int, mx.array] = {}
 
 
 def can_run(queries: mx.array, prefix_keys: mx.array) -> bool:
@@ -286,13 +287,9 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
     kv_heads, length = prefix_keys.shape[1], prefix_keys.shape[2]
     rows = batch * heads // kv_heads
     chunk, splits = split_plan(rows, kv_heads, length, target_blocks, warps)
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], mx.float32)
-    if chunk not in _chunks:
-        _chunks[chunk] = mx.array([chunk], mx.int32)
     level = (kv_heads, splits, rows)
     return tuple(_kernel(
-        inputs=[mx.contiguous(queries), prefix_keys, prefix_values, _scales[scale], _chunks[chunk]],
+        inputs=[mx.contiguous(queries), prefix_keys, prefix_values, scale_array(scale), int_array(chunk)],
         template=[("D", dim), ("NT", 32 * warps)],
         grid=(-(-rows // (16 * warps)) * 32 * warps, splits, kv_heads),
         threadgroup=(32 * warps, 1, 1),

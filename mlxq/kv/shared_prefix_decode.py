@@ -13,34 +13,41 @@
   ``GQA_MAX_GROUP_TOKENS``, where its own self-check passed;
 - ``mma``: kv/prefix_mma_kernel.py, the prefix on tensor cores in splits
   (flash-decoding), then the split path's kernel for the tails and the
-  merge of every split: bf16 groups from ``MMA_MIN_GROUP_TOKENS`` on, where
-  its own self-checks passed;
+  merge of every split: bf16 groups from ``MMA_MIN_GROUP_TOKENS`` on where
+  the gqa kernel cannot take the tails (its self-check failed, or a group
+  of query heads wider than it holds);
 - ``mma_gqa``: the same prefix levels merged by kv/gqa_decode_kernel.py
-  walking the tails (one block per row and KV head) instead of the split
-  path's per-head kernel: only when forced (benchmarks; not measured yet,
-  and not in the start-up self-check: the micro script reports its
-  difference to MLX).
+  walking the tails (one block per row and KV head, every query head of the
+  group at once): bf16 groups from ``MMA_MIN_GROUP_TOKENS`` on, where both
+  kernels' self-checks and this path's own passed.
 
 The kernels run only on CUDA, only after ``enable()``'s self-check agrees
 with the plain path, and only for one query per row with a head width they
 have. The thresholds come from the H200 measurements in docs/benchmarks.md
 ("H200: shared-prefix attention per layer"), in group tokens (rows x prefix
-length). Per layer: the mma path wins from 131k on (64 x 2k + 50: 0.14-0.21
-ms vs gqa 0.20; 16 x 12k: 0.12 vs 0.27; 64 x 16k: 0.36-0.43 vs split 0.81)
-and the gqa path below it (32 x 2k: 0.13 vs 0.14-0.20; 64 x 512: 0.11 vs
-0.22); whole-model steps agree (64 x 2k + 50: 15.2 vs 16.1 ms; 16 x 12k:
-19.6 vs 26.7). For float16 and float32, which the mma kernel does not take,
-the split path's GEMMs beat the gqa path from 524k on (64 x 16k: 0.81 vs
-1.37 ms) and one kernel below 32k (64 x 512: 0.26 vs 0.36 ms).
+length). Per layer (2026-12-01, one run): the mma_gqa path wins from 131k
+on (64 x 2k + 50: 0.113 ms vs mma 0.198, gqa 0.215; 64 x 2k + 300: 0.126
+vs 0.224 / 0.227; 16 x 12k + 300: 0.104 vs 0.138 / 0.275; 64 x 16k + 300:
+0.211 vs 0.358, split 0.837): the split path's tail kernel (one block per
+row and query head) reads each tail once per query head of a KV head's
+group (four times at 32 on 8), the gqa kernel once. Below 131k the gqa
+path (32 x 2k: 0.13 vs 0.14-0.20; 64 x 512: 0.11 vs 0.22). Whole-model
+steps agreed for the mma path (64 x 2k + 50: 15.2 vs gqa 16.1 ms; 16 x 12k:
+19.6 vs 26.7). For float16 and float32, which the mma kernel does not
+take, the split path's GEMMs beat the gqa path from 524k on (64 x 16k: 0.81
+vs 1.37 ms) and one kernel below 32k (64 x 512: 0.26 vs 0.36 ms).
 
 ``worth_sharing``, the scheduler's gate: whole-model steps shared beat
 per-row copies from 131k group tokens (64 x 2k + 50: 15.2 vs 16.2 ms; 16 x
 12k + 300: 19.6 vs 24.8); end to end 64 agents on a 2k prefix decoded 1.19x
 faster shared, while 16 agents on a 2.2k prefix (35k) were slower (ITL p50
 12.5 vs 10.7 ms, before the gqa and mma kernels) (docs/benchmarks.md, "H200:
-shared-prefix attention end to end"). On the CPU sharing measured at
-parity with copies (the exponentials, not the reads, bound it there), so it
-says no.
+shared-prefix attention end to end"). With mma_gqa routed, 64 agents on a
+cached 2.2k prefix ran at 0.88x of copies end to end, losing 0.44-0.86 s
+at the first token (the group's join) in rounds of only 128 tokens out:
+the gate weighs the decode step, which sharing speeds up. On the CPU
+sharing measured at parity with copies (the exponentials, not the reads,
+bound it there), so it says no.
 """
 
 from __future__ import annotations
@@ -62,24 +69,24 @@ MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 gr
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
 PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa")
 
-_enabled = False
-_gqa_enabled = False  # the gqa path's self-check passed (it is checked apart: a failure keeps the others)
-_mma_enabled = False  # the same for the mma path
+_kernels: frozenset[str] = frozenset()  # the kernel paths whose self-checks passed (``passing_paths``)
 _checked = False  # enable() ran its self-check
 _grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
+_OPTIONAL = ("gqa", "mma", "mma_gqa")  # paths whose failed self-check keeps the others on
 
 
 def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant | None = None) -> str:
     if _forced is not None:
         return _forced
-    if quant is not None or not _enabled or not shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys,
+    if quant is not None or not is_enabled() or not shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys,
                                                                               tail_values):
         return "ops"
     tokens = queries.shape[0] * prefix_keys.shape[2]
-    if _mma_enabled and tokens >= MMA_MIN_GROUP_TOKENS and prefix_mma_kernel.can_run(queries, prefix_keys):
-        return "mma"
-    if _gqa_enabled and tokens < GQA_MAX_GROUP_TOKENS and gqa_decode_kernel.can_run(queries, tail_keys, tail_values):
+    gqa_tails = gqa_decode_kernel.can_run(queries, tail_keys, tail_values)
+    if "mma" in _kernels and tokens >= MMA_MIN_GROUP_TOKENS and prefix_mma_kernel.can_run(queries, prefix_keys):
+        return "mma_gqa" if "mma_gqa" in _kernels and gqa_tails else "mma"
+    if "gqa" in _kernels and tokens < GQA_MAX_GROUP_TOKENS and gqa_tails:
         return "gqa"
     return "split" if tokens >= SPLIT_MIN_GROUP_TOKENS else "full"
 
@@ -87,7 +94,7 @@ def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant 
 def worth_sharing(rows: int, prefix_length: int) -> bool:
     """Whether a decode step of ``rows`` rows on a ``prefix_length``-token prefix is faster shared
     than over per-row copies (measured on the H200; the CPU measured no gain)."""
-    return _enabled and rows * prefix_length >= AUTO_MIN_GROUP_TOKENS
+    return is_enabled() and rows * prefix_length >= AUTO_MIN_GROUP_TOKENS
 
 
 def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
@@ -105,10 +112,16 @@ def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_
     if path == "mma":
         return tail_merge_kernel.mma_shared_prefix_decode(*args, shares)
     if path == "mma_gqa":
-        levels = prefix_mma_kernel.prefix_partials(queries, prefix_keys, prefix_values, scale)
-        return gqa_decode_kernel.gqa_levels_decode(queries, tail_keys, tail_values, tail_starts, scale, sinks, levels,
-                                                   shares)
+        return _mma_gqa_decode(*args, shares)
     return shared_prefix_attention(*args, quant, shares)
+
+
+def _mma_gqa_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
+                    sinks: mx.array | None, shares: mx.array | None) -> mx.array:
+    """The prefix's levels on tensor cores, then the gqa kernel walks each row's tail and merges them."""
+    levels = prefix_mma_kernel.prefix_partials(queries, prefix_keys, prefix_values, scale)
+    return gqa_decode_kernel.gqa_levels_decode(queries, tail_keys, tail_values, tail_starts, scale, sinks, levels,
+                                               shares)
 
 
 def grouped_attention(queries, prefixes, tail_keys, tail_values, tail_starts, scale: float,
@@ -147,11 +160,16 @@ def _check_inputs(dtype):
     return q, pk, pv, buffer[0, :, :, :own], buffer[1, :, :, :own], mx.array([0, 1, 17, 39, 5, 20]), dim**-0.5
 
 
+def checked_paths(dtype) -> tuple[str, ...]:
+    """The kernel paths ``self_check`` compares with the plain path in ``dtype``."""
+    return ("full", "split", "gqa") + (("mma", "mma_gqa") if dtype == mx.bfloat16 else ())
+
+
 def self_check(dtype=mx.bfloat16) -> dict[str, float]:
     """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
-    the group, tails as strided views (``mma`` in bf16 only)."""
+    the group, tails as strided views (``mma`` and ``mma_gqa`` in bf16 only)."""
     q, pk, pv, tk, tv, starts, scale = _check_inputs(dtype)
-    worst = {"full": 0.0, "split": 0.0, "gqa": 0.0} | ({"mma": 0.0} if dtype == mx.bfloat16 else {})
+    worst = dict.fromkeys(checked_paths(dtype), 0.0)
     for sinks, shares in ((None, None), (mx.random.normal((q.shape[1],)),
                                          mx.array([True, False, True, True, False, True]))):
         want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
@@ -160,7 +178,7 @@ def self_check(dtype=mx.bfloat16) -> dict[str, float]:
                 with forced(path):
                     got = attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
             except Exception as exc:  # one kernel that does not build must not take the others down
-                if path not in ("gqa", "mma"):
+                if path not in _OPTIONAL:
                     raise
                 log.warning("%s shared-prefix path unavailable (%s: %s)", path, type(exc).__name__, exc)
                 worst[path] = float("inf")
@@ -180,9 +198,9 @@ def grouped_self_check(dtype=mx.bfloat16) -> float:
 
 
 def enable() -> bool:
-    """Let the kernels run from now on, if CUDA is here and both self-checks agree with the plain
+    """Let the kernels run from now on, if CUDA is here and the self-checks agree with the plain
     path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path."""
-    global _enabled, _checked, _gqa_enabled, _mma_enabled
+    global _kernels, _checked
     if not _checked and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
         _checked = True  # once: a batch forming groups again does not repeat a failed check
         try:
@@ -190,12 +208,24 @@ def enable() -> bool:
         except Exception as exc:  # no compiler, an unsupported GPU: the plain path stays
             log.warning("shared-prefix kernels unavailable (%s: %s)", type(exc).__name__, exc)
             return False
-        _enabled = max(errors["full"], errors["split"]) < 2e-2
-        _gqa_enabled = _enabled and errors["gqa"] < 2e-2
-        _mma_enabled = _enabled and errors["mma"] < 2e-2 and _mma_partials_agree()
-        if not (_gqa_enabled and _mma_enabled):
+        _kernels = passing_paths(errors, _mma_partials_agree())
+        if "mma_gqa" not in _kernels:
             log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
-    return _enabled
+    return is_enabled()
+
+
+def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: float = 2e-2) -> frozenset[str]:
+    """The kernel paths that may run, from ``self_check``'s max differences: ``full`` and ``split`` both
+    or none (the base of every other), ``mma`` also needs the tensor-core kernel's own check, ``mma_gqa``
+    needs ``gqa`` and ``mma`` too; a path that failed leaves the others on."""
+    if max(errors["full"], errors["split"]) >= bound:
+        return frozenset()
+    passed = {"full", "split"} | {path for path in ("gqa", "mma") if errors.get(path, float("inf")) < bound}
+    if not mma_partials_agree:
+        passed.discard("mma")
+    if {"gqa", "mma"} <= passed and errors.get("mma_gqa", float("inf")) < bound:
+        passed.add("mma_gqa")
+    return frozenset(passed)
 
 
 def _mma_partials_agree() -> bool:
@@ -212,7 +242,7 @@ def _grouped_ready() -> bool:
     ``--shared-prefix-attention on`` forms): failing the check keeps just that path on plain
     operations, and servers that never group twice never run it."""
     global _grouped_enabled
-    if _grouped_enabled is None and _enabled:
+    if _grouped_enabled is None and is_enabled():
         try:
             error = grouped_self_check()
         except Exception as exc:
@@ -225,4 +255,4 @@ def _grouped_ready() -> bool:
 
 
 def is_enabled() -> bool:
-    return _enabled
+    return "split" in _kernels

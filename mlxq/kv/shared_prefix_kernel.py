@@ -24,6 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxq.kv.decode_kernel import splice
+from mlxq.kv.kernel_inputs import row_shares, row_starts, scale_array, sinks_array
 
 HEAD_DIMS = (64, 128, 256)
 _WARPS = 32
@@ -99,21 +100,6 @@ SPILL_WARPS
 """.replace("STEP", KEY_STEP))
 
 _kernel = None
-_scales: dict[float, mx.array] = {}
-_NO_SINKS = None
-
-
-_everyone: dict[int, mx.array] = {}
-
-
-def row_shares(shares: mx.array | None, rows: int) -> mx.array:
-    """[rows] int32: 1 where the row sees the prefix (None: every row; one array per batch size, not one
-    per layer and step)."""
-    if shares is not None:
-        return mx.contiguous(shares.astype(mx.int32))
-    if rows not in _everyone:
-        _everyone[rows] = mx.ones((rows,), mx.int32)
-    return _everyone[rows]
 
 
 def can_run(queries: mx.array, prefix_keys: mx.array, tail_keys: mx.array, tail_values: mx.array) -> bool:
@@ -127,21 +113,17 @@ def can_run(queries: mx.array, prefix_keys: mx.array, tail_keys: mx.array, tail_
 def shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
                          sinks: mx.array | None = None, shares: mx.array | None = None) -> mx.array:
     """kv/shared_prefix_attention.shared_prefix_attention for one query per row, as one kernel."""
-    global _kernel, _NO_SINKS
+    global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
             name="mlxq_shared_prefix_decode",
             input_names=["queries", "prefix_keys", "prefix_values", "tail_keys", "tail_values", "starts",
                          "scale", "sinks", "shares"],
             output_names=["out"], source=_SOURCE, header=HEADER, ensure_row_contiguous=False)
-        _NO_SINKS = mx.zeros((1,), mx.float32)
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], mx.float32)
     batch, heads, _, dim = queries.shape
     return _kernel(
         inputs=[mx.contiguous(queries), prefix_keys, prefix_values, tail_keys, tail_values,
-                mx.contiguous(tail_starts.astype(mx.int32)), _scales[scale],
-                _NO_SINKS if sinks is None else sinks.astype(mx.float32), row_shares(shares, queries.shape[0])],
+                row_starts(tail_starts), scale_array(scale), sinks_array(sinks), row_shares(shares, batch)],
         template=[("T", queries.dtype), ("D", dim), ("W", _WARPS), ("HAS_SINKS", sinks is not None)],
         grid=(batch * _WARPS * 32, heads, 1),
         threadgroup=(_WARPS * 32, 1, 1),

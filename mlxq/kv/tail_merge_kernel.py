@@ -19,8 +19,9 @@ import mlx.core as mx
 
 from mlxq.kv import prefix_mma_kernel
 from mlxq.kv.decode_kernel import splice
+from mlxq.kv.kernel_inputs import row_shares, row_starts, scale_array, sinks_array
 from mlxq.kv.shared_prefix_attention import RowGroups, grouped_prefix_stats, stacked_prefix_stats
-from mlxq.kv.shared_prefix_kernel import HEADER, KEY_STEP, row_shares
+from mlxq.kv.shared_prefix_kernel import HEADER, KEY_STEP
 
 _WARPS = 32
 
@@ -78,8 +79,6 @@ SPILL_WARPS
 # Compiled once per (rows, prefix length, scale): a group's shapes stay put while its tails grow.
 _prefix_stats = mx.compile(stacked_prefix_stats)
 _kernel = None
-_scales: dict[float, mx.array] = {}
-_NO_SINKS = None
 
 
 def split_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts,
@@ -110,21 +109,18 @@ def tails_and_merge(queries, tail_keys, tail_values, tail_starts, scale: float, 
                     stats: tuple[mx.array, mx.array, mx.array], shares: mx.array | None) -> mx.array:
     """Each row's tail walked by the kernel, merged with its prefix levels: ``stats`` in the stacked
     layout, [Hkv, rows x group, n] (one level) or [Hkv, splits, rows x group, n] (one per split)."""
-    global _kernel, _NO_SINKS
+    global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
             name="mlxq_tail_merge_splits",
             input_names=["queries", "tail_keys", "tail_values", "starts", "scale", "sinks",
                          "prefix_weighted", "prefix_peak", "prefix_total", "shares"],
             output_names=["out"], source=_SOURCE, header=HEADER, ensure_row_contiguous=False)
-        _NO_SINKS = mx.zeros((1,), mx.float32)
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], mx.float32)
     weighted, peak, total = (x if x.ndim == 4 else x[:, None] for x in stats)
     batch, heads, _, dim = queries.shape
     return _kernel(
-        inputs=[mx.contiguous(queries), tail_keys, tail_values, mx.contiguous(tail_starts.astype(mx.int32)),
-                _scales[scale], _NO_SINKS if sinks is None else sinks.astype(mx.float32),
+        inputs=[mx.contiguous(queries), tail_keys, tail_values, row_starts(tail_starts), scale_array(scale),
+                sinks_array(sinks),
                 mx.contiguous(weighted), mx.contiguous(peak), mx.contiguous(total),
                 row_shares(shares, batch)],
         template=[("T", queries.dtype), ("D", dim), ("W", _WARPS), ("HAS_SINKS", sinks is not None)],

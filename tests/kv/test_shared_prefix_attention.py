@@ -118,7 +118,7 @@ def test_the_path_is_decided_from_the_group_shape(monkeypatch):
 
     q, pk, tk = shapes(8, 2048)
     assert decode.choose(q, pk, tk, tk) == "ops" and not decode.worth_sharing(64, 16384)
-    monkeypatch.setattr(decode, "_enabled", True)
+    monkeypatch.setattr(decode, "_kernels", frozenset({"full", "split"}))
     assert decode.choose(q, pk, tk, tk) == "full" and not decode.worth_sharing(8, 2048)
     q, pk, tk = shapes(16, 2048)
     assert decode.choose(q, pk, tk, tk) == "split" and not decode.worth_sharing(16, 2048)
@@ -129,26 +129,63 @@ def test_the_path_is_decided_from_the_group_shape(monkeypatch):
 
 
 def test_bf16_groups_from_the_mma_threshold_take_the_tensor_core_prefix(monkeypatch):
-    """The mma path once its self-checks passed: bf16 only (float32 keeps the other kernels), one query
-    per row, from MMA_MIN_GROUP_TOKENS group tokens on."""
+    """The mma prefix once its self-checks passed: bf16 only (float32 keeps the other kernels), one query
+    per row, from MMA_MIN_GROUP_TOKENS group tokens on; its tails through the gqa kernel (measured faster
+    on the H200 at every such shape) where that path's check passed and the kernel takes the head group,
+    else through the split path's tail kernel."""
     from mlxq.kv import shared_prefix_decode as decode
 
-    def shapes(rows, prefix, dtype=mx.bfloat16):
-        return (mx.zeros((rows, 32, 1, 128), dtype), mx.zeros((1, 8, prefix, 128), dtype),
+    def shapes(rows, prefix, dtype=mx.bfloat16, heads=32):
+        return (mx.zeros((rows, heads, 1, 128), dtype), mx.zeros((1, 8, prefix, 128), dtype),
                 mx.zeros((rows, 8, 5, 128), dtype))
 
-    monkeypatch.setattr(decode, "_enabled", True)
-    monkeypatch.setattr(decode, "_mma_enabled", True)
+    monkeypatch.setattr(decode, "_kernels", frozenset({"full", "split", "gqa", "mma", "mma_gqa"}))
     rows = 64
     q, pk, tk = shapes(rows, decode.MMA_MIN_GROUP_TOKENS // rows)
-    assert decode.choose(q, pk, tk, tk) == "mma"
+    assert decode.choose(q, pk, tk, tk) == "mma_gqa"
     q, pk, tk = shapes(rows, decode.MMA_MIN_GROUP_TOKENS // rows - 64)
-    assert decode.choose(q, pk, tk, tk) != "mma"
+    assert decode.choose(q, pk, tk, tk) == "gqa"
+    q, pk, tk = shapes(16, 12288)
+    assert decode.choose(q, pk, tk, tk) == "mma_gqa"
     q, pk, tk = shapes(rows, 16384, mx.float32)
     assert decode.choose(q, pk, tk, tk) == "split"
-    monkeypatch.setattr(decode, "_mma_enabled", False)
+    q, pk, tk = shapes(rows, 16384, heads=8 * 32)  # 32 query heads per KV head: wider than the gqa kernel holds
+    assert decode.choose(q, pk, tk, tk) == "mma"
+    monkeypatch.setattr(decode, "_kernels", frozenset({"full", "split", "gqa", "mma"}))
     q, pk, tk = shapes(rows, 16384)
+    assert decode.choose(q, pk, tk, tk) == "mma"
+    monkeypatch.setattr(decode, "_kernels", frozenset({"full", "split"}))
     assert decode.choose(q, pk, tk, tk) == "split"
+
+
+@pytest.mark.parametrize("errors, mma_partials, passed", [
+    ({"full": 0.005, "split": 0.004, "gqa": 0.006, "mma": 0.006, "mma_gqa": 0.005}, True,
+     {"full", "split", "gqa", "mma", "mma_gqa"}),
+    ({"full": 0.005, "split": 0.004, "gqa": 0.006, "mma": 0.006, "mma_gqa": float("inf")}, True,
+     {"full", "split", "gqa", "mma"}),  # the gqa kernel did not build with levels: the others stay
+    ({"full": 0.005, "split": 0.004, "gqa": 0.5, "mma": 0.006, "mma_gqa": 0.005}, True, {"full", "split", "mma"}),
+    ({"full": 0.005, "split": 0.004, "gqa": 0.006, "mma": 0.006, "mma_gqa": 0.005}, False,
+     {"full", "split", "gqa"}),  # the tensor-core kernel's own check failed
+    ({"full": 0.005, "split": 0.004, "gqa": 0.006}, True, {"full", "split", "gqa"}),  # float16: no mma
+    ({"full": 0.5, "split": 0.004, "gqa": 0.006, "mma": 0.006, "mma_gqa": 0.005}, True, set()),
+])
+def test_each_kernel_path_runs_only_where_its_self_check_passed(errors, mma_partials, passed):
+    from mlxq.kv.shared_prefix_decode import passing_paths
+
+    assert passing_paths(errors, mma_partials) == passed
+
+
+def test_the_start_up_self_check_covers_every_kernel_path():
+    """enable() checks bf16 (the serving dtype) on every kernel path ``choose`` may return, and all of
+    them passing enables all of them; on the CPU nothing is enabled."""
+    from mlxq.kv import shared_prefix_decode as decode
+
+    kernel_paths = set(decode.PATHS) - {"ops"}
+    assert set(decode.checked_paths(mx.bfloat16)) == kernel_paths
+    assert decode.passing_paths(dict.fromkeys(decode.checked_paths(mx.bfloat16), 0.0), True) == kernel_paths
+    assert "mma_gqa" not in decode.checked_paths(mx.float32)  # the tensor-core kernel takes bf16 only
+    if not mx.cuda.is_available():
+        assert not decode.enable() and not decode.is_enabled()
 
 
 @pytest.mark.parametrize("rows, kv_heads, length, target", [
@@ -190,7 +227,7 @@ def test_the_tensor_core_prefix_kernel_matches_the_stacked_gemms():
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 def test_the_mma_path_with_gqa_tails_matches_the_plain_path():
-    """Not run on a device yet."""
+    """Measured on the H200 in the per-layer benchmark: 0.0005-0.002 in bf16, as the other paths."""
     from mlxq.kv import shared_prefix_decode
 
     q, pk, pv, tk, tv, starts, scale = shared_prefix_decode._check_inputs(mx.bfloat16)
