@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from mlxq.engine.step_plan import BurstHold
 from mlxq.engine.types import Request, SamplingParams
 from mlxq.engine.warmup_shared import PREFIX_TOKENS, shares, warm_shared
 from mlxq.models.multi_lora import adapter_names
@@ -49,7 +50,7 @@ def warm_up(model, tokenizer, scheme, prefill_step_size: int, scheduler=None) ->
 
     from mlxq.engine.scheduler import BatchScheduler
 
-    config = replace(scheduler.config, max_rows=4, prompt_concurrency=4, kv_budget_bytes=None)
+    config = replace(scheduler.config, max_rows=4, prompt_concurrency=4, kv_budget_bytes=None, burst=BurstHold())
     sched = BatchScheduler(model, tokenizer, scheduler.footprint, config, scheme=scheme)
     adapter = next(iter(adapter_names(model)), "")  # with --adapter: base, mixed and one-adapter steps too
     sched.add(Request("warmup-0", _prompt(tokenizer, 33), SamplingParams(), 6, ignore_eos=True), ignore)

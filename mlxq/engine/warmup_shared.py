@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine.prefix_sharing import SharingPolicy
+from mlxq.engine.step_plan import BurstHold
 from mlxq.engine.types import Request, SamplingParams
 
 PREFIX_TOKENS = 48  # above prefix_sharing.MIN_PREFIX_TOKENS: ``on`` groups rows on it
@@ -40,7 +41,7 @@ def warm_shared(model, tokenizer, scheduler, prompt: list[int]) -> None:
     from mlxq.store.prompt_cache import PromptCache
 
     prefix = prompt[:PREFIX_TOKENS]
-    config = replace(scheduler.config, max_rows=8, prompt_concurrency=4, kv_budget_bytes=None)
+    config = replace(scheduler.config, max_rows=8, prompt_concurrency=4, kv_budget_bytes=None, burst=BurstHold())
     sched = BatchScheduler(model, tokenizer, scheduler.footprint, config, prompt_cache=PromptCache(_CACHE_BYTES),
                            scheme=scheduler.scheme, sharing=SharingPolicy("on", scheduler.sharing.plan))
     _store(sched, model, prefix)
