@@ -288,7 +288,8 @@ def hold_for_burst(joiners: Sequence[JoinerView], admissions: Sequence[float], n
     TTFT ~0.85 s against ~0.4 s). Hold while every joiner is a fresh short tail (nobody with a
     long prefill of its own is delayed), the last two admissions came within ``gap_s`` of each
     other (a lone request is never held), the newest within ``gap_s`` of now, and the oldest
-    joiner within ``window_s``."""
+    joiner within ``window_s``. Rows already decoding go on meanwhile; a steady stream of
+    arrivals closer than ``gap_s`` waits up to ``window_s`` each time, in fewer, larger forwards."""
     if hold.window_s <= 0 or not joiners or len(admissions) < 2:
         return False
     if not all(j.finishes_short_tail and not (j.following or j.restoring or j.cancelled) for j in joiners):
