@@ -368,7 +368,7 @@ class Engine:
         """A burst of agents' tails waits for the rest of it on a GPU (one forward for the wave);
         not on the compute-bound CPU (no forward to share), nor across ranks (a wall-clock decision
         each rank would make apart)."""
-        from mlxq.engine.step_plan import BURST_WINDOW_S, BurstHold
+        from mlxq.engine.burst_hold import BURST_WINDOW_S, BurstHold
 
         return BurstHold(BURST_WINDOW_S if _on_gpu() and self.lockstep is None else 0.0)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlxq.engine.burst_hold import BurstHold, hold_for_burst
 from mlxq.engine.checkpoint_rows import RowCheckpoints
 from mlxq.engine.checkpointing import Checkpointing
 from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
@@ -49,13 +50,11 @@ from mlxq.engine.shared_accounting import credited, credits, shares_layers
 from mlxq.engine.shared_tails import TailSharing
 from mlxq.engine.shedding import MemoryShedding, resumed_size
 from mlxq.engine.step_plan import (
-    BurstHold,
     Extent,
     Limits,
     Load,
     Sizing,
     can_admit,
-    hold_for_burst,
     load_of,
     plan_intake,
     plan_prefill,

@@ -20,9 +20,9 @@ and only then touches caches:
   released together advance their own tails together: one forward.
 - ``choose_leader``: agents arriving together with a long shared prefix
   prefill it once; a joiner follows the first one still prefilling it.
-- ``hold_for_burst``: while a burst of agents on a cached prompt is still
-  arriving, their tails wait a moment, so the wave prefills as one forward
-  instead of a first group the rest queue behind.
+- ``hold_for_burst`` (engine/burst_hold.py): while a burst of agents on a
+  cached prompt is still arriving, their tails wait a moment, so the wave
+  prefills as one forward instead of a first group the rest queue behind.
 
 Preemption after a fault and shedding before a decode step are decided the
 same way in engine/preempt.py (``plan_decode_preemption``, ``rows_that_fit``).
@@ -39,9 +39,6 @@ from mlxq.store.prefix import common_prefix
 
 # A joiner waits for another joiner's prefill only when they share at least this many new tokens.
 MIN_SHARED_PREFILL = 64
-# On a GPU a burst's tails wait at most this long for the rest of the burst (hold_for_burst): on the
-# H200 64 agents' requests reached the engine over ~0.1 s.
-BURST_WINDOW_S = 0.15
 # A joiner with at most this many prompt tokens of its own to prefill takes no prompt-concurrency slot:
 # its tail costs a fraction of a step's token budget, which still bounds the step.
 SHORT_PREFILL = 128
@@ -268,35 +265,6 @@ def plan_prefill(joiners: Sequence[JoinerView], limits: Limits, quantized: bool 
         advance.append(i)
     chunks = tuple(joiners[i].next_chunk for i in advance)
     return PrefillPlan(tuple(restore), tuple(advance), chunks, len(advance) > 1 and not quantized)
-
-
-@dataclass(frozen=True)
-class BurstHold:
-    """How long joiners' tails wait for the rest of their burst (engine/scheduler.py)."""
-
-    window_s: float = 0.0  # at most this long after the burst's first joiner (0: never wait)
-    gap_s: float = 0.02  # joiners admitted this close together are one burst still arriving
-
-
-def hold_for_burst(joiners: Sequence[JoinerView], admissions: Sequence[float], now: float, hold: BurstHold) -> bool:
-    """Whether to hold this step's prefill for joiners still arriving (``admissions``: the scheduler's
-    last two admission times, oldest first, running rows' included).
-
-    A burst of agents on a cached prompt reaches the engine over ~0.1 s (each request parsed and
-    tokenized in the server): prefilled as it comes, a first group's forward and decode step run
-    while the rest queue behind them (on the H200, 64 agents split 21 + 43: the second group's
-    TTFT ~0.85 s against ~0.4 s). Hold while every joiner is a fresh short tail (nobody with a
-    long prefill of its own is delayed), the last two admissions came within ``gap_s`` of each
-    other (a lone request is never held), the newest within ``gap_s`` of now, and the oldest
-    joiner within ``window_s``. Rows already decoding go on meanwhile; a steady stream of
-    arrivals closer than ``gap_s`` waits up to ``window_s`` each time, in fewer, larger forwards."""
-    if hold.window_s <= 0 or not joiners or len(admissions) < 2:
-        return False
-    if not all(j.finishes_short_tail and not (j.following or j.restoring or j.cancelled) for j in joiners):
-        return False
-    previous, last = admissions[-2], admissions[-1]
-    first = min(j.admitted_at for j in joiners)
-    return now - last < hold.gap_s and last - previous < hold.gap_s and now - first < hold.window_s
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from mlxq.engine.step_plan import BurstHold
+from mlxq.engine.burst_hold import BurstHold
 from mlxq.engine.types import Request, SamplingParams
 from mlxq.engine.warmup_shared import PREFIX_TOKENS, shares, warm_shared
 from mlxq.models.multi_lora import adapter_names

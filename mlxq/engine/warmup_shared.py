@@ -19,8 +19,8 @@ from dataclasses import replace
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxq.engine.burst_hold import BurstHold
 from mlxq.engine.prefix_sharing import SharingPolicy
-from mlxq.engine.step_plan import BurstHold
 from mlxq.engine.types import Request, SamplingParams
 
 PREFIX_TOKENS = 48  # above prefix_sharing.MIN_PREFIX_TOKENS: ``on`` groups rows on it

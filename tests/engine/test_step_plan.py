@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from mlxq.engine.burst_hold import BurstHold, hold_for_burst
 from mlxq.engine.preempt import plan_decode_preemption, rows_that_fit
 from mlxq.engine.step_plan import (
     MIN_SHARED_PREFILL,
     SHORT_PREFILL,
-    BurstHold,
     Extent,
     JoinerView,
     Limits,
@@ -15,7 +15,6 @@ from mlxq.engine.step_plan import (
     Sizing,
     can_admit,
     choose_leader,
-    hold_for_burst,
     load_of,
     plan_intake,
     plan_prefill,

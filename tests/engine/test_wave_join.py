@@ -76,7 +76,7 @@ def test_a_burst_still_arriving_waits_for_the_rest_and_prefills_as_one_forward(l
     waiting behind the one before."""
     import time
 
-    from mlxq.engine.step_plan import BurstHold
+    from mlxq.engine.burst_hold import BurstHold
 
     model, tokenizer = load_tiny("llama")
     shared = tokenizer.encode(LONG + " " + LONG)
@@ -116,8 +116,8 @@ def test_an_engine_that_holds_bursts_prefills_a_submitted_wave_in_one_step(tiny_
     import time
 
     from mlxq.engine import engine as engine_module
+    from mlxq.engine.burst_hold import BurstHold
     from mlxq.engine.engine import Engine, EngineConfig
-    from mlxq.engine.step_plan import BurstHold
     from mlxq.models.loader import load_model
 
     monkeypatch.setattr(engine_module, "_on_gpu", lambda: True)
