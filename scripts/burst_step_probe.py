@@ -8,13 +8,21 @@ their own) at once and runs ``BatchScheduler.step()`` until each has its
 first token. Odd rounds time every step whole (what a server pays); even
 rounds put an evaluation fence after each stage (lease, merge, forward, row
 moves, views, join, decode) and time the stages apart, so their sum is
-larger than the unfenced step. The first round pays kernel compilation.
+larger than the unfenced step. The first round pays kernel compilation
+(``--first-fenced`` fences it too, to see which stage pays; each round reports
+how many kernels MLX's CUDA JIT cache holds, ``ptx_files``, so a round that
+compiled kernels shows). ``--sharing auto,off`` runs both in one process, one
+scheduler each, in that order. ``--warm`` runs the engine's start-up warm-up
+(engine/warmup.py, with the prompt cache and sharing policy) first and times it.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
+import tempfile
 import time
 from contextlib import ExitStack
 from unittest import mock
@@ -27,6 +35,7 @@ from mlxq.engine.prefix_sharing import SharingPolicy
 from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 from mlxq.engine.transient import ModelShape
 from mlxq.engine.types import Request, SamplingParams
+from mlxq.engine.warmup import warm_up
 from mlxq.kv import attention_route, cuda_attention
 from mlxq.kv.projection import measure_footprint
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
@@ -110,7 +119,8 @@ def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int
             for module, name in ((prefill, "merge_with_room"), (prefill, "finalize_chunks"), (prefill, "view_rows"),
                                  (prefill, "extract_row"), (joining, "merge_solo_rows"),
                                  (running_batch, "extend_batch"), (running_batch, "_grouped_caches"),
-                                 (running_batch, "share_groups"), (shared_tails, "share_groups")):
+                                 (running_batch, "share_groups"), (shared_tails, "share_groups"),
+                                 (shared_tails, "prefix_from_spans")):
                 stack.enter_context(mock.patch.object(module, name, fences.wrap(name, getattr(module, name))))
             stack.enter_context(mock.patch.object(sched.prompt_cache, "lease",
                                                   fences.wrap("lease", sched.prompt_cache.lease)))
@@ -138,7 +148,14 @@ def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int
             "ttft_ms_p50": round(1000 * ttfts[len(ttfts) // 2], 1),
             "ttft_ms_max": round(1000 * ttfts[-1], 1), "steps": steps,
             "stages_ms": dict(fences.ms) if fences else None, "stage_calls": dict(fences.calls) if fences else None,
-            "copies": sched.batch.copies.as_dict(), "groups": sched.sharing_stats.groups}
+            "copies": sched.batch.copies.as_dict(), "groups": sched.sharing_stats.groups, "ptx_files": ptx_files()}
+
+
+def ptx_files() -> int:
+    """Kernels in MLX's CUDA JIT cache (MLX_PTX_CACHE_DIR, else <tmp>/mlx/<version>/ptx): a round that
+    compiled kernels adds files."""
+    root = os.environ.get("MLX_PTX_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "mlx", "*", "ptx")
+    return len(glob.glob(os.path.join(root, "*.ptx")))
 
 
 def main() -> None:
@@ -147,24 +164,36 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--prefix", type=int, default=2195)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--sharing", default="auto", choices=("off", "auto", "on"))
+    ap.add_argument("--sharing", default="auto", help="off, auto or on; several comma-separated: one after another")
+    ap.add_argument("--first-fenced", action="store_true", help="fence round 0 too (and not round 1)")
+    ap.add_argument("--warm", action="store_true", help="run the engine's start-up warm-up first, timed")
     ap.add_argument("--out", default="burst-step-probe.json")
     args = ap.parse_args()
     loaded = load_model(args.model)
     cuda_attention.install()  # as the engine does after a load
-    if args.sharing != "off":
+    modes = args.sharing.split(",")
+    if any(mode != "off" for mode in modes):
         attention_route.install()  # turns the shared-prefix kernels on (their self-checks), then routes per batch
         attention_route.uninstall()
-    sched = scheduler_for(loaded.model, loaded.tokenizer, args.rows, args.sharing)
     prefix = [(7 * j) % 5000 + 100 for j in range(args.prefix)]
-    store_prefix(sched, loaded.model, prefix)
-    results = []
-    for round_no in range(args.rounds):
-        results.append(one_round(sched, prefix, args.rows, round_no, Fences() if round_no % 2 else None))
-        print(json.dumps({k: v for k, v in results[-1].items() if k != "steps"}), flush=True)
-        print("  steps:", json.dumps(results[-1]["steps"]), flush=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f)
+    results: dict[str, list] = {}
+    for mode in modes:
+        sched = scheduler_for(loaded.model, loaded.tokenizer, args.rows, mode)
+        if args.warm:
+            start, before = time.perf_counter(), ptx_files()
+            warm_up(loaded.model, loaded.tokenizer, sched.scheme, 2048, sched)
+            print(json.dumps({"sharing": mode, "warm_up_ms": round(1000 * (time.perf_counter() - start), 1),
+                              "ptx_files": [before, ptx_files()]}), flush=True)
+        store_prefix(sched, loaded.model, prefix)
+        results[mode] = []
+        for round_no in range(args.rounds):
+            fenced = (round_no % 2 == 0) if args.first_fenced else bool(round_no % 2)
+            results[mode].append(one_round(sched, prefix, args.rows, round_no, Fences() if fenced else None))
+            print(json.dumps({"sharing": mode} | {k: v for k, v in results[mode][-1].items() if k != "steps"}),
+                  flush=True)
+            print("  steps:", json.dumps(results[mode][-1]["steps"]), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f)
 
 
 if __name__ == "__main__":

@@ -357,12 +357,20 @@ class Engine:
                                 token0_in_decode=_on_gpu(),
                                 transient_budget_bytes=self.memory_limits.transient_reserve if self.memory_limits
                                 else None, shape=ModelShape.of(self.loaded.model),
-                                memory_limit_bytes=self._shedding_limit()),
+                                memory_limit_bytes=self._shedding_limit(), burst=self._burst_hold()),
                 on_finish=lambda row: self._done(row.output.request, Lane.CONTINUOUS, row.output.finished,
                                                  row.output.usage()),
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
                 grammar_timing=self.grammar_timing, sharing=self._sharing_policy(), checkpoints=self.checkpoints,
             )
+
+    def _burst_hold(self):
+        """A burst of agents' tails waits for the rest of it on a GPU (one forward for the wave);
+        not on the compute-bound CPU (no forward to share), nor across ranks (a wall-clock decision
+        each rank would make apart)."""
+        from mlxq.engine.burst_hold import BURST_WINDOW_S, BurstHold
+
+        return BurstHold(BURST_WINDOW_S if _on_gpu() and self.lockstep is None else 0.0)
 
     def _shedding_limit(self) -> int | None:
         """The memory limit rows are shed against. Not with several ranks: shedding reads this rank's

@@ -28,7 +28,9 @@ class Intake:
         if restored is not None:
             self.joiners.add(restored)
         elif row.output.finished is None:
-            self._enter(Joiner(row, []))
+            now = self.clock()
+            self._admissions = (*self._admissions[-1:], now)  # a burst's signal: two admissions close together
+            self._enter(Joiner(row, [], admitted_at=now))
         self.submitted_rows += 1
 
     def _enter(self, joiner: Joiner) -> None:

@@ -9,6 +9,7 @@ one through a ``JoinerView``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ class Joiner:
     followers: int = 0  # joiners waiting on this one
     restore: PendingRestore | None = None  # reading a longer prefix from disk
     resumed: bool = False  # a preempted row recomputing its KV: its usage keeps its first cached count
+    admitted_at: float = field(default_factory=time.monotonic)  # when the scheduler took it in
     # (id of the caches list, is_trimmable): the planner asks per joiner per admission and step
     _trimmable: tuple[int, bool] | None = field(default=None, repr=False)
 
@@ -118,5 +120,6 @@ class Joiners:
         return [JoinerView(j.extent(), j.done, 0 if j.is_prefilled else chunk_len(j),
                            cancelled=j.row.request.cancelled.is_set(), restoring=j.restore is not None,
                            leader=None if j.leader is None else index.get(id(j.leader)),
-                           following=j.leader is not None, wait_until=j.wait_until, shared=j.shared)
+                           following=j.leader is not None, wait_until=j.wait_until, shared=j.shared,
+                           admitted_at=j.admitted_at)
                 for j in self._items]

@@ -55,8 +55,7 @@ class Joining:
         joining = self._join_shared_tails([j for j in ready if j.done > 0])
         if not joining:
             return
-        lasts = mx.array([j.prompt[-1] for j in joining], dtype=mx.uint32)
-        pending = Pending(lasts, [None] * len(joining), [True] * len(joining))
+        pending = Pending.prompt_ends([j.prompt for j in joining])
         if self._join_group([j.row for j in joining], lambda: [j.caches for j in joining], pending):
             return
         if not self.batch and self._start_grouped([j.row for j in joining], [j.caches for j in joining], pending):

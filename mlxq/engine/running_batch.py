@@ -40,6 +40,12 @@ class Pending:
     logprobs: list  # per row: the [V] logprobs that token was drawn from (None when nobody asked)
     emitted: list[bool]  # per row: that token was already handed out (token 0, a prompt's last token)
 
+    @classmethod
+    def prompt_ends(cls, prompts: list[list[int]]) -> Pending:
+        """For joiners whose caches hold all but their prompt's last token: that token is their next
+        input, already handed out (the step that feeds it computes their token 0)."""
+        return cls(mx.array([p[-1] for p in prompts], dtype=mx.uint32), [None] * len(prompts), [True] * len(prompts))
+
     def take(self, keep: list[int]) -> Pending:
         return Pending(self.tokens[mx.array(keep)], [self.logprobs[i] for i in keep], [self.emitted[i] for i in keep])
 
@@ -65,6 +71,11 @@ class RunningBatch:
         seam only while a group runs (kv/attention_route.py)."""
         self.groups = groups
         attention_route.use_shared(bool(groups))
+
+    def _set_groups_if_shared(self, groups: tuple[Group, ...]) -> None:
+        """``set_groups`` for caches just built for ``groups``: none when no layer could share (e.g.
+        quantized KV on a GPU backend), the caches being per row then."""
+        self.set_groups(groups if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else ())
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -152,8 +163,7 @@ class RunningBatch:
         become a batch of one."""
         rows = view_rows(self.caches, len(self.rows)) if self.batched else [self.caches]
         self.caches, self.batched = _grouped_caches(plan, rows, groups), True
-        # No layer may share (e.g. quantized KV on a GPU backend): the caches are per row again.
-        self.set_groups(groups if any(isinstance(c, SharedPrefixBatchCache) for c in self.caches) else ())
+        self._set_groups_if_shared(groups)
 
     def start_grouped(self, rows: list[Row], solo_caches: list[list], groups: tuple[Group, ...], plan: SharingPlan,
                       pending: Pending) -> None:
@@ -170,7 +180,7 @@ class RunningBatch:
         if self.rows:
             raise ValueError("adopt_grouped needs an empty batch")
         self.rows, self.caches, self.batched, self.pending = list(rows), caches, True, pending
-        self.set_groups(groups if any(isinstance(c, SharedPrefixBatchCache) for c in caches) else ())
+        self._set_groups_if_shared(groups)
 
     def join_shared(self, rows: list[Row], caches: list, group: int, pending: Pending) -> None:
         """Add rows whose batched caches read running group ``group``'s prefix arrays (the same

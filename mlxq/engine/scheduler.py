@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlxq.engine.burst_hold import BurstHold, hold_for_burst
 from mlxq.engine.checkpoint_rows import RowCheckpoints
 from mlxq.engine.checkpointing import Checkpointing
 from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
@@ -71,6 +72,7 @@ from mlxq.store.lease import Lease
 log = logging.getLogger("mlxq.scheduler")
 
 CLEAR_CACHE_EVERY = 256  # decode steps between mx.clear_cache() calls (mlx-lm's serial cadence)
+BURST_POLL_S = 0.001  # while a burst is held and nothing decodes: the engine thread lets the server run
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class SchedulerConfig:
     transient_budget_bytes: int | None = None  # prefill transients of joiners together (engine/transient.py)
     memory_limit_bytes: int | None = None  # MLX's memory limit: decode sheds rows before passing it
     shape: ModelShape | None = None  # what those transients are computed from
+    burst: BurstHold = BurstHold()  # joiners' tails wait for the rest of their burst (never by default)
 
 
 class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, RowCheckpoints):
@@ -127,6 +130,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         self.caps = LoadCaps(config.max_rows, config.max_rows)
         self._preempted: list[Row] = []  # rows whose KV was dropped, oldest first: readmitted before new work
         self._times_preempted: dict[str, int] = {}  # request id -> requeues so far
+        self.clock = time.monotonic  # what joiners' admission times are compared with (burst holds)
+        self._admissions: tuple[float, ...] = ()  # the last two admission times (engine/intake.py)
 
     # --- state the engine reads -------------------------------------------------
     @property
@@ -217,6 +222,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         self._intake(plan_intake(self.joiners.views(self._chunk_len), preempted, self._load().running,
                                  self._limits(), self.sizing))
         if not self.joiners:
+            return
+        if hold_for_burst(self.joiners.views(self._chunk_len), self._admissions, self.clock(), self.config.burst):
+            if not self.batch:
+                time.sleep(BURST_POLL_S)  # releases the GIL to the server threads parsing the rest
             return
         self.timing.interrupt()  # prefill work sits between these decode steps
         self._prefilled_together = None  # set by this step's forward when it ends its joiners' prompts

@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.prefix_sharing import Group, tails_group
 from mlxq.engine.running_batch import Pending
@@ -131,8 +129,7 @@ class TailSharing:
 
     def _adopt_shared(self, group: list[Joiner], shared: SharedTails) -> None:
         rows = [j.row for j in group]
-        lasts = mx.array([j.prompt[-1] for j in group], dtype=mx.uint32)
-        pending = Pending(lasts, [None] * len(group), [True] * len(group))
+        pending = Pending.prompt_ends([j.prompt for j in group])
         if shared.into is None:
             self.batch.adopt_grouped(rows, shared.caches, (shared.group,), pending)
             self.sharing_stats.groups += 1

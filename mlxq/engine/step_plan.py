@@ -20,6 +20,9 @@ and only then touches caches:
   released together advance their own tails together: one forward.
 - ``choose_leader``: agents arriving together with a long shared prefix
   prefill it once; a joiner follows the first one still prefilling it.
+- ``hold_for_burst`` (engine/burst_hold.py): while a burst of agents on a
+  cached prompt is still arriving, their tails wait a moment, so the wave
+  prefills as one forward instead of a first group the rest queue behind.
 
 Preemption after a fault and shedding before a decode step are decided the
 same way in engine/preempt.py (``plan_decode_preemption``, ``rows_that_fit``).
@@ -173,6 +176,7 @@ class JoinerView:
     following: bool = False  # it was told to wait for a leader (which may have left since)
     wait_until: int = 0  # the leader's ``done`` at which the shared prefix is stored
     shared: int = 0  # prompt tokens its leader prefills for it
+    admitted_at: float = 0.0  # when the scheduler took it in (seconds, monotonic)
 
     @property
     def is_prefilled(self) -> bool:

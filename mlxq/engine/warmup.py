@@ -13,7 +13,9 @@ is stored, nothing is counted. It covers: joiners of different lengths
 prefilled in one padded forward, a merge into a batch, batched decode (greedy
 and seeded sampling), a joiner extending a running batch, evictions at
 different times, and the return to a lone row's caches; with ``--batch 1``
-the serial lane instead.
+the serial lane instead. Where rows may share a prefix
+(``--shared-prefix-attention auto``/``on``), engine/warmup_shared.py runs
+those paths too.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from mlxq.engine.burst_hold import BurstHold
 from mlxq.engine.types import Request, SamplingParams
+from mlxq.engine.warmup_shared import PREFIX_TOKENS, shares, warm_shared
 from mlxq.models.multi_lora import adapter_names
 
 _TEXT = "The quick brown fox jumps over the lazy dog while the engine warms up its kernels. "
@@ -46,7 +50,7 @@ def warm_up(model, tokenizer, scheme, prefill_step_size: int, scheduler=None) ->
 
     from mlxq.engine.scheduler import BatchScheduler
 
-    config = replace(scheduler.config, max_rows=4, prompt_concurrency=4, kv_budget_bytes=None)
+    config = replace(scheduler.config, max_rows=4, prompt_concurrency=4, kv_budget_bytes=None, burst=BurstHold())
     sched = BatchScheduler(model, tokenizer, scheduler.footprint, config, scheme=scheme)
     adapter = next(iter(adapter_names(model)), "")  # with --adapter: base, mixed and one-adapter steps too
     sched.add(Request("warmup-0", _prompt(tokenizer, 33), SamplingParams(), 6, ignore_eos=True), ignore)
@@ -62,4 +66,6 @@ def warm_up(model, tokenizer, scheme, prefill_step_size: int, scheduler=None) ->
         if sched.is_idle:
             break
         sched.step()
+    if shares(scheduler):
+        warm_shared(model, tokenizer, scheduler, _prompt(tokenizer, PREFIX_TOKENS + 8))
     return time.perf_counter() - start

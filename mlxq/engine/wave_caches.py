@@ -19,8 +19,9 @@ on first touch. Two copies are avoided here, and a third made cheap:
   caches become views into the kept batch, which the prompt cache reads to
   store their prompt boundary;
 - ``finalize_chunks``: tails of different lengths are right-padded, then
-  each row is moved right by its padding; mlx-lm does that with a gather
-  over the whole batch, here each row (or run of rows) is moved with slices.
+  each row is moved right by its padding; mlx-lm does that with a
+  ``take_along_axis`` over the whole batch, here one ``take`` of whole
+  head vectors moves every row.
 
 The values written are the ones mlx-lm's merge writes (zeros where rows are
 padded), so every row computes what it computes alone.
@@ -34,6 +35,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxq.kv.batch_ops import merge_solo_rows
+from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 
 @dataclass
@@ -84,35 +86,38 @@ def merge_with_room(rows: list[list], room: int, sources: list | None = None) ->
 
 def finalize_chunks(cache) -> None:
     """``cache.finalize()`` after a right-padded chunk: each row moved right by its padding so that
-    every row's next write lands in the same column. For plain full-attention layers the rows are
-    moved with slices (copies at memory speed) instead of mlx-lm's ``dynamic_roll`` gather, which
-    took 540 ms for 40 rows of a 2.2k-token prefix on the 8B shape on an H200 (the forward: 121 ms);
+    every row's next write lands in the same column. For plain full-attention layers (and the tails
+    of a shared-prefix layer, kv/shared_prefix_cache.py) the rows are moved by ``roll_rows`` instead
+    of mlx-lm's ``dynamic_roll``: a ``take_along_axis`` over the whole batch that took 540 ms for 40
+    rows of a 2.2k-token prefix on the 8B shape on an H200 (the forward: 121 ms), and whose first
+    use in a process cost 6.3 s of kernel compilation there (a shared-prefix burst's first tails);
     the values are the same."""
-    padding = getattr(cache, "_right_padding", None)
-    if type(cache) is not BatchKVCache or padding is None or cache.keys is None:
+    target = cache.tail if isinstance(cache, SharedPrefixBatchCache) else cache
+    padding = getattr(target, "_right_padding", None)
+    if type(target) is not BatchKVCache or padding is None or target.keys is None:
         cache.finalize()
         return
     shifts = padding.tolist()
-    cache.keys, cache.values = roll_rows(cache.keys, shifts), roll_rows(cache.values, shifts)
-    cache.offset = cache.offset - padding
-    cache.left_padding = cache.left_padding + padding
-    cache._right_padding = None
+    target.keys, target.values = roll_rows(target.keys, shifts), roll_rows(target.values, shifts)
+    target.offset = target.offset - padding
+    target.left_padding = target.left_padding + padding
+    target._right_padding = None
 
 
 def roll_rows(x: mx.array, shifts: list[int]) -> mx.array:
-    """``dynamic_roll(x, shifts, axis=2)``: row b rolled right by ``shifts[b]`` along the token axis
-    (runs of rows with one shift rolled together)."""
-    n = x.shape[2]
-    parts, start = [], 0
-    for end in range(1, len(shifts) + 1):
-        if end < len(shifts) and shifts[end] == shifts[start]:
-            continue
-        block, shift = x[start:end], shifts[start] % n
-        if shift:
-            block = mx.concatenate([block[:, :, n - shift :], block[:, :, : n - shift]], axis=2)
-        parts.append(block)
-        start = end
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    """``dynamic_roll(x, shifts, axis=2)``: row b rolled right by ``shifts[b]`` along the token axis.
+
+    One ``take`` of x's [dim]-long vectors (one kernel, each element copied once), not a run of
+    slices per row: with 64 rows of different shifts those were ~12k operations per forward, 100 ms
+    of host time on the H200."""
+    rows, heads, n, dim = x.shape
+    offsets = [s % n for s in shifts]
+    if not any(offsets):
+        return x
+    columns = (mx.arange(n)[None, :] - mx.array(offsets)[:, None]) % n  # [rows, n]: where each column comes from
+    starts = mx.arange(rows * heads).reshape(rows, heads, 1) * n
+    index = (starts + columns[:, None, :]).reshape(-1)
+    return mx.take(x.reshape(rows * heads * n, dim), index, axis=0).reshape(rows, heads, n, dim)
 
 
 def same_as_previous(sources: list) -> int:

@@ -131,3 +131,28 @@ def test_a_failed_join_of_shared_tails_fails_those_rows_and_the_scheduler_goes_o
     run_wave(scheduler, later)
     assert all(finished[r.request_id][2] is FinishReason.LENGTH for r in later)
     assert scheduler.batch.copies.referenced == 4
+
+
+def test_tails_of_different_lengths_move_by_one_take_never_by_mlx_lm_finalize(load_tiny, monkeypatch):
+    """mlx-lm's BatchKVCache.finalize (a take_along_axis over the batch) cost 6.3 s of kernel
+    compilation the first time a burst's tails ran on a shared prefix on the H200: the tails'
+    rows move by the batch lane's own roll, as merged rows do."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    cold, cached = wave(tokenizer, shared, "cold", 2, "Agent"), wave(tokenizer, shared, "cached", 5, "Please")
+    run_wave(scheduler, cold)
+    assert len({len(r.prompt_ids) for r in cached}) == len(cached)  # every tail padded by a different amount
+
+    def refused(self):
+        raise AssertionError("mlx-lm's finalize ran")
+
+    monkeypatch.setattr(BatchKVCache, "finalize", refused)
+    before = counters(scheduler)
+    run_wave(scheduler, cached)
+    assert delta(counters(scheduler), before)["referenced"] == 5
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id

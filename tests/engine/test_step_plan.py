@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mlxq.engine.burst_hold import BurstHold, hold_for_burst
 from mlxq.engine.preempt import plan_decode_preemption, rows_that_fit
 from mlxq.engine.step_plan import (
     MIN_SHARED_PREFILL,
@@ -259,3 +260,30 @@ def test_a_burst_on_a_cached_prefix_follows_no_leader_and_a_cold_one_follows_the
     choice = choose_leader(cold[3], cold[:3])
     assert choice is not None
     assert (choice.leader, choice.shared, choice.wait_until) == (0, len(system), len(agents[0]) - 1)
+
+
+# --- a burst still arriving -----------------------------------------------------------
+def tail(at: float, **kw) -> JoinerView:
+    """A fresh agent's 40-token tail after a cached 2,000-token prefix, admitted at ``at`` seconds."""
+    return JoinerView(Extent(2041, 16), 2000, 40, admitted_at=at, **kw)
+
+
+def test_a_burst_of_tails_is_held_while_it_arrives_and_at_most_its_window():
+    hold = BurstHold(window_s=0.15, gap_s=0.02)
+    arriving = [tail(0.004), tail(0.009)]  # the burst's first (at 0.000) was prefilled alone
+    assert hold_for_burst(arriving, (0.004, 0.009), now=0.010, hold=hold)  # more may follow
+    assert not hold_for_burst(arriving, (0.004, 0.009), now=0.030, hold=hold)  # 21 ms without one: all came
+    steady = [tail(0.01 * i) for i in range(20)]
+    assert hold_for_burst(steady, (0.18, 0.19), now=0.145, hold=hold)
+    assert not hold_for_burst(steady, (0.18, 0.19), now=0.151, hold=hold)  # the first waited its window
+
+
+def test_no_hold_for_a_lone_request_a_long_prefill_or_without_a_window():
+    hold = BurstHold(window_s=0.15, gap_s=0.02)
+    assert not hold_for_burst([tail(5.0)], (1.0, 5.0), now=5.001, hold=hold)  # alone: it prefills at once
+    assert not hold_for_burst([tail(5.0)], (5.0,), now=5.001, hold=hold)  # the first request ever
+    cold = JoinerView(Extent(2041, 16), 0, 512, admitted_at=0.001)
+    assert not hold_for_burst([tail(0.0), cold], (0.0, 0.001), now=0.002, hold=hold)  # a long prefill waits not
+    assert not hold_for_burst([tail(0.0), tail(0.001, following=True, leader=0)], (0.0, 0.001), now=0.002,
+                              hold=hold)
+    assert not hold_for_burst([tail(0.0), tail(0.001)], (0.0, 0.001), now=0.002, hold=BurstHold())  # default

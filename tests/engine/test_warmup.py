@@ -60,3 +60,72 @@ def test_bad_warmup_value_is_a_usage_error(tiny_model_dirs):
                            "--warmup", "sometimes"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--warmup must be auto, on or off" in proc.stderr
+
+
+def _counting(monkeypatch, names: tuple[str, ...]) -> dict[str, int]:
+    from mlxq.engine.running_batch import RunningBatch
+
+    calls: dict[str, int] = {}
+
+    def counting(name: str):
+        real = getattr(RunningBatch, name)
+
+        def counted(self, *args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(self, *args, **kwargs)
+        return counted
+
+    for name in names:
+        monkeypatch.setattr(RunningBatch, name, counting(name))
+    return calls
+
+
+def test_shared_warmup_runs_each_shared_prefix_path_once(load_tiny, monkeypatch):
+    """engine/warmup_shared.py as a GPU server runs it (token 0 in the decode step): tails prefilled
+    on the stored prefix into an empty batch and appended to a running group, rows grouped after an
+    ordinary join, all on a prompt cache of its own; the routing is off again after it."""
+    from mlxq.engine.prefix_sharing import SharingPolicy
+    from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
+    from mlxq.engine.warmup_shared import shares, warm_shared
+    from mlxq.kv import attention_route
+    from mlxq.kv.projection import measure_footprint
+    from mlxq.kv.sharing_plan import plan_sharing
+    from mlxq.store.prompt_cache import PromptCache
+
+    model, tokenizer = load_tiny("llama")
+    serving = BatchScheduler(model, tokenizer, measure_footprint(model),
+                             SchedulerConfig(32, 4, 2048, None, token0_in_decode=True),
+                             prompt_cache=PromptCache(1 << 28), sharing=SharingPolicy("auto", plan_sharing(model)))
+    assert shares(serving)
+    calls = _counting(monkeypatch, ("share", "adopt_grouped", "join_shared"))
+    try:
+        warm_shared(model, tokenizer, serving, list(range(10, 70)))
+        assert calls == {"share": 1, "adopt_grouped": 1, "join_shared": 1}, calls
+        assert attention_route._routing is False
+        assert len(serving.prompt_cache) == 0 and serving.is_idle
+    finally:
+        attention_route.uninstall()
+
+
+def test_warmup_with_shared_prefixes_leaves_no_trace(tiny_model_dirs, monkeypatch):
+    """A server with ``--shared-prefix-attention on`` warms those paths too, and what it warms
+    leaves nothing behind: no request counted, the prompt cache empty, the same output."""
+    from mlxq.kv import attention_route
+
+    request = lambda: Request("r", list(range(5, 45)), SamplingParams(), 12)  # noqa: E731
+    config = dict(max_rows=4, shared_prefix_attention="on", prompt_cache_bytes=1 << 28)
+    cold = _engine(tiny_model_dirs["llama"], **config)
+    try:
+        want = [e.token_id for e in run(cold, request()) if e.token_id is not None]
+    finally:
+        cold.stop()
+    calls = _counting(monkeypatch, ("share",))
+    warm = _engine(tiny_model_dirs["llama"], warmup="on", **config)
+    try:
+        assert warm.warmup_done is True and calls.get("share", 0) >= 1  # rows were grouped
+        assert len(warm.prompt_cache) == 0 and warm.stats.requests_finished == 0
+        got = [e.token_id for e in run(warm, request()) if e.token_id is not None]
+        assert got == want
+    finally:
+        warm.stop()
+        attention_route.uninstall()

@@ -68,3 +68,81 @@ def test_rows_move_right_by_their_padding_as_mlx_lm_rolls_them():
     x = mx.random.normal((6, 2, 11, 3))
     for shifts in ([0, 3, 3, 10, 0, 1], [0] * 6, [2] * 6, [11, 12, 0, 5, 5, 5]):
         assert mx.array_equal(roll_rows(x, shifts), dynamic_roll(x, mx.array(shifts)[:, None], axis=2)), shifts
+
+
+def test_a_burst_still_arriving_waits_for_the_rest_and_prefills_as_one_forward(load_tiny):
+    """With a burst window (a GPU server's), tails admitted moments apart are held until the burst
+    stops arriving: after its first request the rest prefill in one step, not in groups each
+    waiting behind the one before."""
+    import time
+
+    from mlxq.engine.burst_hold import BurstHold
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=True, burst=BurstHold(window_s=0.15, gap_s=0.02))
+    scheduler, finished = recording_scheduler(model, tokenizer, config)
+    cold, cached = wave(tokenizer, shared, "cold", 2, "Agent"), wave(tokenizer, shared, "cached", 6, "Please")
+    run_wave(scheduler, cold)  # a cold wave follows a leader: never held
+    now = [time.monotonic() + 100.0]  # from here the test's clock: the cold wave came long ago
+    scheduler.clock = lambda: now[0]
+    steps = scheduler.phases.prefill_iterations
+    scheduler.add(replace(cached[0]), lambda e: None)
+    now[0] += 0.005
+    scheduler.step()  # the burst's first request: nothing says more are coming, it prefills at once
+    assert scheduler.phases.prefill_iterations == steps + 1
+    for first, last in ((1, 3), (3, 5)):
+        for r in cached[first:last]:
+            scheduler.add(replace(r), lambda e: None)
+            now[0] += 0.005  # a request parsed every 5 ms
+        scheduler.step()
+        assert scheduler.phases.prefill_iterations == steps + 1 and scheduler.num_prefilling == last - 1  # held
+    scheduler.add(replace(cached[5]), lambda e: None)
+    now[0] += 0.025  # 25 ms without an arrival: the burst has come
+    scheduler.step()
+    assert scheduler.phases.prefill_iterations == steps + 2 and scheduler.num_rows == 6  # five tails at once
+    while not scheduler.is_idle:
+        scheduler.step()
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_an_engine_that_holds_bursts_prefills_a_submitted_wave_in_one_step(tiny_model_dirs, monkeypatch):
+    """The engine thread as a GPU server runs it (burst window on): a wave submitted a request at
+    a time, as a server hands them over, is held while it arrives and prefilled together; every
+    request ends. (The gap is widened from 20 ms so that a loaded CPU cannot split the wave.)"""
+    import queue
+    import time
+
+    from mlxq.engine import engine as engine_module
+    from mlxq.engine.burst_hold import BurstHold
+    from mlxq.engine.engine import Engine, EngineConfig
+    from mlxq.models.loader import load_model
+
+    monkeypatch.setattr(engine_module, "_on_gpu", lambda: True)
+    engine = Engine(lambda: load_model(str(tiny_model_dirs["llama"])),
+                    EngineConfig(max_rows=8, prompt_cache_bytes=1 << 28))
+    engine.start()
+    assert engine.ready.wait(120)
+    try:
+        assert engine.scheduler.config.burst.window_s > 0
+        engine.scheduler.config = replace(engine.scheduler.config, burst=BurstHold(window_s=10.0, gap_s=0.5))
+        tokenizer = engine.loaded.tokenizer
+        shared = tokenizer.encode(LONG + " " + LONG)
+        events: queue.Queue = queue.Queue()
+        for r in wave(tokenizer, shared, "cold", 1, "Agent"):  # stores the system prompt
+            engine.submit(r, events.put)
+        while events.get(timeout=60).finish_reason is None:
+            pass
+        steps = engine.scheduler.phases.prefill_iterations
+        cached = wave(tokenizer, shared, "cached", 6, "Please")
+        for r in cached:
+            engine.submit(r, events.put)
+            time.sleep(0.02)  # without the hold the engine starts on the first ones meanwhile
+        ended = 0
+        while ended < len(cached):
+            ended += events.get(timeout=60).finish_reason is not None
+        assert engine.scheduler.phases.prefill_iterations - steps <= 2  # at most the first alone, then the rest
+    finally:
+        engine.stop(10)
