@@ -3,11 +3,12 @@
 Starts the server (its launcher and its ranks), sends one short request so that every rank has served,
 waits ``--settle`` seconds, then reads each process's CPU time (user + system, /proc/PID/stat) at the
 start and end of ``--seconds`` of idle and prints one JSON line: the CPU seconds each process used and
-that as a share of one core. Run it from the checkout whose code to measure (``--code DIR`` puts another
-checkout first on PYTHONPATH, to compare two versions in one run).
+that as a share of one core, then the latency of one-token requests each sent after 1.5 s of idle
+(``--wake-samples``): what waking the ranks costs. Run it from the checkout whose code to measure
+(``--code LABEL=DIR`` puts another checkout first on PYTHONPATH, to compare versions in one run).
 
     python scripts/bench_idle_ranks.py --model /tmp/tiny-default --seconds 10
-    python scripts/bench_idle_ranks.py --model /tmp/tiny-default --code before=/tmp/main --code after=.
+    python scripts/bench_idle_ranks.py --model /tmp/tiny-default --code before=/tmp/main --code after=. --rounds 3
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -33,9 +35,11 @@ def measure(label: str, code: Path, args: argparse.Namespace) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": f"{code}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", args.model, "--port", str(port),
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    cmd = [sys.executable, "-m", "mlxq.cli.main", "serve", "--model", model, "--port", str(port),
            "--tensor-parallel", str(args.ranks), "--log-level", "warning", "--warmup", "off", *args.serve_args.split()]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # cwd: `python -m` puts it first on sys.path, ahead of PYTHONPATH
+    proc = subprocess.Popen(cmd, env=env, cwd=code, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(url, proc, timeout_s=180)
         body = {"prompt": "Idle ranks", "max_tokens": 8, "temperature": 0}
@@ -48,6 +52,12 @@ def measure(label: str, code: Path, args: argparse.Namespace) -> dict:
         time.sleep(args.seconds)
         after = {name: cpu_seconds(pid) for name, pid in pids.items()}
         wall = time.monotonic() - started
+        woken = []  # one-token requests, each after 1.5 s of idle (every rank asleep, where they sleep)
+        for _ in range(args.wake_samples):
+            time.sleep(1.5)
+            sent = time.perf_counter()
+            httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 1}, timeout=120).raise_for_status()
+            woken.append(round(1e3 * (time.perf_counter() - sent), 1))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -56,7 +66,8 @@ def measure(label: str, code: Path, args: argparse.Namespace) -> dict:
             proc.kill()
     used = {name: round(after[name] - before[name], 2) for name in pids}
     return {"code": label, "idle_s": round(wall, 2), "cpu_s": used,
-            "core_share": {name: round(s / wall, 3) for name, s in used.items()}}
+            "core_share": {name: round(s / wall, 3) for name, s in used.items()}, "after_idle_ms": woken,
+            "after_idle_ms_median": statistics.median(woken) if woken else None}
 
 
 def main() -> None:
@@ -67,10 +78,13 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=3.0, help="idle time before measuring")
     parser.add_argument("--code", action="append", default=[], help="LABEL=DIR: a checkout to measure (repeat)")
     parser.add_argument("--serve-args", default="")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--wake-samples", type=int, default=8, help="one-token requests timed after idle")
     args = parser.parse_args()
-    for spec in args.code or [f"this={ROOT}"]:
-        label, _, path = spec.partition("=")
-        print(json.dumps(measure(label, Path(path).resolve(), args)), flush=True)
+    for round_ in range(args.rounds):  # the versions alternate: the machine's load falls on each alike
+        for spec in args.code or [f"this={ROOT}"]:
+            label, _, path = spec.partition("=")
+            print(json.dumps({"round": round_, **measure(label, Path(path).resolve(), args)}), flush=True)
 
 
 if __name__ == "__main__":

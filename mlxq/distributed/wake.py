@@ -28,7 +28,7 @@ from mlxq.distributed.channel import agree_min, share_bytes
 
 log = logging.getLogger("mlxq.distributed")
 
-WAKE = b"w"
+WORK, HEARTBEAT = b"w", b"h"  # what rank 0 wakes the others for: it took work, or its idle heartbeat
 CONNECT_TIMEOUT_S = 2.0  # per address a rank tries
 SETUP_TIMEOUT_S = 15.0  # rank 0: for every other rank to connect
 
@@ -44,22 +44,25 @@ class WakeChannel:
     rank: int
     peers: dict[int, socket.socket] = field(default_factory=dict)
 
-    def wake_all(self) -> None:
-        """Rank 0: let every other rank out of :meth:`wait` (first: has one of them closed its end?)."""
+    def wake_all(self, work: bool) -> None:
+        """Rank 0: let every other rank out of :meth:`wait`, saying whether it took ``work`` (first: has
+        one of them closed its end?)."""
         readable, _, _ = select.select(list(self.peers.values()), [], [], 0)
         for rank, sock in self.peers.items():
             if sock in readable and not _recv_or_empty(sock):
                 raise RankLost(f"rank {rank} is gone (its wake channel closed)")
         for rank, sock in self.peers.items():
             try:
-                sock.sendall(WAKE)
+                sock.sendall(WORK if work else HEARTBEAT)
             except OSError as exc:
                 raise RankLost(f"rank {rank} is gone (its wake channel failed: {exc})") from None
 
-    def wait(self) -> None:
-        """Any other rank: block (no CPU) until rank 0 wakes this rank."""
-        if not _recv_or_empty(self.peers[0]):
+    def wait(self) -> bool:
+        """Any other rank: block (no CPU) until rank 0 wakes this rank; whether rank 0 took work."""
+        byte = _recv_or_empty(self.peers[0])
+        if not byte:
             raise RankLost("rank 0 is gone (its wake channel closed)")
+        return byte == WORK
 
     def close(self) -> None:
         for sock in self.peers.values():

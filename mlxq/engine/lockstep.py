@@ -104,6 +104,7 @@ class Lockstep:
         self.idle_heartbeat_s = idle_heartbeat_s  # rank 0 idle: how long it sleeps before an iteration anyway
         self.wake: WakeChannel | None = None  # after start-up; None: idle ranks wait in the collective
         self._sleep_due = False  # every rank reported itself idle with nothing on its way: sleep next
+        self._woken_for_work = False  # this iteration's sleep ended with work on rank 0: no sleep at the next
         self.sleeps = 0
         self.ranks: list[RankInfo] = []  # every rank, after start-up
         self.rank_memory: list[tuple[int, int]] = []  # (active, peak) bytes per rank, as of the last iteration
@@ -254,10 +255,11 @@ class Lockstep:
 
     def _read_header(self, header: _InFlight, news_taken: bool) -> None:
         """The last iteration's gather: every rank's state, and the size of rank 0's message, queued now.
-        Every rank quiet then, no message this iteration or next: every rank sleeps at the next one."""
+        Every rank quiet then, no message this iteration or next and no work taken in this iteration's sleep:
+        every rank sleeps at the next one."""
         rows = header.rows()
-        self._sleep_due = (self.wake is not None and not news_taken and rows[0][0] == 0
-                           and all(row[-4] for row in rows))
+        self._sleep_due = (self.wake is not None and not news_taken and not self._woken_for_work
+                           and rows[0][0] == 0 and all(row[-4] for row in rows))
         self.rank_memory = [(row[-2], row[-1]) for row in rows]
         self.rank_ssd = [row[-3] for row in rows]
         self._state_iteration = header.iteration
@@ -271,15 +273,16 @@ class Lockstep:
         """Rank 0's intake at the start of an iteration (``drain(timeout)``: what it took; [] elsewhere).
         Where every rank agreed to sleep, rank 0 waits for work up to its heartbeat, then wakes the other
         ranks, which wait here without spinning; elsewhere rank 0 waits up to ``poll_s``, as alone."""
-        due, self._sleep_due = self._sleep_due, False
+        due, self._sleep_due, self._woken_for_work = self._sleep_due, False, False
         if not due:
             return drain(poll_s)
         self.sleeps += 1
         if not self.world.is_leader:
-            self.wake.wait()
+            self._woken_for_work = self.wake.wait()
             return []
         taken = drain(self.idle_heartbeat_s)
-        self.wake.wake_all()
+        self._woken_for_work = bool(taken)
+        self.wake.wake_all(work=self._woken_for_work)
         return taken
 
     def _take_message(self) -> Arrivals:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from mlxq.bench.servers import cpu_seconds, free_port
-from mlxq.distributed.wake import _accept, _hello
+from mlxq.distributed.wake import _accept, _hello, _recv_exactly
 from mlxq.models.tiny import build_tiny_model
 from tests.conftest import ServerProcess, wait_healthy
 
@@ -100,12 +100,13 @@ def test_rank_0_admits_only_connections_holding_its_token():
         channel = _accept(listener, "token", size=2)
     assert channel is not None and list(channel.peers) == [1]
     assert stranger.recv(1) == b""  # closed by rank 0
-    channel.wake_all()
-    assert rank1.recv(1) == b"w"
+    channel.wake_all(work=True)
+    channel.wake_all(work=False)
+    assert _recv_exactly(rank1, 2) == b"wh"
     rank1.close()
     with pytest.raises(RuntimeError, match="rank 1 is gone"):
         for _ in range(50):  # the close reaches rank 0's end
-            channel.wake_all()
+            channel.wake_all(work=False)
             time.sleep(0.01)
     channel.close()
     stranger.close()
