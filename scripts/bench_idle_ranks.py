@@ -44,8 +44,11 @@ def measure(label: str, code: Path, args: argparse.Namespace) -> dict:
         wait_healthy(url, proc, timeout_s=180)
         body = {"prompt": "Idle ranks", "max_tokens": 8, "temperature": 0}
         httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
-        ranks = httpx.get(f"{url}/stats", timeout=30).json()["distributed"]["ranks"]
-        pids = {"launcher": proc.pid, **{f"rank{r['rank']}": r["pid"] for r in ranks}}
+        ranks = httpx.get(f"{url}/stats", timeout=30).json()["distributed"].get("ranks", [])
+        pids = {"launcher": proc.pid, **{f"rank{r['rank']}": r["pid"] for r in ranks}}  # --ranks 1: the server
+        for rank in ranks if args.pin else ():  # every thread of rank r on core r
+            subprocess.run(["taskset", "-a", "-p", "-c", str(rank["rank"] % os.cpu_count()), str(rank["pid"])],
+                           check=True, capture_output=True)
         time.sleep(args.settle)
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         started = time.monotonic()
@@ -65,7 +68,7 @@ def measure(label: str, code: Path, args: argparse.Namespace) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     used = {name: round(after[name] - before[name], 2) for name in pids}
-    return {"code": label, "idle_s": round(wall, 2), "cpu_s": used,
+    return {"code": label, "pinned": args.pin, "idle_s": round(wall, 2), "cpu_s": used,
             "core_share": {name: round(s / wall, 3) for name, s in used.items()}, "after_idle_ms": woken,
             "after_idle_ms_median": statistics.median(woken) if woken else None}
 
@@ -73,12 +76,13 @@ def measure(label: str, code: Path, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="1: one process, to compare with")
     parser.add_argument("--seconds", type=float, default=10.0, help="idle time measured")
     parser.add_argument("--settle", type=float, default=3.0, help="idle time before measuring")
     parser.add_argument("--code", action="append", default=[], help="LABEL=DIR: a checkout to measure (repeat)")
     parser.add_argument("--serve-args", default="")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--pin", action="store_true", help="pin rank r to core r (taskset), once it serves")
     parser.add_argument("--wake-samples", type=int, default=8, help="one-token requests timed after idle")
     args = parser.parse_args()
     for round_ in range(args.rounds):  # the versions alternate: the machine's load falls on each alike
