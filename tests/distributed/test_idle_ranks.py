@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from mlxq.bench.servers import cpu_seconds, free_port
-from mlxq.distributed.wake import _accept, _hello, _recv_exactly
+from mlxq.distributed.wake import _accept, _hello, _recv_exactly, leader_addresses
 from mlxq.models.tiny import build_tiny_model
 from tests.conftest import ServerProcess, wait_healthy
 
@@ -35,23 +35,43 @@ def _complete(url: str, prompt: str) -> str:
     return response.json()["choices"][0]["text"]
 
 
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> str:
+    """No shard() in mlx-lm, only pipeline()."""
+    return str(build_tiny_model("qwen3_next", tmp_path_factory.mktemp("pp-idle") / "qwen3_next", preset="default"))
+
+
+def _idle_then_wake(url: str) -> tuple[list[float], dict, list[str]]:
+    """Each rank's idle CPU (share of one core over 3 s), /stats.distributed, and the texts before and after."""
+    first = _complete(url, "Idle ranks")
+    pids = [r["pid"] for r in httpx.get(f"{url}/stats", timeout=10).json()["distributed"]["ranks"]]
+    time.sleep(1.0)
+    before, started = [cpu_seconds(pid) for pid in pids], time.monotonic()
+    time.sleep(3.0)
+    share = [(cpu_seconds(pid) - b) / (time.monotonic() - started) for pid, b in zip(pids, before, strict=True)]
+    stats = httpx.get(f"{url}/stats", timeout=10).json()["distributed"]
+    print(f"idle CPU per rank (share of one core): {share}")
+    return share, stats, [first, _complete(url, "wake up")]
+
+
 def test_idle_ranks_use_no_cpu_and_wake_for_the_next_request(llama):
     with ServerProcess("--model", llama, *SERVE) as one:
         alone = [_complete(one.url, p) for p in ("Idle ranks", "wake up")]
     with ServerProcess("--model", llama, "--tensor-parallel", "2", *SERVE) as two:
-        first = _complete(two.url, "Idle ranks")
-        pids = [r["pid"] for r in httpx.get(f"{two.url}/stats", timeout=10).json()["distributed"]["ranks"]]
-        time.sleep(1.0)
-        before, started = [cpu_seconds(pid) for pid in pids], time.monotonic()
-        time.sleep(3.0)
-        share = [(cpu_seconds(pid) - b) / (time.monotonic() - started) for pid, b in zip(pids, before, strict=True)]
-        stats = httpx.get(f"{two.url}/stats", timeout=10).json()["distributed"]
-        second = _complete(two.url, "wake up")
-    print(f"idle CPU per rank (share of one core): {share}")
-    # Waiting in the ring backend's collective, rank 1 used 81% of a core (docs/benchmarks.md).
+        share, stats, texts = _idle_then_wake(two.url)
+    # Waiting in the ring backend's collective, rank 1 used a whole core (docs/benchmarks.md).
     assert max(share) < 0.1
     assert stats["idle_wait"] == "wake channel" and stats["idle_sleeps"] >= 2
-    assert [first, second] == alone
+    assert texts == alone
+
+
+def test_idle_pipeline_ranks_sleep_too(qwen3_next):
+    with ServerProcess("--model", qwen3_next, "--pipeline-parallel", "2", *SERVE) as two:
+        share, stats, texts = _idle_then_wake(two.url)
+        again = _complete(two.url, "Idle ranks")
+    assert max(share) < 0.1
+    assert stats["mode"] == "pipeline" and stats["idle_sleeps"] >= 2
+    assert again == texts[0]
 
 
 def _hand_started_ranks(model: str, hostfile, port: int) -> list[subprocess.Popen]:
@@ -110,3 +130,14 @@ def test_rank_0_admits_only_connections_holding_its_token():
             time.sleep(0.01)
     channel.close()
     stranger.close()
+
+
+def test_other_hosts_try_the_addresses_the_launcher_gave_rank_0_first(tmp_path, monkeypatch):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["10.0.0.5:5000", "10.0.1.5:5001"], ["10.0.0.6:5002"]]))  # mlx.launch's ring
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    monkeypatch.setenv("NCCL_HOST_IP", "10.0.0.5")
+    monkeypatch.setenv("MLX_JACCL_COORDINATOR", "10.0.2.5:6000")
+    found = leader_addresses()
+    assert found[:3] == ["10.0.0.5", "10.0.1.5", "10.0.2.5"]  # each once, in the launcher's order
+    assert socket.gethostname() in found
