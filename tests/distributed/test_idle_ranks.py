@@ -59,6 +59,9 @@ def test_idle_ranks_use_no_cpu_and_wake_for_the_next_request(llama):
         alone = [_complete(one.url, p) for p in ("Idle ranks", "wake up")]
     with ServerProcess("--model", llama, "--tensor-parallel", "2", *SERVE) as two:
         share, stats, texts = _idle_then_wake(two.url)
+        time.sleep(1.5)  # asleep again: SIGTERM wakes every rank to stop in order
+        stopped = two.stop()
+    assert stopped == 0
     # Waiting in the ring backend's collective, rank 1 used a whole core (docs/benchmarks.md).
     assert max(share) < 0.1
     assert stats["idle_wait"] == "wake channel" and stats["idle_sleeps"] >= 2
