@@ -54,6 +54,8 @@ log = logging.getLogger("mlxq.engine")
 DIGEST_NAMES = ("waiting", "rows", "prefilling", "generated_tokens", "token checksum")
 _CHECKSUM_MOD = (1 << 61) - 1  # a prime: every token id and its position move the checksum
 _NOT_SHARED = ("cancelled", "submitted_at")  # a flag set here, and a time on this rank's clock
+# A gathered row ends with: whether the rank is quiet, its SSD flush state, its MLX active and peak bytes.
+_QUIET, _SSD, _ACTIVE, _PEAK = -4, -3, -2, -1
 
 
 class RanksDisagree(ValueError):
@@ -259,9 +261,9 @@ class Lockstep:
         every rank sleeps at the next one."""
         rows = header.rows()
         self._sleep_due = (self.wake is not None and not news_taken and not self._woken_for_work
-                           and rows[0][0] == 0 and all(row[-4] for row in rows))
-        self.rank_memory = [(row[-2], row[-1]) for row in rows]
-        self.rank_ssd = [row[-3] for row in rows]
+                           and rows[0][0] == 0 and all(row[_QUIET] for row in rows))
+        self.rank_memory = [(row[_ACTIVE], row[_PEAK]) for row in rows]
+        self.rank_ssd = [row[_SSD] for row in rows]
         self._state_iteration = header.iteration
         self._check_digests(rows, header.iteration)
         size = rows[0][0]
