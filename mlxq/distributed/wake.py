@@ -82,12 +82,12 @@ def open_wake_channel(group: Any, local: bool) -> WakeChannel | None:
 
     ``local``: every rank runs on rank 0's host (rank 0 listens on loopback only)."""
     rank, size = group.rank(), group.size()
-    listener = None
+    listener = _listen(local) if rank == 0 else None
     hello = None
-    if rank == 0:
-        listener = socket.create_server(("127.0.0.1" if local else "0.0.0.0", 0))
-        hello = json.dumps({"hosts": ["127.0.0.1"] if local else leader_addresses(),
-                            "port": listener.getsockname()[1], "token": secrets.token_hex(16)}).encode()
+    if rank == 0:  # no listener: no hosts to try, and every rank goes on without the channel
+        hosts = [] if listener is None else ["127.0.0.1"] if local else leader_addresses()
+        port = 0 if listener is None else listener.getsockname()[1]
+        hello = json.dumps({"hosts": hosts, "port": port, "token": secrets.token_hex(16)}).encode()
     offer = json.loads(share_bytes(group, hello))
     try:
         channel = _accept(listener, offer["token"], size) if rank == 0 else _connect(offer, rank)
@@ -99,16 +99,26 @@ def open_wake_channel(group: Any, local: bool) -> WakeChannel | None:
             channel.close()
         if rank == 0:
             log.warning("idle ranks wait in a collective, which polls: a rank could not reach rank 0 at %s "
-                        "port %d", ", ".join(offer["hosts"]), offer["port"])
+                        "port %d", ", ".join(offer["hosts"]) or "(no listening socket)", offer["port"])
         return None
     return channel
+
+
+def _listen(local: bool) -> socket.socket | None:
+    try:
+        return socket.create_server(("127.0.0.1" if local else "0.0.0.0", 0))
+    except OSError as exc:
+        log.warning("rank 0 cannot listen for its wake channel: %s", exc)
+        return None
 
 
 def _hello(token: str, rank: int) -> bytes:
     return json.dumps({"token": token, "rank": rank}).encode().ljust(128)
 
 
-def _accept(listener: socket.socket, token: str, size: int) -> WakeChannel | None:
+def _accept(listener: socket.socket | None, token: str, size: int) -> WakeChannel | None:
+    if listener is None:
+        return None
     channel = WakeChannel(0)
     deadline = time.monotonic() + SETUP_TIMEOUT_S
     while len(channel.peers) < size - 1 and (left := deadline - time.monotonic()) > 0:
