@@ -39,6 +39,7 @@ from mlxq.store.rank_restore import flush_state
 from mlxq.store.ssd_config import SsdConfig
 
 log = logging.getLogger("mlxq.engine")
+INBOX_POLL_S = 0.25  # an idle engine waits this long for work before another loop iteration
 
 
 @dataclass(frozen=True)
@@ -571,11 +572,11 @@ class Engine:
         work.emit(TokenEvent(work.request.request_id, finish_reason=FinishReason.ERROR, error=message))
         self._done(work.request, work.placement.lane, FinishReason.ERROR, None, message)
 
-    def _drain_inbox(self, block: bool) -> list[_Work | _Flush | None]:
-        """What was submitted, up to a stop (None); waits a moment for the first item when ``block``."""
+    def _drain_inbox(self, block: bool, timeout: float = INBOX_POLL_S) -> list[_Work | _Flush | None]:
+        """What was submitted, up to a stop (None); waits up to ``timeout`` for the first item when ``block``."""
         taken = []
         try:
-            work = self._inbox.get(timeout=0.25) if block else self._inbox.get_nowait()
+            work = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
             while True:
                 taken.append(work)
                 if work is None:
@@ -589,7 +590,11 @@ class Engine:
         iterations after rank 0 took them (engine/lockstep.py); rank 0 holds them meanwhile."""
         leader = self.lockstep.world.is_leader
         block = block and not self.lockstep.news_in_flight
-        taken = self._drain_inbox(block) if leader and not self._stop_taken else []
+
+        def drain(timeout: float) -> list:
+            return self._drain_inbox(block, timeout) if leader and not self._stop_taken else []
+
+        taken = self.lockstep.idle_wait(drain, INBOX_POLL_S)  # idle ranks sleep there, without spinning
         self._stop_taken = self._stop_taken or None in taken
         works = [work for work in taken if isinstance(work, _Work)]
         flushes = [work for work in taken if isinstance(work, _Flush)]
@@ -599,7 +604,8 @@ class Engine:
         now = self.lockstep.iterations + 1  # the iteration this exchange makes
         self._held += [(now, work) for work in (*works, *flushes)]  # failed, not lost, should the exchange raise
         arrivals = self.lockstep.exchange([work.request for work in works], None in taken, digest,
-                                          flush=bool(flushes), ssd_state=flush_state(self.cold, bool(self._flushes)))
+                                          flush=bool(flushes), ssd_state=flush_state(self.cold, bool(self._flushes)),
+                                          quiet=block)
         shared = [work for at, work in self._held if at <= arrivals.taken_at]  # every rank takes them in now
         self._held = [(at, work) for at, work in self._held if at > arrivals.taken_at]
         held_flushes = [work for work in shared if isinstance(work, _Flush)]

@@ -23,6 +23,11 @@ news, rank 0's message follows it), and every collective is read one
 iteration after it is queued, so the host never waits for the decode step
 in flight: what rank 0 shares enters every rank two iterations after rank 0
 took it.
+
+An idle server's ranks do not wait in that gather (MLX's ring backend polls while it waits): once
+every rank reported itself idle and nothing is on its way, every rank leaves the next iteration
+until rank 0 wakes them over a plain blocking channel (distributed/wake.py): when work arrives, or
+at rank 0's idle heartbeat, which keeps a lost or hung rank detected while nothing runs.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxq.distributed.channel import agree_min, gather_ints, share_bytes, start_gather, start_share_sized
+from mlxq.distributed.wake import WakeChannel, open_wake_channel
 from mlxq.distributed.world import RankInfo, World
 from mlxq.engine.output import EmitFn
 from mlxq.engine.types import FinishReason, Request, TokenEvent
@@ -48,6 +54,8 @@ log = logging.getLogger("mlxq.engine")
 DIGEST_NAMES = ("waiting", "rows", "prefilling", "generated_tokens", "token checksum")
 _CHECKSUM_MOD = (1 << 61) - 1  # a prime: every token id and its position move the checksum
 _NOT_SHARED = ("cancelled", "submitted_at")  # a flag set here, and a time on this rank's clock
+# A gathered row ends with: whether the rank is quiet, its SSD flush state, its MLX active and peak bytes.
+_QUIET, _SSD, _ACTIVE, _PEAK = -4, -3, -2, -1
 
 
 class RanksDisagree(ValueError):
@@ -93,8 +101,13 @@ class _Message:
 class Lockstep:
     """One per rank. Rank 0's HTTP threads call :meth:`track`; the engine thread calls the rest."""
 
-    def __init__(self, world: World):
+    def __init__(self, world: World, idle_heartbeat_s: float = 1.0):
         self.world = world
+        self.idle_heartbeat_s = idle_heartbeat_s  # rank 0 idle: how long it sleeps before an iteration anyway
+        self.wake: WakeChannel | None = None  # after start-up; None: idle ranks wait in the collective
+        self._sleep_due = False  # every rank reported itself idle with nothing on its way: sleep next
+        self._woken_for_work = False  # this iteration's sleep ended with work on rank 0: no sleep at the next
+        self.sleeps = 0
         self.ranks: list[RankInfo] = []  # every rank, after start-up
         self.rank_memory: list[tuple[int, int]] = []  # (active, peak) bytes per rank, as of the last iteration
         self.rank_ssd: list[int] = []  # per rank, as of the last iteration: store.rank_restore.flush_state
@@ -145,6 +158,7 @@ class Lockstep:
         mx.random.seed(seed)
         info = json.dumps(dataclasses.asdict(self.world.local_info())).encode()
         self.ranks = [RankInfo(**json.loads(share_bytes(group, info, root=r))) for r in range(self.world.size)]
+        self.wake = open_wake_channel(group, local=all(r.host == self.ranks[0].host for r in self.ranks))
 
     def agree_min(self, value: int | None) -> int | None:
         return agree_min(self.world.group, value)
@@ -199,9 +213,10 @@ class Lockstep:
 
     # --- the engine thread, every rank, once per loop iteration ---------------------------
     def exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool = False,
-                 ssd_state: int = 0) -> Arrivals:
+                 ssd_state: int = 0, quiet: bool = False) -> Arrivals:
         """Queue this iteration's gather (rank 0's news: the size of its message; every rank's ``digest``,
-        the checksum of the tokens it handed out and its ``ssd_state``, store.rank_restore.flush_state);
+        the checksum of the tokens it handed out, whether it is ``quiet`` (idle, no background work) and
+        its ``ssd_state``, store.rank_restore.flush_state);
         read the last iteration's (check the digests match rank 0's; with news, queue rank 0's message);
         and return the message queued at the last iteration (its requests, cancellations, flush and stop),
         on every rank at this iteration.
@@ -214,7 +229,7 @@ class Lockstep:
         self.iterations += 1
         started = time.perf_counter()
         try:
-            return self._exchange(taken, stop, digest, flush, ssd_state)
+            return self._exchange(taken, stop, digest, flush, ssd_state, quiet)
         finally:
             self.exchange_s += time.perf_counter() - started
 
@@ -223,7 +238,8 @@ class Lockstep:
         """Rank 0's news is on its way to every rank: the next iterations must not wait for more."""
         return self._message is not None or (self._in_flight is not None and bool(self._in_flight.payload))
 
-    def _exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool, ssd: int) -> Arrivals:
+    def _exchange(self, taken: list[Request], stop: bool, digest: list[int], flush: bool, ssd: int,
+                  quiet: bool) -> Arrivals:
         import mlx.core as mx
 
         payload = self._payload(taken, stop, flush) if self.world.is_leader else b""
@@ -232,23 +248,44 @@ class Lockstep:
             return arrivals
         header, self._in_flight = self._in_flight, None
         if header is not None:
-            self._read_header(header)
-        values = [len(payload), *digest, self._token_checksum, ssd, mx.get_active_memory(), mx.get_peak_memory()]
+            self._read_header(header, news_taken=arrivals.taken_at > 0)
+        values = [len(payload), *digest, self._token_checksum, int(quiet), ssd, mx.get_active_memory(),
+                  mx.get_peak_memory()]
         self._in_flight = _InFlight(start_gather(self.world.group, values), payload, self.iterations)
         self.collectives += 1
         return arrivals
 
-    def _read_header(self, header: _InFlight) -> None:
-        """The last iteration's gather: every rank's state, and the size of rank 0's message, queued now."""
+    def _read_header(self, header: _InFlight, news_taken: bool) -> None:
+        """The last iteration's gather: every rank's state, and the size of rank 0's message, queued now.
+        Every rank quiet then, no message this iteration or next and no work taken in this iteration's sleep:
+        every rank sleeps at the next one."""
         rows = header.rows()
-        self.rank_memory = [(row[-2], row[-1]) for row in rows]
-        self.rank_ssd = [row[-3] for row in rows]
+        self._sleep_due = (self.wake is not None and not news_taken and not self._woken_for_work
+                           and rows[0][0] == 0 and all(row[_QUIET] for row in rows))
+        self.rank_memory = [(row[_ACTIVE], row[_PEAK]) for row in rows]
+        self.rank_ssd = [row[_SSD] for row in rows]
         self._state_iteration = header.iteration
         self._check_digests(rows, header.iteration)
         size = rows[0][0]
         if size:
             self._message = _Message(start_share_sized(self.world.group, header.payload, size), header.iteration)
             self.collectives += 1
+
+    def idle_wait(self, drain: Callable[[float], list], poll_s: float) -> list:
+        """Rank 0's intake at the start of an iteration (``drain(timeout)``: what it took; [] elsewhere).
+        Where every rank agreed to sleep, rank 0 waits for work up to its heartbeat, then wakes the other
+        ranks, which wait here without spinning; elsewhere rank 0 waits up to ``poll_s``, as alone."""
+        due, self._sleep_due, self._woken_for_work = self._sleep_due, False, False
+        if not due:
+            return drain(poll_s)
+        self.sleeps += 1
+        if not self.world.is_leader:
+            self._woken_for_work = self.wake.wait()
+            return []
+        taken = drain(self.idle_heartbeat_s)
+        self._woken_for_work = bool(taken)
+        self.wake.wake_all(work=self._woken_for_work)
+        return taken
 
     def _take_message(self) -> Arrivals:
         message, self._message = self._message, None
@@ -311,6 +348,8 @@ class Lockstep:
             # per iteration: queuing this iteration's collectives and reading the last iteration's
             "exchange_ms_per_iteration": self._per_iteration(1e3 * self.exchange_s),
             "collectives_per_iteration": self._per_iteration(self.collectives),
+            "idle_wait": "wake channel" if self.wake is not None else "collective",  # how idle ranks wait
+            "idle_sleeps": self.sleeps,  # iterations every rank started by sleeping until rank 0 woke it
             "totals": {"exchange_s": self.exchange_s, "collectives": self.collectives},
             "failure": self.failure,
             "ranks": [{**dataclasses.asdict(info),

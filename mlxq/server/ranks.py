@@ -35,7 +35,8 @@ FLUSH_ERRORS_S = 2.0  # after failing the open requests: time for their last eve
 def join_ranks(config: ServerConfig) -> Lockstep:
     world = join_world(config.world_size, config.distributed_backend, config.parallel_mode)
     log.info("%s parallel: rank %d of %d (backend %s)", world.mode, world.rank, world.size, world.backend)
-    return Lockstep(world)
+    # Idle, rank 0 runs an iteration at least this often: a rank lost or hung is still seen within the timeout.
+    return Lockstep(world, idle_heartbeat_s=min(1.0, config.stall_timeout_s / 4))
 
 
 def rank_identity(config: ServerConfig, spec: str, engine_config: EngineConfig, world_size: int) -> dict:

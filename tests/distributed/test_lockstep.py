@@ -75,3 +75,35 @@ def test_ranks_whose_digests_differ_stop_naming_the_rank_and_the_gathered_iterat
     drifted = [0, 2, 4, 0, 95, 12345, 0, 10, 20]
     with pytest.raises(RuntimeError, match=r"rank 1 diverged from rank 0 at iteration 7 \(.*generated_tokens 96 vs 95"):
         lockstep._check_digests([leader, drifted], iteration=7)
+
+
+def _iteration(lockstep, quiet: bool, work: list | None = None) -> float:
+    """One engine iteration's intake and exchange; the timeout rank 0's inbox was waited on."""
+    waited = []
+
+    def drain(timeout: float) -> list:
+        waited.append(timeout)
+        return work or []
+
+    taken = lockstep.idle_wait(drain, 0.25)
+    lockstep.exchange(taken, stop=False, digest=[0, 0, 0, 0], quiet=quiet)
+    return waited[0]
+
+
+def test_ranks_sleep_once_a_gather_shows_every_rank_quiet(lockstep):
+    from mlxq.distributed.wake import WakeChannel
+
+    lockstep.wake, lockstep.idle_heartbeat_s = WakeChannel(0), 0.5  # a world of one: nobody else to wake
+    assert [_iteration(lockstep, quiet=True) for _ in range(2)] == [0.25, 0.25]  # the first gather read at 2
+    assert _iteration(lockstep, quiet=True) == 0.5 and lockstep.sleeps == 1  # asleep, up to the heartbeat
+    # Woken by a request: the next iteration does not sleep (its gather, read then, is from before it),
+    # nor any while the request's news travels and the engine works on it.
+    assert _iteration(lockstep, quiet=True, work=[_request("a")]) == 0.5
+    assert [_iteration(lockstep, quiet=False) for _ in range(4)] == [0.25] * 4
+    assert lockstep.sleeps == 2
+    assert [_iteration(lockstep, quiet=True) for _ in range(3)] == [0.25, 0.25, 0.5]  # idle again: asleep
+
+
+def test_without_a_wake_channel_ranks_never_sleep(lockstep):
+    assert [_iteration(lockstep, quiet=True) for _ in range(4)] == [0.25] * 4
+    assert lockstep.sleeps == 0 and lockstep.as_dict()["idle_wait"] == "collective"
