@@ -215,8 +215,7 @@ class PromptCache:
             snapshot = [None if layer.spans else kv_spans.take_snapshot(c)
                         for layer, c in zip(tree.layout, caches, strict=True)]
             mx.eval([kv_spans.snapshot_arrays(s) for s in snapshot if s is not None])
-            self.bytes += self._bytes_of(node, snapshot=snapshot) - self._bytes_of(node)
-            node.snapshot = snapshot
+            self._set_snapshot(node, snapshot)
         entry = TreeEntry(key[1], node, snapshot, tree.layout, prefix_bytes(caches, len(key[1])),
                           tree.trimmable, key[0])
         node.mark = entry
@@ -254,12 +253,18 @@ class PromptCache:
             if parent.mark is None and not parent.pins:
                 self._remove_leaf(parent, reason)
 
-    def _bytes_of(self, node: Node, snapshot: list | None | bool = True) -> int:
-        """What ``node`` counts against the cap (``snapshot``: with this one instead of its own)."""
-        snap = node.snapshot if snapshot is True else snapshot
+    def _bytes_of(self, node: Node) -> int:
+        """What ``node`` counts against the cap: its own bytes, or under a charge (pipeline parallel, where
+        each rank's nodes hold other layers) the figure every rank counts alike."""
         if self.charge is not None:
-            return self.charge.node(len(node.tokens), snap is not None)
-        return kv_spans.nbytes([s for s in node.spans if s is not None]) + kv_spans.snapshot_nbytes(snap or [])
+            return self.charge.node(len(node.tokens), node.snapshot is not None)
+        return node.nbytes
+
+    def _set_snapshot(self, node: Node, snapshot: list | None) -> None:
+        """``node``'s snapshot replaced (None: dropped), the tree's byte count with it."""
+        self.bytes -= self._bytes_of(node)
+        node.snapshot = snapshot
+        self.bytes += self._bytes_of(node)
 
     def _entry_bytes(self, caches: list, n: int) -> int:
         if self.charge is not None:
@@ -284,8 +289,7 @@ class PromptCache:
             return
         self._unmark(node, "demoted")
         if node.snapshot is not None:
-            self.bytes -= self._bytes_of(node) - self._bytes_of(node, snapshot=None)
-            node.snapshot = None
+            self._set_snapshot(node, None)
 
     # --- pins -------------------------------------------------------------------------
     def pin(self, namespace: str, tokens: list[int]) -> Node | None:
