@@ -191,11 +191,7 @@ class PromptCache:
 
     def _grow(self, tree: _Tree, found, tokens: tuple[int, ...], caches: list) -> Node:
         """The node ending exactly at len(tokens): an existing one, the upper half of a split, or a new leaf."""
-        if found.partial is not None:
-            end = split(found.partial, found.length - found.partial.depth)
-            self.nodes += 1
-        else:
-            end = found.path[-1] if found.path else tree.root
+        end = self._match_end(tree, found)
         if found.length == len(tokens):
             return end
         spans = [kv_spans.cut_span(c, found.length, len(tokens)) if layer.spans else None
@@ -207,6 +203,14 @@ class PromptCache:
         self.nodes += 1
         self.bytes += self._bytes_of(child)
         return child
+
+    def _match_end(self, tree: _Tree, found) -> Node:
+        """The node ``found`` (a prefix_tree.Match) ends at: when it ends inside a node, the upper half
+        of that node split there."""
+        if found.partial is not None:
+            self.nodes += 1
+            return split(found.partial, found.length - found.partial.depth)
+        return found.path[-1] if found.path else tree.root
 
     def _mark(self, tree: _Tree, node: Node, key: Key, caches: list, durable: bool) -> None:
         """Name the entry ending at ``node`` (with its snapshot, for rings and recurrent state)."""
@@ -301,11 +305,7 @@ class PromptCache:
         found = match(tree.root, tuple(tokens), len(tokens))
         if found.length != len(tokens):
             return None
-        if found.partial is not None:
-            node = split(found.partial, found.length - found.partial.depth)
-            self.nodes += 1
-        else:
-            node = found.path[-1]
+        node = self._match_end(tree, found)
         node.pins += 1
         return node
 
