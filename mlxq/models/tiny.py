@@ -168,8 +168,8 @@ def build_tiny_model(arch: str, out: str | Path, *, seed: int = 0, preset: str =
         "factory_version": FACTORY_VERSION,
         "note": "random weights built by mlxq's tiny-model factory; output is meaningless text",
     }
-    return write_model_dir(out, config, manifest, lambda folder, config, shapes: _write_weights(
-        folder, config, shapes, seed, fast_init, progress))
+    return write_model_dir(out, config, manifest, lambda folder, with_eos, shapes: _write_weights(
+        folder, with_eos, shapes, seed, fast_init, progress))
 
 
 def read_manifest(model_dir: Path) -> dict | None:
