@@ -174,7 +174,7 @@ def serve(
             temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
             max_tokens=max_tokens, chat_template=_chat_template(chat_template),
             chat_template_args=_json_object("--chat-template-args", chat_template_args),
-            adapters=_adapters(adapter or []),
+            adapters=_adapters(adapter or [], served_model_name),
             tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
             distributed_backend=distributed_backend.strip().lower(),
         )
@@ -209,14 +209,13 @@ def _ssd_config(directory: str | None, max_bytes: str | None, verify: bool, demo
                      write_behind=os.environ.get("MLXQ_SSD_WRITE_BEHIND", "1") != "0", **extra)
 
 
-def _adapters(flags: list[str]) -> tuple:
-    """--adapter NAME=PATH flags, each directory checked now (files, config), before anything loads."""
-    from mlxq.models.adapters import check_adapter_dir, parse_adapter_flag
+def _adapters(flags: list[str], model_name: str | None) -> tuple:
+    """--adapter NAME=PATH flags, their names and each directory checked now (files, config), before
+    anything loads (``model_name``: --served-model-name, when given)."""
+    from mlxq.models.adapters import check_adapter_dir, check_model_ids, parse_adapter_flag
 
     specs = [parse_adapter_flag(flag) for flag in flags]
-    names = [spec.name for spec in specs]
-    if len(set(names)) < len(names):
-        raise ValueError(f"--adapter names must be unique; got {', '.join(names)}")
+    check_model_ids([spec.name for spec in specs], model_name or "")
     for spec in specs:
         check_adapter_dir(spec)
     return tuple(specs)

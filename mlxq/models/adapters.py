@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,17 @@ def parse_adapter_flag(text: str) -> AdapterSpec:
     if not NAME_PATTERN.match(name):
         raise AdapterError(f"--adapter name {name!r}: use letters, digits and . _ : / - (at most 128)")
     return AdapterSpec(name, Path(path.strip()).expanduser())
+
+
+def check_model_ids(names: Sequence[str], model_name: str = "") -> None:
+    """AdapterError unless every adapter name is a model id of its own: none twice, none the base
+    model's ``model_name`` (empty: not known yet, e.g. the CLI before the model is named)."""
+    taken = {model_name} if model_name else set()
+    for name in names:
+        if name in taken:
+            raise AdapterError(f"--adapter {name}: the name is already taken (by the base model or another "
+                               "adapter); every model id must be unique")
+        taken.add(name)
 
 
 def check_adapter_dir(spec: AdapterSpec) -> AdapterInfo:

@@ -104,17 +104,12 @@ def _a_block(pieces: Sequence[LowRank | None], routing: AdapterRouting) -> mx.ar
 
 def attach_adapters(loaded, specs: Sequence) -> object:
     """The hook after load: serve ``specs`` (AdapterSpec) on ``loaded`` (models.loader.LoadedModel)."""
-    from mlxq.models.adapters import AdapterError, check_adapter_dir, read_adapter
+    from mlxq.models.adapters import check_adapter_dir, check_model_ids, read_adapter
 
     if not specs:
         return loaded
+    check_model_ids([spec.name for spec in specs], loaded.name)
     infos = [check_adapter_dir(spec) for spec in specs]
-    taken = {loaded.name}
-    for info in infos:
-        if info.name in taken:
-            raise AdapterError(f"--adapter {info.name}: the name is already taken (by the base model or "
-                               "another adapter); every model id must be unique")
-        taken.add(info.name)
     pieces = [read_adapter(loaded.model, info) for info in infos]
     install_adapters(loaded.model, [info.name for info in infos], pieces)
     loaded.adapters = {info.name: info for info in infos}

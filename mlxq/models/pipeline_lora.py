@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from mlxq.models.adapters import AdapterError, AdapterInfo, LowRank, check_adapter_dir, read_adapter
+from mlxq.models.adapters import AdapterError, AdapterInfo, LowRank, check_adapter_dir, check_model_ids, read_adapter
 from mlxq.models.multi_lora import install_adapters
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -64,10 +64,7 @@ def install_pipeline_adapters(model, infos: Sequence[AdapterInfo], pieces: Seque
     """Install the parts of ``pieces`` on the layers this rank holds (read_whole_adapters checked that
     every adapter has some)."""
     names = [info.name for info in infos]
-    taken = [name for name in names if name == model_name or names.count(name) > 1]
-    if taken:
-        raise AdapterError(f"--adapter {taken[0]}: the name is already taken (by the base model or another "
-                           "adapter); every model id must be unique")
+    check_model_ids(names, model_name)
     held = {path for path, _ in model.named_modules()}
     install_adapters(model, names, [{path: piece for path, piece in adapter.items() if path in held}
                                     for adapter in pieces])

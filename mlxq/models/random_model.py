@@ -22,15 +22,12 @@ measurements only.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 import zlib
 from pathlib import Path
 
 from mlxq.models.presets import make_config
-from mlxq.models.tiny import FACTORY_VERSION, MANIFEST, _fast_param, _param_shapes
-from mlxq.models.tokenizer import EOS_TOKEN, write_tokenizer_files
+from mlxq.models.tiny import FACTORY_VERSION, MANIFEST, fast_param, write_model_dir
 
 PREFIX = "random:"
 SEED = 0
@@ -60,30 +57,10 @@ def random_model_dir(spec: str) -> Path:
     out = Path(tempfile.gettempdir()) / "mlxq-random" / f"{arch}-{preset}-seed{SEED}-v{FACTORY_VERSION}-drawn"
     if (out / MANIFEST).exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    config = make_config(arch, preset)
-    ids = write_tokenizer_files(tmp, config["vocab_size"])
-    config.update(eos_token_id=[ids[EOS_TOKEN], ids["<|endoftext|>"]], bos_token_id=None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     manifest = {"name": f"random-{preset}-{arch}", "arch": arch, "preset": preset, "seed": SEED, "init": "mlx",
                 "factory_version": FACTORY_VERSION, "drawn_at_load": True,
-                "num_params": sum(_size(shape) for shape in _param_shapes(config).values()),
                 "note": "random weights drawn in memory at load (--model random:...); output is meaningless text"}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    try:
-        os.replace(tmp, out)  # several ranks may race here: the first one's directory stays
-        out.chmod(0o755)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _size(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return write_model_dir(out, make_config(arch, preset), manifest)  # several ranks may race: same bytes
 
 
 def load_random(path: Path, tokenizer_config: dict | None):
@@ -96,7 +73,7 @@ def load_random(path: Path, tokenizer_config: dict | None):
     model_type = config["model_type"]
     unit_norm = 0.0 if model_type.startswith("gemma") else 1.0
     dtype = getattr(mx, config["torch_dtype"])
-    draws = [(name, _fast_param(name, tuple(p.shape), [SEED, zlib.crc32(model_type.encode()),
+    draws = [(name, fast_param(name, tuple(p.shape), [SEED, zlib.crc32(model_type.encode()),
                                                         zlib.crc32(name.encode())], unit_norm, dtype))
              for name, p in tree_flatten(model.parameters())]
     model.load_weights(draws)

@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
 from mlx.utils import tree_unflatten
 
-from mlxq.models.adapters import AdapterError, AdapterInfo, LowRank, check_adapter_dir, read_adapter
+from mlxq.models.adapters import AdapterError, AdapterInfo, LowRank, check_adapter_dir, check_model_ids, read_adapter
 from mlxq.models.multi_lora import install_adapters
 
 
@@ -70,9 +70,7 @@ def read_full_adapters(model, specs: Sequence) -> tuple[list[AdapterInfo], list[
 def install_sharded_adapters(model, infos: Sequence[AdapterInfo], pieces: Sequence[dict[str, LowRank]],
                              group, model_name: str) -> None:
     """Install ``pieces`` (full size) on the sharded ``model``: each rank's parts, summed where its layer sums."""
-    if model_name in {info.name for info in infos}:
-        raise AdapterError(f"--adapter {model_name}: the name is already taken by the base model; every model id "
-                           "must be unique")
+    check_model_ids([info.name for info in infos], model_name)
     modules = dict(model.named_modules())
     split = [{path: _rank_part(path, modules[path], piece, group) for path, piece in adapter.items()}
              for adapter in pieces]

@@ -10,19 +10,31 @@ import os
 import uuid
 from dataclasses import replace
 
+from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 
 from mlxq.engine.admission import AdmissionError, max_tokens_within
-from mlxq.engine.types import Request
+from mlxq.engine.types import FinishReason, Request
 from mlxq.models.adapters import AdapterInfo
 from mlxq.server.bridge import stream_event_batches, stream_events
-from mlxq.server.choices import choice_params, merged
+from mlxq.server.choices import choice_params, collect, merged
 from mlxq.server.errors import APIError
+from mlxq.server.json_body import read_json
 from mlxq.server.model_routing import resolve_model
+from mlxq.server.offload import off_loop
 from mlxq.server.protocol import GenerationSpec
 from mlxq.server.state import ServerState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def read_and_parse(http: HTTPRequest, parse) -> tuple[ServerState, dict, object]:
+    """(state, the JSON body, ``parse(body, model, token limits, defaults)`` run off the event loop)."""
+    state: ServerState = http.app.state.mlxq
+    state.require_ready()
+    body = await read_json(http, state.config.max_request_bytes)
+    return state, body, await off_loop(parse, body, state.loaded, state.config.token_limits,
+                                       state.config.request_defaults)
 
 
 def check_limits(spec: GenerationSpec, config) -> None:
@@ -102,3 +114,21 @@ async def choice_batches(state: ServerState, requests: list[Request]):
     else:
         async for item in merged([event_batches(state, r) for r in requests]):
             yield item
+
+
+async def collect_one(state: ServerState, http: HTTPRequest, request: Request, acc) -> None:
+    """Non-streamed, one choice: every event into ``acc`` (an Accumulator); a 503 if it was cancelled."""
+    await collect(state.engine, [request], [acc], http.is_disconnected)
+    if not acc.is_complete:
+        raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
+
+
+async def stream_one(state: ServerState, request: Request, renderer):
+    """Streamed, one choice: ``renderer`` (its ``acc``, ``start``, ``step``, ``error``) frames each event."""
+    yield renderer.start()
+    async for batch in event_batches(state, request):
+        for event in batch:
+            if event.finish_reason is FinishReason.ERROR:
+                yield renderer.error(APIError(500, event.error or "generation failed", code="engine_error"))
+                return
+            yield renderer.step(renderer.acc.add(event))

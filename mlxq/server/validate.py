@@ -36,20 +36,19 @@ def read_int(body: dict, name: str, default, *, lo=None, hi=None):
 
 
 def read_bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"'{name}' must be a boolean, got {type(value).__name__}", name)
-    return value
+    return _read_instance(body, name, default, bool, "a boolean")
 
 
 def read_str(body: dict, name: str, default):
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
+    return _read_instance(body, name, default, str, "a string")
+
+
+def _read_instance(body: dict, name: str, default, kind: type, what: str):
+    value = body.get(name)
+    if value is None:  # absent, or JSON null
         return default
-    if not isinstance(value, str):
-        raise invalid(f"'{name}' must be a string, got {type(value).__name__}", name)
+    if not isinstance(value, kind):
+        raise invalid(f"'{name}' must be {what}, got {type(value).__name__}", name)
     return value
 
 

@@ -176,6 +176,11 @@ class ColdTier:
         self._restoring.add(pending)
         return pending
 
+    def abandon_restore(self, pending: PendingRestore) -> None:
+        """Forget a planned restore that will not be read (several ranks: not every rank found it), so that
+        no later restore waits on it to read a file for both."""
+        self._restoring.discard(pending)
+
     def _read_steps(self, pending: PendingRestore):
         return restore_steps(pending, self.store.checked_header)
 

@@ -63,11 +63,17 @@ class Node:
 
     def chain(self) -> list[Node]:
         """The nodes from the first below the root down to this one."""
-        out, node = [], self
-        while node.parent is not None:
-            out.append(node)
-            node = node.parent
-        return out[::-1]
+        return chain_to(self)
+
+
+def chain_to(node) -> list:
+    """The nodes from the first below the root down to ``node``, in any tree whose nodes name their
+    ``parent`` (the root's is None)."""
+    out = []
+    while node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out[::-1]
 
 
 def common_length(a: tuple, b: tuple) -> int:

@@ -191,11 +191,7 @@ class PromptCache:
 
     def _grow(self, tree: _Tree, found, tokens: tuple[int, ...], caches: list) -> Node:
         """The node ending exactly at len(tokens): an existing one, the upper half of a split, or a new leaf."""
-        if found.partial is not None:
-            end = split(found.partial, found.length - found.partial.depth)
-            self.nodes += 1
-        else:
-            end = found.path[-1] if found.path else tree.root
+        end = self._match_end(tree, found)
         if found.length == len(tokens):
             return end
         spans = [kv_spans.cut_span(c, found.length, len(tokens)) if layer.spans else None
@@ -208,6 +204,14 @@ class PromptCache:
         self.bytes += self._bytes_of(child)
         return child
 
+    def _match_end(self, tree: _Tree, found) -> Node:
+        """The node ``found`` (a prefix_tree.Match) ends at: when it ends inside a node, the upper half
+        of that node split there."""
+        if found.partial is not None:
+            self.nodes += 1
+            return split(found.partial, found.length - found.partial.depth)
+        return found.path[-1] if found.path else tree.root
+
     def _mark(self, tree: _Tree, node: Node, key: Key, caches: list, durable: bool) -> None:
         """Name the entry ending at ``node`` (with its snapshot, for rings and recurrent state)."""
         snapshot = None
@@ -215,8 +219,7 @@ class PromptCache:
             snapshot = [None if layer.spans else kv_spans.take_snapshot(c)
                         for layer, c in zip(tree.layout, caches, strict=True)]
             mx.eval([kv_spans.snapshot_arrays(s) for s in snapshot if s is not None])
-            self.bytes += self._bytes_of(node, snapshot=snapshot) - self._bytes_of(node)
-            node.snapshot = snapshot
+            self._set_snapshot(node, snapshot)
         entry = TreeEntry(key[1], node, snapshot, tree.layout, prefix_bytes(caches, len(key[1])),
                           tree.trimmable, key[0])
         node.mark = entry
@@ -254,12 +257,18 @@ class PromptCache:
             if parent.mark is None and not parent.pins:
                 self._remove_leaf(parent, reason)
 
-    def _bytes_of(self, node: Node, snapshot: list | None | bool = True) -> int:
-        """What ``node`` counts against the cap (``snapshot``: with this one instead of its own)."""
-        snap = node.snapshot if snapshot is True else snapshot
+    def _bytes_of(self, node: Node) -> int:
+        """What ``node`` counts against the cap: its own bytes, or under a charge (pipeline parallel, where
+        each rank's nodes hold other layers) the figure every rank counts alike."""
         if self.charge is not None:
-            return self.charge.node(len(node.tokens), snap is not None)
-        return kv_spans.nbytes([s for s in node.spans if s is not None]) + kv_spans.snapshot_nbytes(snap or [])
+            return self.charge.node(len(node.tokens), node.snapshot is not None)
+        return node.nbytes
+
+    def _set_snapshot(self, node: Node, snapshot: list | None) -> None:
+        """``node``'s snapshot replaced (None: dropped), the tree's byte count with it."""
+        self.bytes -= self._bytes_of(node)
+        node.snapshot = snapshot
+        self.bytes += self._bytes_of(node)
 
     def _entry_bytes(self, caches: list, n: int) -> int:
         if self.charge is not None:
@@ -284,8 +293,7 @@ class PromptCache:
             return
         self._unmark(node, "demoted")
         if node.snapshot is not None:
-            self.bytes -= self._bytes_of(node) - self._bytes_of(node, snapshot=None)
-            node.snapshot = None
+            self._set_snapshot(node, None)
 
     # --- pins -------------------------------------------------------------------------
     def pin(self, namespace: str, tokens: list[int]) -> Node | None:
@@ -297,11 +305,7 @@ class PromptCache:
         found = match(tree.root, tuple(tokens), len(tokens))
         if found.length != len(tokens):
             return None
-        if found.partial is not None:
-            node = split(found.partial, found.length - found.partial.depth)
-            self.nodes += 1
-        else:
-            node = found.path[-1]
+        node = self._match_end(tree, found)
         node.pins += 1
         return node
 

@@ -59,7 +59,7 @@ def restore_together(tier: ColdTier, pending: PendingRestore | None,
     found = gather(pending.n if pending is not None else 0)
     if len(set(found)) != 1 or pending is None:
         if pending is not None:
-            tier._restoring.discard(pending)
+            tier.abandon_restore(pending)
             tier.counters.restores_ranks_apart += 1
         return None
     while not tier.advance_restore(pending):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxq.store.prefix_tree import common_length
+from mlxq.store.prefix_tree import chain_to, common_length
 
 EMPTY = -1  # the child key of a span with no tokens (a snapshot at its fork point)
 
@@ -51,11 +51,7 @@ class FileNode:
 
     def chain(self) -> list[FileNode]:
         """The files from the first below the root down to this one."""
-        out, node = [], self
-        while node.parent is not None:
-            out.append(node)
-            node = node.parent
-        return out[::-1]
+        return chain_to(self)
 
     def all_children(self) -> list[FileNode]:
         return [child for by_token in self.children.values() for kids in by_token.values() for child in kids]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -54,14 +55,18 @@ def test_cors_allows_configured_origin_only(keyed_server):
     assert other.status_code == 403  # the guard refuses a foreign origin before CORS
 
 
-def test_engine_exception_is_a_500_and_the_server_keeps_serving(tiny_model_dirs):
+def poisoned_server(model_dir) -> InProcessServer:
+    """A real server on a model that raises on prompts holding POISON (the text "#")."""
     def load():
-        loaded = load_model(str(tiny_model_dirs["llama"]))
+        loaded = load_model(str(model_dir))
         loaded.model = PoisonedModel(loaded.model)
         return loaded
 
-    state = ServerState(ServerConfig(), Engine(load, EngineConfig()))
-    with InProcessServer(state) as server:
+    return InProcessServer(ServerState(ServerConfig(), Engine(load, EngineConfig())))
+
+
+def test_engine_exception_is_a_500_and_the_server_keeps_serving(tiny_model_dirs):
+    with poisoned_server(tiny_model_dirs["llama"]) as server:
         url = server.url + "/v1/completions"
         r = httpx.post(url, json={"prompt": [1, POISON, 2], "max_tokens": 4})
         assert r.status_code == 500
@@ -73,6 +78,33 @@ def test_engine_exception_is_a_500_and_the_server_keeps_serving(tiny_model_dirs)
         assert httpx.post(url, json={"prompt": [1, 2], "max_tokens": 4}).status_code == 200
         assert httpx.get(server.url + "/health").status_code == 200
         assert httpx.get(server.url + "/stats").json()["engine"]["requests_failed"] == 2
+
+
+def test_an_engine_fault_is_each_protocol_s_error_plain_and_streamed(tiny_model_dirs):
+    poisoned = [{"role": "user", "content": "a # here"}]
+    with poisoned_server(tiny_model_dirs["llama"]) as server:
+        messages = {"model": "m", "max_tokens": 4, "messages": poisoned}
+        r = httpx.post(server.url + "/v1/messages", json=messages)
+        assert r.status_code == 500 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "api_error" and "injected fault" in r.json()["error"]["message"]
+        events = _sse_events(server.url + "/v1/messages", {**messages, "stream": True})
+        assert events[0]["type"] == "message_start"
+        assert events[-1]["type"] == "error" and "injected fault" in events[-1]["error"]["message"]
+
+        responses = {"model": "m", "max_output_tokens": 4, "input": poisoned}
+        r = httpx.post(server.url + "/v1/responses", json=responses)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        events = _sse_events(server.url + "/v1/responses", {**responses, "stream": True})
+        assert events[0]["type"] == "response.created"
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "engine_error"
+        assert "injected fault" in events[-1]["message"]
+        assert httpx.get(server.url + "/stats").json()["engine"]["requests_failed"] == 4
+
+
+def _sse_events(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body) as stream:
+        assert stream.status_code == 200
+        return [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]
 
 
 def test_health_is_503_when_the_engine_thread_is_gone(tiny_model_dirs):
