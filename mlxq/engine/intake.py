@@ -69,6 +69,12 @@ class Intake:
         choice = choose_leader(view, (j.prefix_view() for j in self.joiners))
         return len(request.prompt_ids) - 1 - max(cached, choice.shared if choice else 0)
 
+    def _abandon_restore(self, joiner: Joiner) -> None:
+        """A joiner giving up its SSD restore: a restore that follows it must not wait for it."""
+        if joiner.restore is not None:
+            self.prompt_cache.cold.abandon_restore(joiner.restore)
+            joiner.restore = None
+
     def _release(self, joiner: Joiner) -> None:
         """Its leader's prefix is stored (or the leader is gone): take it from the prompt cache."""
         joiner.leader = None
@@ -95,6 +101,7 @@ class Intake:
         joiners = list(self.joiners)
         for i in plan.cancelled_joiners:
             self.joiners.remove(joiners[i])
+            self._abandon_restore(joiners[i])
             self._finish(joiners[i].row, FinishReason.CANCELLED)
         for i in plan.released:
             self._release(joiners[i])

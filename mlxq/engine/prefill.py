@@ -83,7 +83,7 @@ class Prefilling:
             done = self.prompt_cache.cold.advance_restore(joiner.restore)
         except Exception:  # a restore never fails the request: it prefills instead
             log.exception("SSD restore failed; prefilling instead")
-            joiner.restore = None
+            self._abandon_restore(joiner)
             return
         if not done:
             return

@@ -201,7 +201,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         return [row.request for row in (*self.batch.rows, *(j.row for j in self.joiners), *self._preempted)]
 
     def fail_all(self, message: str) -> None:
-        rows = self.batch.clear() + [j.row for j in self.joiners.clear()] + self._preempted
+        joiners = self.joiners.clear()
+        for joiner in joiners:
+            self._abandon_restore(joiner)
+        rows = self.batch.clear() + [j.row for j in joiners] + self._preempted
         self._preempted = []
         for row in rows:
             self._finish(row, FinishReason.ERROR, message)

@@ -177,9 +177,13 @@ class ColdTier:
         return pending
 
     def abandon_restore(self, pending: PendingRestore) -> None:
-        """Forget a planned restore that will not be read (several ranks: not every rank found it), so that
-        no later restore waits on it to read a file for both."""
+        """Forget a restore that will not be read to its end (its request left, a read raised, or not every
+        rank found it): it counts as done with nothing read, so a restore that follows it reads the shared
+        files itself instead of waiting for it forever."""
         self._restoring.discard(pending)
+        if pending.steps is not None:
+            pending.steps.close()  # its open file goes now, not at the next garbage collection
+        pending.done, pending.entry = True, None
 
     def _read_steps(self, pending: PendingRestore):
         return restore_steps(pending, self.store.checked_header)

@@ -43,6 +43,28 @@ def test_a_prefix_shared_by_eight_agents_is_written_and_restored_once(tmp_path):
     assert ram.bytes < 2 * again.store.bytes  # RAM holds the shared span once too
 
 
+def test_a_restore_following_an_abandoned_one_reads_the_shared_file_itself(tmp_path):
+    t = tier(tmp_path)
+    for i in range(2):
+        t.ram.put("", agent(i), cache_with(agent(i)))
+    drain(t)
+    again = tier(tmp_path)
+    first = again.begin_restore("", agent(0) + [0], 0)
+    again.advance_restore(first)  # one tensor read, then its request leaves
+    second = again.begin_restore("", agent(1) + [0], 0)
+    assert second.leader is first
+    again.abandon_restore(first)
+    assert first.done and first.entry is None
+    for _ in range(1000):  # without the abandonment the follower waits for the leader forever
+        if again.advance_restore(second):
+            break
+    assert second.entry is not None and second.n == 68
+    caches = again.ram.adopt_restored("", second.entry, second.n, 0)
+    assert held_tokens(caches[1]) == [x + 1 for x in agent(1)]
+    third = again.begin_restore("", agent(0) + [0], 0)  # a later restore of the same prefix waits on no one
+    assert third is None or third.leader is None or third.leader.done
+
+
 def test_a_bad_node_and_its_descendants_are_refused_and_the_rest_restore(tmp_path):
     t = tier(tmp_path)
     x, y, z = SHARED + [1] * 8, SHARED + [1] * 8 + [2] * 8, SHARED + [3] * 8
