@@ -14,6 +14,7 @@ idle ranks wait in the collective as before (a warning says so).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ log = logging.getLogger("mlxq.distributed")
 WORK, HEARTBEAT = b"w", b"h"  # what rank 0 wakes the others for: it took work, or its idle heartbeat
 CONNECT_TIMEOUT_S = 2.0  # per address a rank tries
 SETUP_TIMEOUT_S = 15.0  # rank 0: for every other rank to connect
+HELLO_TIMEOUT_S = 1.0  # rank 0: for one connection's hello (a silent stranger cannot hold up the others)
+SILENCE_TIMEOUT_S = 30.0  # any other rank, asleep: rank 0's heartbeat comes at least every second
 
 
 class RankLost(RuntimeError):
@@ -47,9 +50,9 @@ class WakeChannel:
     def wake_all(self, work: bool) -> None:
         """Rank 0: let every other rank out of :meth:`wait`, saying whether it took ``work`` (first: has
         one of them closed its end?)."""
-        readable, _, _ = select.select(list(self.peers.values()), [], [], 0)
+        readable = _readable(self.peers.values())
         for rank, sock in self.peers.items():
-            if sock in readable and not _recv_or_empty(sock):
+            if sock.fileno() in readable and not _recv_or_empty(sock):
                 raise RankLost(f"rank {rank} is gone (its wake channel closed)")
         for rank, sock in self.peers.items():
             try:
@@ -59,7 +62,12 @@ class WakeChannel:
 
     def wait(self) -> bool:
         """Any other rank: block (no CPU) until rank 0 wakes this rank; whether rank 0 took work."""
-        byte = _recv_or_empty(self.peers[0])
+        try:
+            byte = self.peers[0].recv(1)
+        except TimeoutError:  # a host that died or a connection dropped on the way sends no close
+            raise RankLost(f"rank 0 is gone (no word on its wake channel for {SILENCE_TIMEOUT_S:.0f} s)") from None
+        except OSError:
+            byte = b""
         if not byte:
             raise RankLost("rank 0 is gone (its wake channel closed)")
         return byte == WORK
@@ -68,6 +76,21 @@ class WakeChannel:
         for sock in self.peers.values():
             sock.close()
         self.peers.clear()
+
+
+def _readable(socks) -> set[int]:
+    """The descriptors among ``socks`` with something to read (poll: no limit on descriptor numbers)."""
+    poller = select.poll()
+    for sock in socks:
+        poller.register(sock, select.POLLIN)
+    return {fd for fd, _ in poller.poll(0)}
+
+
+def _keep_alive(sock: socket.socket) -> socket.socket:
+    """No delay for the one-byte wake-ups; keep-alive so that a silent peer's end is found out."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    return sock
 
 
 def _recv_or_empty(sock: socket.socket) -> bytes:
@@ -125,17 +148,18 @@ def _accept(listener: socket.socket | None, token: str, size: int) -> WakeChanne
         listener.settimeout(left)
         try:
             sock, _ = listener.accept()
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            claim = json.loads(_recv_exactly(sock, 128))
-        except (OSError, ValueError):
+        except OSError:
             continue
-        rank = _claimed_rank(claim, token, size)
+        try:
+            sock.settimeout(min(HELLO_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
+            rank = _claimed_rank(json.loads(_recv_exactly(sock, 128)), token, size)
+        except (OSError, ValueError):
+            rank = None
         if rank is None or rank in channel.peers:
             sock.close()  # not one of ours
             continue
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        channel.peers[rank] = sock
+        channel.peers[rank] = _keep_alive(sock)
     if len(channel.peers) < size - 1:
         channel.close()
         return None
@@ -144,7 +168,8 @@ def _accept(listener: socket.socket | None, token: str, size: int) -> WakeChanne
 
 def _claimed_rank(claim: Any, token: str, size: int) -> int | None:
     """The rank a connection's hello claims, if it holds rank 0's token (else: not one of the ranks)."""
-    if not isinstance(claim, dict) or claim.get("token") != token:
+    if not isinstance(claim, dict) or not isinstance(claim.get("token"), str) or \
+            not hmac.compare_digest(claim["token"], token):
         return None
     rank = claim.get("rank")
     return rank if isinstance(rank, int) and 0 < rank < size else None
@@ -157,8 +182,8 @@ def _connect(offer: dict, rank: int) -> WakeChannel | None:
             sock.sendall(_hello(offer["token"], rank))
         except OSError:
             continue
-        sock.settimeout(None)
-        return WakeChannel(rank, {0: sock})
+        sock.settimeout(SILENCE_TIMEOUT_S)
+        return WakeChannel(rank, {0: _keep_alive(sock)})
     return None
 
 

@@ -15,7 +15,15 @@ import httpx
 import pytest
 
 from mlxq.bench.servers import cpu_seconds, free_port
-from mlxq.distributed.wake import _accept, _hello, _recv_exactly, leader_addresses
+from mlxq.distributed.wake import (
+    HELLO_TIMEOUT_S,
+    RankLost,
+    WakeChannel,
+    _accept,
+    _hello,
+    _recv_exactly,
+    leader_addresses,
+)
 from mlxq.models.tiny import build_tiny_model
 from tests.conftest import ServerProcess, wait_healthy
 
@@ -133,6 +141,35 @@ def test_rank_0_admits_only_connections_holding_its_token():
             time.sleep(0.01)
     channel.close()
     stranger.close()
+
+
+def test_a_silent_stranger_does_not_hold_up_the_ranks_hello():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = listener.getsockname()
+        silent = socket.create_connection(address)  # connects first, never says hello
+        rank1 = socket.create_connection(address)
+        rank1.sendall(_hello("token", 1))
+        start = time.monotonic()
+        channel = _accept(listener, "token", size=2)
+        waited = time.monotonic() - start
+    assert channel is not None and list(channel.peers) == [1]
+    assert waited < HELLO_TIMEOUT_S + 1.0  # the stranger cost its hello timeout, not the whole set-up
+    assert silent.recv(1) == b""  # and was closed
+    channel.close()
+    silent.close()
+    rank1.close()
+
+
+def test_a_rank_whose_rank_0_falls_silent_ends_instead_of_sleeping_forever():
+    ours, rank0 = socket.socketpair()
+    ours.settimeout(0.2)  # the silence allowed (30 s in service), short here
+    channel = WakeChannel(1, {0: ours})
+    rank0.sendall(b"w")
+    assert channel.wait() is True
+    with pytest.raises(RankLost, match="no word"):
+        channel.wait()  # rank 0's host is gone: no close ever arrives
+    channel.close()
+    rank0.close()
 
 
 def test_other_hosts_try_the_addresses_the_launcher_gave_rank_0_first(tmp_path, monkeypatch):
