@@ -17,9 +17,12 @@ _made: dict[tuple, mx.array] = {}
 
 
 def constant(key: tuple, make: Callable[[], mx.array]) -> mx.array:
-    """``make()`` on the first call for ``key``, the same array after."""
+    """``make()`` on the first call for ``key``, the same array after: evaluated at once, so that no
+    later graph (on another thread's stream) inherits a lazy array from the one that made it."""
     if key not in _made:
-        _made[key] = make()
+        made = make()
+        mx.eval(made)
+        _made[key] = made
     return _made[key]
 
 
