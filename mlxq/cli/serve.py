@@ -57,6 +57,10 @@ def serve(
     prompt_concurrency: Annotated[int, typer.Option(
         help="Batch joiners prefilling long prompts at once (one with at most 128 uncached tokens "
              "takes no slot).")] = 4,
+    burst_window_ms: Annotated[str, typer.Option(
+        help="How long a burst's short tails wait for the rest of the burst before their prefill, in "
+             "ms (one forward for the wave); auto: 150 on a GPU, 0 on the CPU; 0: never wait. Off "
+             "across ranks.")] = "auto",
     kv_budget: Annotated[str, typer.Option(help="Cap on projected KV bytes of the batch, e.g. 8GB; over it "
                                                   "requests queue. auto: 70% of the memory the weights and the "
                                                   "prompt cache leave; off: no cap.")] = "auto",
@@ -158,7 +162,8 @@ def serve(
             allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts),
             prefill_step_size=prefill_step_size, stall_timeout_s=stall_timeout, log_level=LogLevel(log_level).value,
             shutdown_timeout_s=shutdown_timeout,
-            batch=batch, prompt_concurrency=prompt_concurrency, log_format=log_format, log_prompts=log_prompts,
+            batch=batch, prompt_concurrency=prompt_concurrency, burst_window_ms=_burst_window(burst_window_ms),
+            log_format=log_format, log_prompts=log_prompts,
             max_request_bytes=flag_bytes("--max-request-bytes", max_request_bytes), max_tokens_limit=max_tokens_limit,
             max_prompt_tokens=max_prompt_tokens, max_connections=max_connections,
             request_read_timeout_s=request_read_timeout, max_tokens_policy=max_tokens_policy.strip().lower(),
@@ -258,3 +263,13 @@ def _json_object(flag: str, text: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{flag} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
     return value
+
+
+def _burst_window(value: str) -> float | None:
+    """--burst-window-ms: None for auto, else the milliseconds (ServerConfig checks the range)."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"--burst-window-ms must be auto or a number of milliseconds; got {value!r}") from None

@@ -49,6 +49,7 @@ class EngineConfig:
     prefill_step_size: int = 2048  # prompt tokens per prefill forward pass
     max_rows: int = 8  # --batch: concurrency cap; 1 = strict serial lane only
     prompt_concurrency: int = 4  # joiners prefilling at once (batch lane)
+    burst_window_s: float | None = None  # a burst's tails wait this long for the rest; None: auto (burst_hold.py)
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     kv_budget_auto: bool = False  # without an explicit budget, derive one from the device's memory
     prompt_cache_bytes: int | None = None  # RAM prompt cache cap; 0 disables it; None: auto (engine/memory.py)
@@ -368,10 +369,13 @@ class Engine:
     def _burst_hold(self):
         """A burst of agents' tails waits for the rest of it on a GPU (one forward for the wave);
         not on the compute-bound CPU (no forward to share), nor across ranks (a wall-clock decision
-        each rank would make apart)."""
+        each rank would make apart); ``burst_window_s`` (--burst-window-ms) overrides the window."""
         from mlxq.engine.burst_hold import BURST_WINDOW_S, BurstHold
 
-        return BurstHold(BURST_WINDOW_S if _on_gpu() and self.lockstep is None else 0.0)
+        if self.lockstep is not None:
+            return BurstHold(0.0)
+        window = self.config.burst_window_s
+        return BurstHold((BURST_WINDOW_S if _on_gpu() else 0.0) if window is None else window)
 
     def _shedding_limit(self) -> int | None:
         """The memory limit rows are shed against. Not with several ranks: shedding reads this rank's

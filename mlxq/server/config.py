@@ -22,6 +22,7 @@ class ServerConfig:
     prefill_step_size: int = 2048  # prompt tokens per prefill pass
     batch: int = 8  # rows decoding together; 1 = the strict serial lane
     prompt_concurrency: int = 4  # batch joiners prefilling at once
+    burst_window_ms: float | None = None  # a burst's tails wait this long for the rest; None: auto (GPU 150, CPU 0)
     kv_budget_bytes: int | None = None  # batch admission cap on projected KV bytes
     kv_budget_auto: bool = True  # no explicit budget: derive one from the device's memory (--kv-budget off: none)
     prompt_cache_bytes: int | None = None  # RAM prompt cache cap; 0 disables it; None: auto
@@ -63,6 +64,8 @@ class ServerConfig:
         if self.batch < 1 or self.prompt_concurrency < 1:
             raise ValueError(f"--batch and --prompt-concurrency must be >= 1; got {self.batch} and "
                              f"{self.prompt_concurrency}")
+        if self.burst_window_ms is not None and not 0 <= self.burst_window_ms <= 10_000:
+            raise ValueError(f"--burst-window-ms must be auto or 0-10000; got {self.burst_window_ms:g}")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
             raise ValueError("--kv-budget must be > 0")
         if self.ssd is not None and self.prompt_cache_bytes == 0:

@@ -70,6 +70,7 @@ def model_spec(config: ServerConfig) -> str:
 def engine_config(config: ServerConfig) -> EngineConfig:
     return EngineConfig(prefill_step_size=config.prefill_step_size, max_rows=config.batch,
                         prompt_concurrency=config.prompt_concurrency,
+                        burst_window_s=None if config.burst_window_ms is None else config.burst_window_ms / 1000,
                         kv_budget_bytes=config.kv_budget_bytes, kv_budget_auto=config.kv_budget_auto,
                         prompt_cache_bytes=config.prompt_cache_bytes, ssd=config.ssd,
                         memory_limit_bytes=config.memory_limit_bytes,

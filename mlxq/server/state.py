@@ -87,6 +87,7 @@ class ServerState:
             "kv_bytes": scheduler.projected_bytes() if scheduler else 0,
             "kv_budget_bytes": engine.kv_budget_bytes,
             "prompt_concurrency": engine.config.prompt_concurrency,
+            "burst_window_ms": scheduler.config.burst.window_s * 1000 if scheduler else None,
             # allocation faults: retried, rows requeued (preempted) and waiting, the caps they lowered
             "faults": asdict(engine.evaluator.counters),
             "preempted_rows": scheduler.num_preempted if scheduler else 0,

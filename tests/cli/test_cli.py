@@ -127,6 +127,8 @@ def test_start_up_errors_name_the_flag_and_the_choices():
         (["--kv-budget", "banana"], "--kv-budget: not a byte size: 'banana'"),
         (["--prompt-cache", "lots"], "--prompt-cache: not a byte size"),
         (["--log-level", "verbose"], "debug"),  # the choices are listed
+        (["--burst-window-ms", "-5"], "--burst-window-ms must be auto or 0-10000; got -5"),
+        (["--burst-window-ms", "soon"], "--burst-window-ms must be auto or a number of milliseconds"),
     ]
     for args, expected in cases:
         result = runner.invoke(app, ["serve", *args])
