@@ -66,8 +66,9 @@ def one_round(model, spans, rows: int, length: int, out: dict) -> None:
     tokens = mx.array([[(i * 31 + j) % 5000 + 100 for j in range(n)] + [0] * (longest - n)
                        for i, n in enumerate(tails)])
     timed(out, "forward_ms", lambda: mx.eval(model(tokens, cache=caches)))
-    for name, finalize in (("rows_moved_by_gather_ms", lambda c: c.finalize()), ("rows_moved_by_slices_ms",
-                                                                                 finalize_chunks)):
+    shifts = [longest - n for n in tails]
+    for name, finalize in (("rows_moved_by_gather_ms", lambda c: c.finalize()),
+                           ("rows_moved_by_slices_ms", lambda c: finalize_chunks(c, shifts))):
         moved = [copy.copy(c) for c in caches]
 
         def move(moved=moved, finalize=finalize):

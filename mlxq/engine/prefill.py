@@ -142,7 +142,7 @@ class Prefilling:
                 self.model(tokens, cache=caches)
             if any(padding):
                 for cache in caches:
-                    finalize_chunks(cache)
+                    finalize_chunks(cache, padding)
             self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy); on a
             # shared prefix their own caches (the prefix) are read no more: they join with this batch.

@@ -84,21 +84,25 @@ def merge_with_room(rows: list[list], room: int, sources: list | None = None) ->
     return merged
 
 
-def finalize_chunks(cache) -> None:
+def finalize_chunks(cache, shifts: list[int]) -> None:
     """``cache.finalize()`` after a right-padded chunk: each row moved right by its padding so that
     every row's next write lands in the same column. For plain full-attention layers (and the tails
     of a shared-prefix layer, kv/shared_prefix_cache.py) the rows are moved by ``roll_rows`` instead
     of mlx-lm's ``dynamic_roll``: a ``take_along_axis`` over the whole batch that took 540 ms for 40
     rows of a 2.2k-token prefix on the 8B shape on an H200 (the forward: 121 ms), and whose first
     use in a process cost 6.3 s of kernel compilation there (a shared-prefix burst's first tails);
-    the values are the same."""
+    the values are the same. ``shifts``: each row's right padding, as the caller gave it to ``prepare``."""
     target = cache.tail if isinstance(cache, SharedPrefixBatchCache) else cache
     padding = getattr(target, "_right_padding", None)
     if type(target) is not BatchKVCache or padding is None or target.keys is None:
         cache.finalize()
         return
-    shifts = padding.tolist()
-    target.keys, target.values = roll_rows(target.keys, shifts), roll_rows(target.values, shifts)
+    keys, values = target.keys, target.values
+    index = _roll_index(keys.shape, shifts)  # keys and values share it unless their widths differ
+    if index is not None:
+        target.keys = _take_rolled(keys, index)
+        target.values = _take_rolled(values, index if values.shape[:3] == keys.shape[:3]
+                                     else _roll_index(values.shape, shifts))
     target.offset = target.offset - padding
     target.left_padding = target.left_padding + padding
     target._right_padding = None
@@ -110,13 +114,23 @@ def roll_rows(x: mx.array, shifts: list[int]) -> mx.array:
     One ``take`` of x's [dim]-long vectors (one kernel, each element copied once), not a run of
     slices per row: with 64 rows of different shifts those were ~12k operations per forward, 100 ms
     of host time on the H200."""
-    rows, heads, n, dim = x.shape
+    index = _roll_index(x.shape, shifts)
+    return x if index is None else _take_rolled(x, index)
+
+
+def _roll_index(shape: tuple, shifts: list[int]) -> mx.array | None:
+    """Where each of ``roll_rows``' output vectors comes from (None: no row moves)."""
+    rows, heads, n, _ = shape
     offsets = [s % n for s in shifts]
     if not any(offsets):
-        return x
+        return None
     columns = (mx.arange(n)[None, :] - mx.array(offsets)[:, None]) % n  # [rows, n]: where each column comes from
     starts = mx.arange(rows * heads).reshape(rows, heads, 1) * n
-    index = (starts + columns[:, None, :]).reshape(-1)
+    return (starts + columns[:, None, :]).reshape(-1)
+
+
+def _take_rolled(x: mx.array, index: mx.array) -> mx.array:
+    rows, heads, n, dim = x.shape
     return mx.take(x.reshape(rows * heads * n, dim), index, axis=0).reshape(rows, heads, n, dim)
 
 
