@@ -32,7 +32,7 @@ from mlxq.engine.serial_resume import InexactResume
 from mlxq.engine.types import Request
 from mlxq.kv.capabilities import is_trimmable
 from mlxq.store.checkpoint_links import cut_layer
-from mlxq.store.checkpoint_pack import pack_layers, stage_packs
+from mlxq.store.checkpoint_pack import pack_layers, settle, stage_packs
 from mlxq.store.checkpoints import CheckpointRecord, CheckpointStore
 from mlxq.store.mlxkv import encode_layer
 from mlxq.store.ssd_config import CHECKPOINT_DIR
@@ -144,9 +144,7 @@ class RowCheckpoint:
         ``caches`` hold the prompt and every one of them; ``pending`` was drawn after them. The bytes
         copied."""
         link = self.stage(output, caches, drawn=drawn)
-        mx.eval(*(pack.flat for pack in link.packs))
-        for pack in link.packs:  # moved here, right after the evaluation drained the device
-            pack.host()
+        settle(link.packs)
         return self.commit(link, pending, rng_key)
 
     def after_serial_token(self, run, caches: list) -> None:

@@ -68,6 +68,7 @@ GQA_MAX_GROUP_TOKENS = 524_288  # from here the split path's GEMMs beat the gqa 
 MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 groups (H200, 8B shape)
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
 PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa")
+AGREEMENT = 2e-2  # a kernel's largest difference to the plain path, bf16 outputs of order 1: a few ulps
 
 _kernels: frozenset[str] = frozenset()  # the kernel paths whose self-checks passed (``passing_paths``)
 _checked = False  # enable() ran its self-check
@@ -214,7 +215,7 @@ def enable() -> bool:
     return is_enabled()
 
 
-def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: float = 2e-2) -> frozenset[str]:
+def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: float = AGREEMENT) -> frozenset[str]:
     """The kernel paths that may run, from ``self_check``'s max differences: ``full`` and ``split`` both
     or none (the base of every other), ``mma`` also needs the tensor-core kernel's own check, ``mma_gqa``
     needs ``gqa`` and ``mma`` too; a path that failed leaves the others on."""
@@ -231,7 +232,7 @@ def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: flo
 def _mma_partials_agree() -> bool:
     """The tensor-core kernel's own check over whole chunks of several staged blocks."""
     try:
-        return prefix_mma_kernel.self_check() < 2e-2
+        return prefix_mma_kernel.self_check() < AGREEMENT
     except Exception as exc:
         log.warning("mma prefix kernel unavailable (%s: %s)", type(exc).__name__, exc)
         return False
@@ -248,7 +249,7 @@ def _grouped_ready() -> bool:
         except Exception as exc:
             log.warning("grouped shared-prefix kernel path unavailable (%s: %s)", type(exc).__name__, exc)
             error = float("inf")
-        _grouped_enabled = error < 2e-2
+        _grouped_enabled = error < AGREEMENT
         if not _grouped_enabled:
             log.warning("grouped shared-prefix kernel path disagrees with the plain path (max diff %s)", error)
     return bool(_grouped_enabled)

@@ -120,7 +120,13 @@ def pack_layers(layers: list) -> list:
     """Encoded layers with every array copied into one Pack, evaluated and moved to the host here (on
     the engine thread, right after the evaluation drained the device)."""
     out, packs = stage_packs(layers)
+    settle(packs)
+    return out
+
+
+def settle(packs: list) -> None:
+    """Evaluate ``packs`` and move each to the host at once, on this thread (right after the
+    evaluation drained the device)."""
     mx.eval(*(pack.flat for pack in packs))
     for pack in packs:
         pack.host()
-    return out
