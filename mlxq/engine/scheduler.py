@@ -51,6 +51,7 @@ from mlxq.engine.shared_tails import TailSharing
 from mlxq.engine.shedding import MemoryShedding, resumed_size
 from mlxq.engine.step_plan import (
     Extent,
+    JoinerView,
     Limits,
     Load,
     Sizing,
@@ -167,9 +168,11 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
                                            self.caps.group)
 
     # --- what the planner sees ------------------------------------------------------
-    def _load(self) -> Load:
+    def _load(self, views: list[JoinerView] | None = None) -> Load:
+        """``views``: the joiners' views when the caller already built them this step."""
         running = [Extent(len(r.request.prompt_ids), r.request.max_tokens) for r in self.batch.rows]
-        return load_of(running, self.joiners.views(self._chunk_len), len(self._preempted))
+        views = self.joiners.views(self._chunk_len) if views is None else views
+        return load_of(running, views, len(self._preempted))
 
     def _kv_load(self, extent: Extent | None = None, held: tuple | None = None) -> tuple[Load, Extent | None]:
         """The load (and a request asking in: its ``extent`` and its ``held`` path in the RAM tree) with
@@ -222,17 +225,18 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
 
     def _plan_and_prefill(self) -> None:
         preempted = [(Extent(*resumed_size(r)), r.request.cancelled.is_set()) for r in self._preempted]
-        self._intake(plan_intake(self.joiners.views(self._chunk_len), preempted, self._load().running,
-                                 self._limits(), self.sizing))
+        views = self.joiners.views(self._chunk_len)
+        self._intake(plan_intake(views, preempted, self._load(views).running, self._limits(), self.sizing))
         if not self.joiners:
             return
-        if hold_for_burst(self.joiners.views(self._chunk_len), self._admissions, self.clock(), self.config.burst):
+        views = self.joiners.views(self._chunk_len)  # the intake may have dropped or released joiners
+        if hold_for_burst(views, self._admissions, self.clock(), self.config.burst):
             if not self.batch:
                 time.sleep(BURST_POLL_S)  # releases the GIL to the server threads parsing the rest
             return
         self.timing.interrupt()  # prefill work sits between these decode steps
         self._prefilled_together = None  # set by this step's forward when it ends its joiners' prompts
-        self._prefill(plan_prefill(self.joiners.views(self._chunk_len), self._limits(), self.scheme.quantized))
+        self._prefill(plan_prefill(views, self._limits(), self.scheme.quantized))
         ready = self.joiners.take_ready()
         if ready:
             start = time.perf_counter()
