@@ -116,10 +116,11 @@ async def choice_batches(state: ServerState, requests: list[Request]):
             yield item
 
 
-async def collect_one(state: ServerState, http: HTTPRequest, request: Request, acc) -> None:
-    """Non-streamed, one choice: every event into ``acc`` (an Accumulator); a 503 if it was cancelled."""
-    await collect(state.engine, [request], [acc], http.is_disconnected)
-    if not acc.is_complete:
+async def collect_all(state: ServerState, http: HTTPRequest, requests: list[Request], accs: list) -> None:
+    """Non-streamed: every event of each choice into its ``accs`` entry (an Accumulator); a 503 if
+    one was cancelled."""
+    await collect(state.engine, requests, accs, http.is_disconnected)
+    if not all(acc.is_complete for acc in accs):
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
 
 

@@ -6,7 +6,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from mlxq.server.accumulator import Accumulator
-from mlxq.server.generation import admit, collect_one, read_and_parse, sse_response, stream_one
+from mlxq.server.generation import admit, collect_all, read_and_parse, sse_response, stream_one
 from mlxq.server.responses_format import ResponseRenderer
 from mlxq.server.responses_request import parse_responses
 
@@ -20,5 +20,5 @@ async def create_response(http: HTTPRequest):
     renderer = ResponseRenderer(acc, parsed, model)
     if spec.stream:
         return sse_response(stream_one(state, request, renderer))
-    await collect_one(state, http, request, acc)
+    await collect_all(state, http, [request], [acc])
     return JSONResponse(renderer.final())

@@ -9,9 +9,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
 from mlxq.engine.types import FinishReason, Request
-from mlxq.server.choices import collect
 from mlxq.server.errors import APIError
-from mlxq.server.generation import admit, choice_batches, sse_response
+from mlxq.server.generation import admit, choice_batches, collect_all, sse_response
 from mlxq.server.model_routing import model_cards
 from mlxq.server.offload import parse_request
 from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk, sse_line
@@ -39,9 +38,7 @@ async def _generate(http: HTTPRequest, kind):
                 for i in range(spec.n)]
     if spec.stream:
         return sse_response(_sse(state, requests, builders))
-    await collect(state.engine, requests, builders, http.is_disconnected)
-    if not all(b.acc.is_complete for b in builders):
-        raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
+    await collect_all(state, http, requests, [b.acc for b in builders])
     return JSONResponse(merged_final(builders))
 
 
