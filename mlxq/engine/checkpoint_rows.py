@@ -22,8 +22,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlxq.engine.checkpoint_spans import RowSpan, copy_spans, span_arrays, span_layers
 from mlxq.engine.checkpoint_staging import IN_FLIGHT_BYTES, STAGE_BYTES_PER_STEP, LinkInFlight
-from mlxq.engine.checkpointing import Checkpointing, restore_output
+from mlxq.engine.checkpointing import Checkpointing, StagedLink, restore_output
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.rows import Row, resume_row
 from mlxq.engine.types import FinishReason
@@ -81,16 +82,53 @@ class RowCheckpoints:
                      key=lambda i: rows[i].checkpoint.last - rows[i].output.num_generated)
         if not due or self.checkpoints.store.queued_bytes() >= IN_FLIGHT_BYTES:
             return
-        staged, nbytes = [], 0
+        due = due[:publishes_per_step(len(rows))]
         with mx.stream(generation_stream):  # right behind this step's forward, before the next one's
-            for i in due[:publishes_per_step(len(rows))]:
-                if nbytes >= STAGE_BYTES_PER_STEP:
-                    break
-                row = rows[i]
-                link = row.checkpoint.stage(row.output, self._row_for_checkpoint(i), STAGE_BYTES_PER_STEP, True)
-                staged.append(LinkInFlight(row.checkpoint, link, next_tokens, i, row.key))
-                nbytes += link.nbytes
-            self.checkpoints.batch_staged.stage(staged)
+            arrays = span_arrays(self.batch.caches) if self.batch.batched else None
+            aligned = arrays is not None and self._rows_end_together(due)
+            links = self._stage_spans(due, arrays) if aligned else self._stage_views(due)
+            self.checkpoints.batch_staged.stage([LinkInFlight(rows[i].checkpoint, link, next_tokens, i, rows[i].key)
+                                                 for i, link in links])
+
+    def _rows_end_together(self, due: list[int]) -> bool:
+        """Every layer pads rows alike and each due row's tokens end where the batch's do: what the one-pass
+        copy assumes (else the per-row copy). A resumed row's request holds the tokens it had emitted in
+        its prompt (rows.resume_row): its output's request is the one submitted."""
+        caches, rows = self.batch.caches, self.batch.rows
+        paddings = self.checkpoints.batch_paddings.of(caches)
+        return all(p == paddings[0] for p in paddings) and all(
+            paddings[0][i] + len(rows[i].output.request.prompt_ids) + rows[i].output.num_generated == caches[0]._idx
+            for i in due)
+
+    def _stage_spans(self, due: list[int], arrays: list[mx.array]) -> list:
+        """(row, link) of due rows copied in one pass (engine/checkpoint_spans.py), up to
+        ``STAGE_BYTES_PER_STEP``."""
+        rows, padding = self.batch.rows, self.checkpoints.batch_paddings.of(self.batch.caches)[0]
+        per_token = len(arrays) * arrays[0].shape[1] * arrays[0].shape[3] * arrays[0].itemsize
+        taken, nbytes = [], 0
+        for i in due:
+            if nbytes >= STAGE_BYTES_PER_STEP:
+                break
+            generated, start = rows[i].checkpoint.begin(rows[i].output)
+            length = len(rows[i].output.request.prompt_ids) + len(generated) - start  # the prompt as submitted
+            taken.append((i, generated, start, RowSpan(i, padding[i] + start, length)))
+            nbytes += length * per_token
+        tensors, packs = copy_spans(arrays, [span for *_, span in taken], host_side=True)
+        return [(i, StagedLink(rows[i].output, generated, start, span_layers(row_tensors, span.length), packs, True))
+                for (i, generated, start, span), row_tensors in zip(taken, tensors, strict=True)]
+
+    def _stage_views(self, due: list[int]) -> list:
+        """(row, link) of due rows copied one by one through views of each row, up to
+        ``STAGE_BYTES_PER_STEP``."""
+        rows, links, nbytes = self.batch.rows, [], 0
+        for i in due:
+            if nbytes >= STAGE_BYTES_PER_STEP:
+                break
+            row = rows[i]
+            link = row.checkpoint.stage(row.output, self._row_for_checkpoint(i), STAGE_BYTES_PER_STEP, True)
+            links.append((i, link))
+            nbytes += link.nbytes
+        return links
 
     def _row_for_checkpoint(self, i: int) -> list:
         """Row ``i``'s caches to copy a link from: views into the batch where the layer allows (only the

@@ -91,8 +91,8 @@ class StagedLinks:
         """Queue the links' copies (and the rows' keys) behind the work already queued, without waiting:
         call in the stream of the step that drew their pending tokens. The writer, another thread,
         can only wait for arrays scheduled here (MLX's streams belong to the thread that made them)."""
-        mx.async_eval(*(p.flat for item in items for p in item.link.packs),
-                      *(item.key for item in items if item.key is not None))
+        flats = {id(p.flat): p.flat for item in items for p in item.link.packs}  # links may share a Pack
+        mx.async_eval(*flats.values(), *(item.key for item in items if item.key is not None))
         self._links += items
 
     def publish(self) -> int:

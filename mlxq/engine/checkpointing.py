@@ -102,7 +102,8 @@ class StagedLink:
 
     @property
     def nbytes(self) -> int:
-        return sum(pack.nbytes for pack in self.packs)
+        """Its tensors' bytes (a Pack may hold other links' tensors too: engine/checkpoint_spans.py)."""
+        return sum(tensor.nbytes for _, _, named in self.layers for _, tensor in named)
 
 
 @dataclass
@@ -122,12 +123,18 @@ class RowCheckpoint:
         """Describe the link after ``output``'s tokens and ``drawn`` (generated, not handed out yet):
         ``caches`` hold the prompt and every one of them. Its copies are not evaluated here
         (store/checkpoint_pack.stage_packs)."""
+        generated, start = self.begin(output, drawn)
+        layers, packs = stage_packs(link_layers(caches, start), max_pack_bytes, host_side)
+        return StagedLink(output, generated, start, layers, packs, is_trimmable(caches))
+
+    def begin(self, output, drawn: tuple[int, ...] = ()) -> tuple[tuple[int, ...], int]:
+        """A link is taken now, after ``output``'s tokens and ``drawn``: the tokens it holds after the prompt,
+        and the token its span starts at (the newest link's end when it can chain onto it, else 0)."""
         self.last = output.num_generated
         generated = (*output.tokens, *drawn)
         end = len(output.request.prompt_ids) + len(generated)
         start = self.tip if 0 < self.tip <= end and self.checkpointing.store.is_link(self.key, self.tip) else 0
-        layers, packs = stage_packs(link_layers(caches, start), max_pack_bytes, host_side)
-        return StagedLink(output, generated, start, layers, packs, is_trimmable(caches))
+        return generated, start
 
     def commit(self, link: StagedLink, pending: int, rng_key: tuple[int, ...] | None) -> int:
         """Queue ``link`` for the writer, ``pending`` drawn after its tokens. The bytes copied."""

@@ -413,6 +413,10 @@ class Engine:
             seconds = warm_up(self.loaded.model, self.loaded.tokenizer, self.scheme, self.config.prefill_step_size,
                               self.scheduler)
             log.info("warm-up: every generation path ran once in %.1fs", seconds)
+            if self.checkpoints is not None:
+                from mlxq.engine.checkpoint_spans import warm
+
+                warm(self.loaded.model)  # the batch lane's checkpoint copy kernel, compiled and checked
             self.warmup_done = True
         except Exception:  # serving may still work: say so and go on
             log.warning("warm-up failed", exc_info=True)

@@ -82,8 +82,7 @@ def stage_packs(layers: list, max_pack_bytes: int | None = None, host_side: bool
                 size = 0
             groups[-1].append(a)
             size += a.nbytes
-    to_host = host_side and mx.cuda.is_available()
-    packs = [Pack(_on_cpu_stream(_flat(group)) if to_host else _flat(group)) for group in groups]
+    packs = [Pack(to_host_side(_flat(group), host_side)) for group in groups]
     out, pack_index, offset = [], 0, 0
     for kind, meta, named in layers:
         packed = []
@@ -108,6 +107,11 @@ def _flat(arrays: list[mx.array]) -> mx.array:
         return mx.concatenate([a[None] for a in arrays]).reshape(-1).view(mx.uint8)
     parts = [a.reshape(-1).view(mx.uint8) for a in arrays]
     return mx.concatenate(parts) if len(parts) > 1 else mx.array(parts[0])
+
+
+def to_host_side(flat: mx.array, host_side: bool) -> mx.array:
+    """``flat``, brought to host memory by MLX's CPU stream when ``host_side`` and on CUDA (see above)."""
+    return _on_cpu_stream(flat) if host_side and mx.cuda.is_available() else flat
 
 
 def _on_cpu_stream(flat: mx.array) -> mx.array:
