@@ -8,7 +8,7 @@ plain full-attention batch cache (one shape and dtype), a step's staged
 rows instead go in one pass: on CUDA a kernel that reads each row's span
 ``[index, :, first:first + length, :]`` of up to ``CHUNK`` arrays where
 they lie (strided, no copy first) and writes them one after the other,
-row by row, into one buffer: one launch per ``CHUNK`` arrays for all the
+row by row, into one buffer: one launch per ``CHUNK`` arrays (two for an 8B model) for all the
 step's rows. Elsewhere the same layout comes from MLX operations (a
 stacked copy per row, store/checkpoint_pack.py's).
 
@@ -31,7 +31,7 @@ from mlxq.store.checkpoint_pack import Pack, PackedTensor, to_host_side
 
 log = logging.getLogger("mlxq.checkpoints")
 
-CHUNK = 16  # arrays per launch: each brings a pointer and its strides (88 bytes), under CUDA's 4 KiB of parameters
+CHUNK = 32  # arrays per launch: each brings a pointer and its strides (88 bytes): 2.8 KiB, under CUDA's 4 KiB
 _THREADS = 256
 
 
