@@ -19,6 +19,8 @@ like a row resumed after a memory fault (rows.resume_row).
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
@@ -29,6 +31,8 @@ from mlxq.engine.joiners import Joiner
 from mlxq.engine.rows import Row, resume_row
 from mlxq.engine.types import FinishReason
 from mlxq.kv.batch_ops import view_row
+
+log = logging.getLogger("mlxq.checkpoints")
 
 SPREAD_STEPS = 8  # a batch's due rows publish over this many steps
 
@@ -53,6 +57,17 @@ class RowCheckpoints:
         joiner = Joiner(resume_row(row), [], resumed=True)
         joiner.start_from(restored.caches, len(joiner.prompt) - 1)
         return joiner
+
+    def publish_staged(self) -> None:
+        """Hand links staged behind the last decode step to the writer now, not at the next step (which a
+        flush, a shutdown or a preemption may not wait for): their pending tokens are read, waiting for
+        that step if it still runs. A step that failed leaves them unpublished (the older links stay)."""
+        if self.checkpoints is None or not len(self.checkpoints.batch_staged):
+            return
+        try:
+            self.checkpoints.batch_staged.publish()
+        except Exception:
+            log.warning("checkpoint links staged in the last step not published", exc_info=True)
 
     def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array,
                              fed: list[int], fed_emitted: list[bool]) -> None:

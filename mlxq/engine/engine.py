@@ -213,8 +213,9 @@ class Engine:
         if self.cold is None:
             return None
         started = time.monotonic()
-        checkpoints = self.checkpoints.store.flush(timeout) if self.checkpoints is not None else None
-        result = self._flush_cold(max(0.0, timeout - (time.monotonic() - started)))
+        result = self._flush_cold(timeout)  # first: the engine thread publishes staged checkpoint links
+        left = max(0.0, timeout - (time.monotonic() - started))
+        checkpoints = self.checkpoints.store.flush(left) if self.checkpoints is not None else None
         if checkpoints is None:
             return result
         return replace(result, durable=result.durable and checkpoints.durable, checkpoints=checkpoints.as_dict())
@@ -567,6 +568,8 @@ class Engine:
         return True
 
     def _take_flush(self, flush: _Flush) -> None:
+        if self.scheduler is not None:
+            self.scheduler.publish_staged()  # so the checkpoint flush after this one covers them
         if not self._flushes:
             self.cold.begin_flush()
         self._flushes.append(flush)

@@ -204,6 +204,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         return [row.request for row in (*self.batch.rows, *(j.row for j in self.joiners), *self._preempted)]
 
     def fail_all(self, message: str) -> None:
+        self.publish_staged()  # the rows' newest checkpoint links, before the rows end
         joiners = self.joiners.clear()
         for joiner in joiners:
             self._abandon_restore(joiner)

@@ -41,6 +41,7 @@ class MemoryShedding:
         sampler state goes back to before the step, and the rows are requeued to be
         recomputed from their tokens; the most recently admitted wait for room.
         """
+        self.publish_staged()  # links staged by the previous step: a row that fails now keeps its newest
         pending = self.batch.pending
         tokens = pending.tokens.tolist()  # evaluated by the previous step
         rows = self.batch.clear()
