@@ -63,7 +63,7 @@ def timed(stage, caches, args) -> tuple[dict, list]:
         rows = [(r * args.links + k) % args.rows for k in range(args.links)]
         begin = time.perf_counter()
         packs = stage(caches, rows, args.tokens - args.span)
-        mx.async_eval(*(p.flat for p in packs))
+        mx.async_eval(*(a for p in packs for a in p.arrays))
         submitted = time.perf_counter()
         for p in packs:
             p.host()

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from mlxq.store.checkpoint_pack import Pack, PackedTensor, to_host_side
+from mlxq.store.checkpoint_pack import Pack, PackedTensor, host_side_pack
 
 log = logging.getLogger("mlxq.checkpoints")
 
@@ -84,7 +84,7 @@ def _by_operations(arrays, spans, host_side):
     out, packs = [], []
     for span in spans:
         parts = [a[span.index : span.index + 1, :, span.first : span.first + span.length, :][None] for a in arrays]
-        pack = Pack(to_host_side(mx.concatenate(parts).reshape(-1).view(mx.uint8), host_side))
+        pack = host_side_pack(mx.concatenate(parts).reshape(-1).view(mx.uint8), host_side)
         packs.append(pack)
         out.append(_tensors_in(pack, 0, arrays, span, len(arrays)))
     return out, packs
@@ -98,19 +98,19 @@ def _tensors_in(pack: Pack, offset: int, arrays: list[mx.array], span: RowSpan, 
 
 
 def _by_kernel(arrays, spans, host_side):
-    out: list[list[PackedTensor]] = [[] for _ in spans]
-    packs = []
+    """One launch per ``CHUNK`` arrays, then their outputs joined: one buffer (and one host move) for the
+    step's links. Per row its tensors in array order, rows one after the other in each launch's part."""
     heads, dim, itemsize = arrays[0].shape[1], arrays[0].shape[3], arrays[0].itemsize
+    parts = [_launch(arrays[at : at + CHUNK], spans, heads, dim) for at in range(0, len(arrays), CHUNK)]
+    pack = host_side_pack((mx.concatenate(parts) if len(parts) > 1 else parts[0]).view(mx.uint8), host_side)
+    out: list[list[PackedTensor]] = [[] for _ in spans]
+    offset = 0
     for at in range(0, len(arrays), CHUNK):
-        chunk = arrays[at : at + CHUNK]
-        flat = _launch(chunk, spans, heads, dim)
-        pack = Pack(to_host_side(flat.view(mx.uint8), host_side))
-        packs.append(pack)
-        offset = 0
+        count = min(CHUNK, len(arrays) - at)
         for tensors, span in zip(out, spans, strict=True):
-            tensors += _tensors_in(pack, offset, arrays, span, len(chunk))
-            offset += len(chunk) * heads * span.length * dim * itemsize
-    return out, packs
+            tensors += _tensors_in(pack, offset, arrays, span, count)
+            offset += count * heads * span.length * dim * itemsize
+    return out, [pack]
 
 
 _SOURCE = """
@@ -190,12 +190,14 @@ def _kernel_checked(count: int, dtype: mx.Dtype) -> bool:
 
 
 def kernel_agrees(count: int, dtype: mx.Dtype) -> bool:
-    """The kernel's Packs equal the operations' byte for byte: ``count`` arrays, strided like a batch
-    cache after rows left (a view along the token axis), three rows of different spans."""
+    """The kernel's Packs, moved to the host as the batch lane moves them, equal the operations' byte for
+    byte: ``count`` arrays, strided like a batch cache after rows left (a view along the token axis),
+    three rows of different spans."""
     buffer = mx.random.normal((count, 4, 2, 48, 16)).astype(dtype)
     arrays = [buffer[t, :, :, 5:, :] for t in range(count)]
     spans = [RowSpan(2, 3, 17), RowSpan(0, 0, 43), RowSpan(3, 40, 1)]
-    kernel, _ = _by_kernel(arrays, spans, host_side=False)
+    kernel, packs = _by_kernel(arrays, spans, host_side=True)
+    mx.async_eval(*(a for pack in packs for a in pack.arrays))
     ops, _ = _by_operations(arrays, spans, host_side=False)
     return all(bytes(k.host_bytes()) == bytes(o.host_bytes()) and k.shape == o.shape
                for row_k, row_o in zip(kernel, ops, strict=True) for k, o in zip(row_k, row_o, strict=True))

@@ -91,8 +91,9 @@ class StagedLinks:
         """Queue the links' copies (and the rows' keys) behind the work already queued, without waiting:
         call in the stream of the step that drew their pending tokens. The writer, another thread,
         can only wait for arrays scheduled here (MLX's streams belong to the thread that made them)."""
-        flats = {id(p.flat): p.flat for item in items for p in item.link.packs}  # links may share a Pack
-        mx.async_eval(*flats.values(), *(item.key for item in items if item.key is not None))
+        packs = {id(p): p for item in items for p in item.link.packs}  # links may share a Pack
+        mx.async_eval(*(a for p in packs.values() for a in p.arrays), *(item.key for item in items
+                                                                        if item.key is not None))
         self._links += items
 
     def publish(self) -> int:

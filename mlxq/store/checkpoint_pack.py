@@ -8,10 +8,11 @@ next step) once per tensor; made by the engine thread, it stalled decoding
 for the copy. Packed, a link's tensors are copied on the device into a few
 byte buffers of bounded size (the copy the writer needs anyway: the live
 caches go on being updated in place). The batch lane only describes that
-copy and, on CUDA, a copy of each buffer made by MLX's CPU stream
-(``stage_packs(host_side=True)``): MLX's CPU worker thread waits for the
-device copy, moves it to host memory and copies it, holding no GIL, and
-the writer's read waits for it without the GIL. The serial lane evaluates
+copy and, on CUDA, a one-byte read of each buffer by MLX's CPU stream
+(``stage_packs(host_side=True)``): to make it, MLX's CPU worker thread
+waits for the device copy and moves the whole buffer to host memory,
+holding no GIL, and the writer waits for that read without the GIL, then
+reads the buffer in place. The serial lane evaluates
 and moves at once (``pack_layers``). On the CPU and Metal a buffer is read
 in place.
 """
@@ -29,6 +30,7 @@ class Pack:
     once ``host`` was called)."""
 
     flat: mx.array
+    moved: mx.array | None = None  # CUDA, host side: a read of ``flat`` by MLX's CPU stream (see above)
     _host: memoryview | None = field(default=None, repr=False)
 
     @property
@@ -39,9 +41,16 @@ class Pack:
     def on_host(self) -> bool:
         return self._host is not None
 
+    @property
+    def arrays(self) -> list[mx.array]:
+        """What evaluating the Pack takes: its bytes, and their move to host memory where one is made."""
+        return [self.flat] if self.moved is None else [self.flat, self.moved]
+
     def host(self) -> memoryview:
-        """The whole buffer on the host (the first call waits for its copy and moves it there)."""
+        """The whole buffer on the host (the first call waits for its copy and its move there)."""
         if self._host is None:
+            if self.moved is not None:
+                mx.eval(self.moved)  # without the GIL: MLX's CPU worker moves the buffer meanwhile
             self._host = memoryview(self.flat).cast("B")
         return self._host
 
@@ -82,7 +91,7 @@ def stage_packs(layers: list, max_pack_bytes: int | None = None, host_side: bool
                 size = 0
             groups[-1].append(a)
             size += a.nbytes
-    packs = [Pack(to_host_side(_flat(group), host_side)) for group in groups]
+    packs = [host_side_pack(_flat(group), host_side) for group in groups]
     out, pack_index, offset = [], 0, 0
     for kind, meta, named in layers:
         packed = []
@@ -109,15 +118,19 @@ def _flat(arrays: list[mx.array]) -> mx.array:
     return mx.concatenate(parts) if len(parts) > 1 else mx.array(parts[0])
 
 
-def to_host_side(flat: mx.array, host_side: bool) -> mx.array:
-    """``flat``, brought to host memory by MLX's CPU stream when ``host_side`` and on CUDA (see above)."""
-    return _on_cpu_stream(flat) if host_side and mx.cuda.is_available() else flat
+def host_side_pack(flat: mx.array, host_side: bool) -> Pack:
+    """A Pack of ``flat``; when ``host_side`` and on CUDA, with its move to host memory made by MLX's CPU
+    stream (see above)."""
+    moved = _read_on_cpu_stream(flat) if host_side and flat.nbytes and mx.cuda.is_available() else None
+    return Pack(flat, moved)
 
 
-def _on_cpu_stream(flat: mx.array) -> mx.array:
-    """``flat`` computed by the CPU stream: reading the device buffer there moves it to host memory in
-    MLX's CPU worker thread (after a fence on the device copy), not in the thread that evaluates."""
-    return mx.add(flat, 0, stream=mx.cpu)  # not a view: a view would not read the buffer
+def _read_on_cpu_stream(flat: mx.array) -> mx.array:
+    """One byte of ``flat`` read by the CPU stream: to read it, MLX's CPU worker thread moves the whole
+    buffer to host memory (after a fence on the device copy), in place; a view would read nothing. The
+    writer then reads ``flat`` itself: no second copy, and no second buffer of host memory (each one
+    MLX's CUDA allocator later frees with a device-wide synchronizing ``cudaFree``)."""
+    return mx.take(flat, 0, stream=mx.cpu)
 
 
 def pack_layers(layers: list) -> list:
@@ -131,6 +144,6 @@ def pack_layers(layers: list) -> list:
 def settle(packs: list) -> None:
     """Evaluate ``packs`` and move each to the host at once, on this thread (right after the
     evaluation drained the device)."""
-    mx.eval(*(pack.flat for pack in packs))
+    mx.eval(*(a for pack in packs for a in pack.arrays))
     for pack in packs:
         pack.host()

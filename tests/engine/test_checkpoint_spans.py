@@ -34,7 +34,7 @@ def test_each_row_gets_the_bytes_of_its_own_view_of_every_layer():
     paddings = caches[0].left_padding.tolist()
     spans = [RowSpan(i, paddings[i] + start, caches[0]._idx - paddings[i] - start) for i, start in starts.items()]
     tensors, packs = copy_spans(span_arrays(caches), spans)
-    mx.eval(*(pack.flat for pack in packs))
+    mx.eval(*(a for pack in packs for a in pack.arrays))
     for (i, start), span, row in zip(starts.items(), spans, tensors, strict=True):
         expected = link_layers(view_row(caches, i), start)
         got = span_layers(row, span.length)
@@ -61,3 +61,26 @@ def test_only_batches_of_plain_full_attention_caches_of_one_shape_take_it():
 @pytest.mark.parametrize("count, dtype", [(2 * 32, mx.bfloat16), (CHUNK + 3, mx.float16), (3, mx.float32)])
 def test_the_kernel_copies_what_the_operations_copy(count, dtype):
     assert kernel_agrees(count, dtype)
+
+
+def test_the_kernel_layout_of_several_launches_lands_each_tensor_where_its_packed_tensor_says(monkeypatch):
+    """_by_kernel's bookkeeping on any backend: each launch's output (here built by MLX operations, in the
+    kernel's layout: rows one after the other, each row's arrays in order) joined, the tensors found
+    where their offsets say."""
+    from mlxq.engine import checkpoint_spans
+
+    def launch(chunk, spans, heads, dim):
+        parts = [a[s.index, :, s.first : s.first + s.length, :].reshape(-1) for s in spans for a in chunk]
+        return mx.concatenate(parts)
+
+    monkeypatch.setattr(checkpoint_spans, "_launch", launch)
+    monkeypatch.setattr(checkpoint_spans, "CHUNK", 2)
+    caches = batch([2, 0, 1], 9)
+    arrays = span_arrays(caches)[:5]  # three launches: 2, 2 and 1 arrays
+    spans = [RowSpan(1, 3, 6), RowSpan(0, 2, 7)]
+    tensors, [pack] = checkpoint_spans._by_kernel(arrays, spans, host_side=True)
+    mx.eval(*pack.arrays)
+    for span, row in zip(spans, tensors, strict=True):
+        for a, tensor in zip(arrays, row, strict=True):
+            want = a[span.index : span.index + 1, :, span.first : span.first + span.length, :]
+            assert tensor.shape == want.shape and bytes(tensor.host_bytes()) == np.asarray(want).tobytes()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlxq.store.checkpoint_pack import _on_cpu_stream, pack_layers, stage_packs
+from mlxq.store.checkpoint_pack import Pack, _read_on_cpu_stream, pack_layers, stage_packs
 
 
 def test_packed_tensors_keep_their_bytes_shapes_and_dtypes():
@@ -38,10 +38,13 @@ def test_staged_packs_stay_under_their_size_and_move_to_the_host_only_when_asked
     assert all(p.on_host for p in packs)
 
 
-def test_the_cpu_stream_copy_keeps_every_byte():
-    """What CUDA's host-side Packs go through (store/checkpoint_pack._on_cpu_stream): every byte value."""
+def test_a_pack_moved_by_the_cpu_stream_reads_every_byte():
+    """What CUDA's host-side Packs go through (store/checkpoint_pack._read_on_cpu_stream): a read of one
+    byte by the CPU stream, then the buffer itself."""
     flat = mx.arange(256 * 3).astype(mx.uint8)
-    assert bytes(memoryview(_on_cpu_stream(flat))) == bytes(range(256)) * 3
+    pack = Pack(flat, _read_on_cpu_stream(flat))
+    mx.async_eval(*pack.arrays)
+    assert pack.moved.item() == 0 and bytes(pack.host()) == bytes(range(256)) * 3
 
 
 def test_spans_of_one_shape_pack_to_the_same_bytes():
