@@ -83,8 +83,8 @@ def _tensor_shape(arrays: list[mx.array], span: RowSpan) -> tuple[int, ...]:
 def _by_operations(arrays, spans, host_side):
     out, packs = [], []
     for span in spans:
-        parts = [a[span.index : span.index + 1, :, span.first : span.first + span.length, :][None] for a in arrays]
-        pack = host_side_pack(mx.concatenate(parts).reshape(-1).view(mx.uint8), host_side)
+        parts = [a[span.index : span.index + 1, :, span.first : span.first + span.length, :] for a in arrays]
+        pack = host_side_pack(mx.concatenate(parts).reshape(-1).view(mx.uint8), host_side)  # one copy each
         packs.append(pack)
         out.append(_tensors_in(pack, 0, arrays, span, len(arrays)))
     return out, packs

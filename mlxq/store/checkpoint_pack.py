@@ -127,10 +127,11 @@ def host_side_pack(flat: mx.array, host_side: bool) -> Pack:
 
 def _read_on_cpu_stream(flat: mx.array) -> mx.array:
     """One byte of ``flat`` read by the CPU stream: to read it, MLX's CPU worker thread moves the whole
-    buffer to host memory (after a fence on the device copy), in place; a view would read nothing. The
+    buffer to host memory (after a fence on the device copy), in place. A gather, which reads its
+    source's data: a view (a slice, or ``take`` with an int index) would read nothing. The
     writer then reads ``flat`` itself: no second copy, and no second buffer of host memory (each one
     MLX's CUDA allocator later frees with a device-wide synchronizing ``cudaFree``)."""
-    return mx.take(flat, 0, stream=mx.cpu)
+    return mx.take(flat, mx.array([0], dtype=mx.uint32), axis=0, stream=mx.cpu)
 
 
 def pack_layers(layers: list) -> list:
