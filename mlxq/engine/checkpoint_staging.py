@@ -8,8 +8,8 @@ idles; and moving the copy to the host on the engine thread holds the
 engine (which is what bounds a batch's decode speed) for the copy. So a
 due row's link is only *staged* in the step that drew its pending token
 (engine/checkpoint_rows.py): its copies are queued on the generation
-stream right behind that step's forward, on CUDA each followed by a copy
-to host memory on MLX's CPU stream (store/checkpoint_pack.py), evaluated
+stream right behind that step's forward, on CUDA each followed by a read
+on MLX's CPU stream that moves it to host memory (store/checkpoint_pack.py), evaluated
 asynchronously with the row's key, and nothing is read. In the next step,
 once that step's tokens were read (the step that drew the pending tokens
 is done), each staged link reads its pending token and key (already
