@@ -9,7 +9,8 @@ directory), started at once. Each round sends the same load to both:
 (``ignore_eos``), distinct prompts per round so no checkpoint is ever
 restored. Decode tok/s per request is measured at the client from the first
 to the last token; the summary is the median per server and the on/off
-ratio, how many checkpoints the "on" server wrote (from /stats), and each
+ratio, how many checkpoints the "on" server wrote (from /stats; and how many
+of them the one-pass CUDA kernel copied, ``checkpoint_kernel_links``), and each
 server's decode steps in their parts (/stats ``batch.decode_timing``, the
 difference over the mode's rounds). ``--batch 1`` runs the serial lane; a
 larger ``--batch`` the batch lane.
@@ -120,6 +121,7 @@ def run_mode(servers: dict, args, together: bool) -> dict:
                "decode_tok_s_median": median, "on_over_off": round(median["on"] / median["off"], 4),
                "decode_step": steps}
     summary.update({f"checkpoints_{k}": written[k] - written_before[k] for k in ("written", "dropped")})
+    summary["checkpoint_kernel_links"] = written.get("kernel_links", 0) - written_before.get("kernel_links", 0)
     summary["checkpoint_bytes_written"] = written["written_bytes"] - written_before["written_bytes"]
     print(json.dumps({k: v for k, v in summary.items() if k != "per_request_tok_s"}), flush=True)
     return summary

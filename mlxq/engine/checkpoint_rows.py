@@ -24,7 +24,7 @@ import logging
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from mlxq.engine.checkpoint_spans import RowSpan, copy_spans, span_arrays, span_layers
+from mlxq.engine.checkpoint_spans import RowSpan, by_kernel, copy_spans, span_arrays, span_layers
 from mlxq.engine.checkpoint_staging import IN_FLIGHT_BYTES, STAGE_BYTES_PER_STEP, LinkInFlight
 from mlxq.engine.checkpointing import Checkpointing, StagedLink, restore_output
 from mlxq.engine.joiners import Joiner
@@ -129,6 +129,8 @@ class RowCheckpoints:
             taken.append((i, generated, start, RowSpan(i, padding[i] + start, length)))
             nbytes += length * per_token
         tensors, packs = copy_spans(arrays, [span for *_, span in taken], host_side=True)
+        if by_kernel(arrays):
+            self.checkpoints.store.counters.kernel_links += len(taken)
         return [(i, StagedLink(rows[i].output, generated, start, span_layers(row_tensors, span.length), packs, True))
                 for (i, generated, start, span), row_tensors in zip(taken, tensors, strict=True)]
 

@@ -60,11 +60,16 @@ def span_arrays(caches: list) -> list[mx.array] | None:
     return arrays
 
 
+def by_kernel(arrays: list[mx.array]) -> bool:
+    """Whether ``copy_spans`` copies these arrays with the kernel (CUDA, and the kernel checked)."""
+    return _kernel_checked(len(arrays), arrays[0].dtype)
+
+
 def copy_spans(arrays: list[mx.array], spans: list[RowSpan], host_side: bool = False
                ) -> tuple[list[list[PackedTensor]], list[Pack]]:
     """Per span, each array's span as a PackedTensor (shape ``(1, heads, length, dim)``), and the Packs
     holding them, not evaluated yet (``host_side``: as store/checkpoint_pack.stage_packs)."""
-    if _kernel_checked(len(arrays), arrays[0].dtype):
+    if by_kernel(arrays):
         return _by_kernel(arrays, spans, host_side)
     return _by_operations(arrays, spans, host_side)
 
@@ -101,7 +106,8 @@ def _by_kernel(arrays, spans, host_side):
     """One launch per ``CHUNK`` arrays, then their outputs joined: one buffer (and one host move) for the
     step's links. Per row its tensors in array order, rows one after the other in each launch's part."""
     heads, dim, itemsize = arrays[0].shape[1], arrays[0].shape[3], arrays[0].itemsize
-    parts = [_launch(arrays[at : at + CHUNK], spans, heads, dim) for at in range(0, len(arrays), CHUNK)]
+    views, local = _around(arrays, spans)
+    parts = [_launch(views[at : at + CHUNK], local, heads, dim) for at in range(0, len(arrays), CHUNK)]
     pack = host_side_pack((mx.concatenate(parts) if len(parts) > 1 else parts[0]).view(mx.uint8), host_side)
     out: list[list[PackedTensor]] = [[] for _ in spans]
     offset = 0
@@ -111,6 +117,17 @@ def _by_kernel(arrays, spans, host_side):
             tensors += _tensors_in(pack, offset, arrays, span, count)
             offset += count * heads * span.length * dim * itemsize
     return out, [pack]
+
+
+def _around(arrays: list[mx.array], spans: list[RowSpan]) -> tuple[list[mx.array], list[RowSpan]]:
+    """Views of the arrays cut to the rows and tokens the spans touch, and the spans within them: what a
+    launch declares it reads. MLX's CUDA backend counts each input's extent towards a graph's size and
+    ends the graph (one more task in flight, which MLX's evaluation may then wait for) past 1000 Mi
+    elements: 32 whole arrays of a 32-row batch are about that; one row's span a few Mi."""
+    lo, hi = min(s.index for s in spans), max(s.index for s in spans) + 1
+    start, end = min(s.first for s in spans), max(s.first + s.length for s in spans)
+    views = [a[lo:hi, :, start:end, :] for a in arrays]
+    return views, [RowSpan(s.index - lo, s.first - start, s.length) for s in spans]
 
 
 _SOURCE = """

@@ -17,6 +17,7 @@ class CheckpointCounters:
     superseded: int = 0  # links removed because a newer chain of their request became durable
     deleted: int = 0  # checkpoints (whole chains) removed because their request completed
     corrupt_removed: int = 0  # links unlinked at scan or restore because they (or a link below them) failed
+    kernel_links: int = 0  # batch links whose copy the one-pass CUDA kernel made (engine/checkpoint_spans.py)
 
 
 @dataclass

@@ -75,9 +75,9 @@ def test_the_kernel_layout_of_several_launches_lands_each_tensor_where_its_packe
 
     monkeypatch.setattr(checkpoint_spans, "_launch", launch)
     monkeypatch.setattr(checkpoint_spans, "CHUNK", 2)
-    caches = batch([2, 0, 1], 9)
+    caches = batch([2, 0, 1, 0], 11)
     arrays = span_arrays(caches)[:5]  # three launches: 2, 2 and 1 arrays
-    spans = [RowSpan(1, 3, 6), RowSpan(0, 2, 7)]
+    spans = [RowSpan(2, 3, 6), RowSpan(1, 2, 7)]  # launched on views of rows 1-2, tokens 2-8: spans within them
     tensors, [pack] = checkpoint_spans._by_kernel(arrays, spans, host_side=True)
     mx.eval(*pack.arrays)
     for span, row in zip(spans, tensors, strict=True):
