@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from mlxq.cli.cache_files import CacheFile, scan_files
+from mlxq.store.checkpoint_links import parse_link_name
 
 app = typer.Typer(no_args_is_help=True, help="Inspect, verify and prune .mlxkv files; flush a live server.")
 
@@ -72,7 +73,7 @@ def _checkpoint_table(rows: list[dict]):
 
     chains: dict[str, list[dict]] = {}
     for r in rows:
-        chains.setdefault((r["checkpoint"] or {}).get("key") or Path(r["file"]).stem, []).append(r)
+        chains.setdefault(_request_key(r), []).append(r)
     table = Table(title=f"generation checkpoints: {len(chains)} requests, {len(rows)} files, "
                         f"{sum(r['bytes'] for r in rows) / 1e6:.1f} MB")
     for column in ("request key", "fingerprint", "model", "prompt", "emitted", "links", "MB", "age"):
@@ -88,6 +89,14 @@ def _checkpoint_table(rows: list[dict]):
             if r["problem"]:
                 table.add_row(f"[red]{Path(r['file']).name}: {r['problem']}[/]", *[""] * 7)
     return table
+
+
+def _request_key(row: dict) -> str:
+    """The request key a checkpoint file belongs to: its record's, else its name's (a write cut by a
+    crash, ``<key>-<end>.mlxkv.tmp``, has no header but still belongs to its request)."""
+    key = (row["checkpoint"] or {}).get("key")
+    parsed = parse_link_name(Path(row["file"]).name.split(".")[0])
+    return key or (parsed[0] if parsed else Path(row["file"]).stem)
 
 
 def _node_table(directory: Path, rows: list[dict]):

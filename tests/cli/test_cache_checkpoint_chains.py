@@ -55,6 +55,17 @@ def test_ls_shows_one_line_per_request_and_verify_checks_the_chain(tmp_path):
     assert result.exit_code == 1 and result.stdout.count("BAD") == 2
 
 
+def test_a_write_cut_by_a_crash_is_shown_under_its_request(tmp_path):
+    """A kill during a link's write leaves ``<key>-<end>.mlxkv.tmp`` (no header yet): still one request."""
+    paths = write_chain(tmp_path)
+    cut = paths[-1].with_name(f"{KEY}-16384.mlxkv.tmp")
+    cut.write_bytes(paths[-1].read_bytes()[:100])
+    shown = run("cache", "ls", str(tmp_path)).stdout
+    assert "generation checkpoints: 1 requests, 4 files" in shown and "16384.mlxkv.tmp" in shown
+    rows = [r for r in json.loads(run("cache", "ls", str(tmp_path), "--json").stdout) if r["kind"] == "checkpoint"]
+    assert [r["durable"] for r in rows].count(False) == 1
+
+
 def test_prune_by_size_takes_the_newest_link_before_its_parents(tmp_path):
     paths = write_chain(tmp_path)
     total = sum(p.stat().st_size for p in paths)
