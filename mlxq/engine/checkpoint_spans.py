@@ -201,7 +201,9 @@ def _kernel_checked(count: int, dtype: mx.Dtype) -> bool:
         except Exception:
             log.exception("the checkpoint copy kernel failed; copying with MLX operations")
             _checked[key] = False
-        if not _checked[key]:
+        if _checked[key]:
+            log.info("checkpoint copy kernel checked for %d arrays of %s: in use", count, dtype)
+        else:
             log.error("the checkpoint copy kernel disagrees with MLX operations; copying with them instead")
     return _checked[key]
 
