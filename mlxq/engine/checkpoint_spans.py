@@ -196,16 +196,21 @@ def _kernel_checked(count: int, dtype: mx.Dtype) -> bool:
         return False
     key = (count, dtype)
     if key not in _checked:
-        try:
-            _checked[key] = kernel_agrees(count, dtype)
-        except Exception:
-            log.exception("the checkpoint copy kernel failed; copying with MLX operations")
-            _checked[key] = False
-        if _checked[key]:
-            log.info("checkpoint copy kernel checked for %d arrays of %s: in use", count, dtype)
-        else:
-            log.error("the checkpoint copy kernel disagrees with MLX operations; copying with them instead")
+        _checked[key] = _check(count, dtype)
     return _checked[key]
+
+
+def _check(count: int, dtype: mx.Dtype) -> bool:
+    try:
+        agrees = kernel_agrees(count, dtype)
+    except Exception:
+        log.exception("the checkpoint copy kernel failed; copying with MLX operations")
+        return False
+    if agrees:
+        log.info("checkpoint copy kernel checked for %d arrays of %s: in use", count, dtype)
+    else:
+        log.error("the checkpoint copy kernel disagrees with MLX operations; copying with them instead")
+    return agrees
 
 
 def kernel_agrees(count: int, dtype: mx.Dtype) -> bool:
