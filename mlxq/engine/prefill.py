@@ -22,6 +22,7 @@ from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.shared_tails import SharedTails, evaluable
 from mlxq.engine.step_plan import PrefillPlan
+from mlxq.engine.tail_placement import can_place, merge_for_tails, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
@@ -132,17 +133,17 @@ class Prefilling:
         last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
         with mx.stream(generation_stream):
             sources = self._lease_sources(group)
-            caches, shared = self._forward_caches(group, longest, last, sources)
-            padding = [longest - n for n in lengths]
-            if any(padding):
-                for cache in caches:
-                    cache.prepare(lengths=lengths, right_padding=padding)
-            tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
-            with adapter_rows(self.model, [j.row.request.adapter for j in group]), self._routed(shared):
-                self.model(tokens, cache=caches)
-            if any(padding):
-                for cache in caches:
-                    finalize_chunks(cache, padding)
+            shared = self._shared_tails(group) if last else None
+            placed = None if shared is not None else self._placed(group, lengths, last, sources)
+            if placed is not None:  # every row written where it stays (engine/tail_placement.py)
+                caches, layout = placed
+                tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
+                with adapter_rows(self.model, [j.row.request.adapter for j in group]), tails_in_place(caches, layout):
+                    self.model(tokens, cache=caches)
+            else:
+                caches = shared.caches if shared is not None else merge_with_room(
+                    [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
+                self._right_padded_forward(group, caches, shared, chunks, lengths)
             self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy); on a
             # shared prefix their own caches (the prefix) are read no more: they join with this batch.
@@ -158,15 +159,29 @@ class Prefilling:
             joiner.caches = joiner.caches if rows is None else rows[i]
             self._advanced(joiner, n)
 
-    def _forward_caches(self, group: list[Joiner], longest: int, last: bool,
-                        sources: list) -> tuple[list, SharedTails | None]:
-        """(caches for the joiners' forward, SharedTails or None): their last chunks on one leased
-        prefix read it by reference (engine/shared_tails.py); else their caches merged, with room for
-        this chunk and for the decode steps after it when the rows join as they are."""
-        shared = self._shared_tails(group) if last else None
-        if shared is not None:
-            return shared.caches, shared
-        return merge_with_room([j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources), None
+    def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):
+        """mlx-lm's way: chunks right-padded, the caches told the real lengths (``prepare``/``finalize``, so
+        padding never displaces a ring's tokens or a recurrent state), then every row moved by its padding."""
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        if any(padding):
+            for cache in caches:
+                cache.prepare(lengths=lengths, right_padding=padding)
+        tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
+        with adapter_rows(self.model, [j.row.request.adapter for j in group]), self._routed(shared):
+            self.model(tokens, cache=caches)
+        if any(padding):
+            for cache in caches:
+                finalize_chunks(cache, padding)
+
+    def _placed(self, group: list[Joiner], lengths: list[int], last: bool, sources: list):
+        """(caches, layout) with each row placed for its tail (engine/tail_placement.py), or None where
+        the placement does not apply (a layer that is not plain full attention: a ring, a recurrent
+        state, quantized KV)."""
+        rows = [j.caches for j in group]
+        if not can_place(rows):
+            return None
+        return merge_for_tails(rows, lengths, BatchKVCache.step if last else 0, sources)
 
     def _lease_sources(self, group: list[Joiner]) -> list:
         """Per joiner, (its lease's node, tokens) while it holds exactly what its lease lent (nothing of
