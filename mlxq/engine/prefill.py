@@ -20,7 +20,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlxq.engine.faults import MemoryFault
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
-from mlxq.engine.shared_tails import SharedTails, evaluable
+from mlxq.engine.shared_tails import evaluable
 from mlxq.engine.step_plan import PrefillPlan
 from mlxq.engine.tail_placement import can_place, merge_for_tails, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous

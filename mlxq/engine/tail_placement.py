@@ -116,7 +116,7 @@ def _runs(sources: list) -> list[tuple[int, int]]:
 def _rows_into(column: tuple, name: str, layout: TailLayout, runs: list[tuple[int, int]]) -> mx.array:
     """One [rows, heads, capacity, dim] buffer: each row's ``name`` array at its left padding, zeros elsewhere."""
     sample = next(getattr(c, name) for c in column if c.keys is not None)
-    rows, heads, dim = len(column), sample.shape[1], sample.shape[3]
+    heads, dim = sample.shape[1], sample.shape[3]
     blocks = []
     for start, end in runs:
         cache = column[start]
