@@ -22,7 +22,7 @@ from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.shared_tails import evaluable
 from mlxq.engine.step_plan import PrefillPlan
-from mlxq.engine.tail_placement import can_place, merge_for_tails, tails_in_place
+from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
@@ -145,9 +145,11 @@ class Prefilling:
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
                 self._right_padded_forward(group, caches, shared, chunks, lengths)
             self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
-            # Joining next: the rows stay in this batch, the joiners read views into it (no copy); on a
-            # shared prefix their own caches (the prefix) are read no more: they join with this batch.
-            rows = (None if shared else view_rows(caches, len(group)) if last
+            # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
+            # rows build theirs only if read); on a shared prefix their own caches (the prefix) are read
+            # no more: they join with this batch.
+            kept = PlacedRows(caches, layout) if last and placed is not None else None
+            rows = (None if shared or kept else view_rows(caches, len(group)) if last
                     else [extract_row(caches, i) for i in range(len(group))])
         if last:
             self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
@@ -156,7 +158,10 @@ class Prefilling:
         if not shared:
             self.batch.copies.broadcast += same_as_previous(sources)
         for i, (joiner, n) in enumerate(zip(group, lengths, strict=True)):  # only once everything succeeded
-            joiner.caches = joiner.caches if rows is None else rows[i]
+            if kept is not None:
+                joiner.read_row(kept, i)
+            elif rows is not None:
+                joiner.caches = rows[i]
             self._advanced(joiner, n)
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):

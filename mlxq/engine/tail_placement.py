@@ -27,12 +27,15 @@ per row.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlxq.kv.batch_ops import view_row
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,22 @@ def merge_for_tails(rows: list[list], tails: list[int], room: int, sources: list
         out._idx = layout.start
         merged.append(out)
     return merged, layout
+
+
+class PlacedRows:
+    """A placed batch's rows as solo cache lists, each built when first read: views into the batch as it
+    was after the forward (``view_row``; the decode steps after the join write into its arrays)."""
+
+    def __init__(self, caches: list[BatchKVCache], layout: TailLayout):
+        self._layers = []
+        for cache in caches:
+            kept = copy.copy(cache)
+            kept.keys, kept.values = cache.keys[..., : cache._idx, :], cache.values[..., : cache._idx, :]
+            self._layers.append(kept)
+        self._paddings = [layout.padding] * len(caches)  # every layer's rows are placed alike
+
+    def row(self, index: int) -> list:
+        return view_row(self._layers, index, self._paddings)
 
 
 @contextmanager

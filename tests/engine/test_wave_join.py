@@ -13,10 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-from mlxq.engine import prefill
+from mlxq.engine import prefill, tail_placement
 from mlxq.engine.scheduler import SchedulerConfig
 from mlxq.engine.types import Request, SamplingParams
 from mlxq.golden.cases import LONG
+from mlxq.kv.batch_ops import view_row
 from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
 
 
@@ -46,9 +47,12 @@ def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_
     run_wave(scheduler, cold)
     before, puts = scheduler.batch.copies.as_dict(), scheduler.prompt_cache.stats.puts
     moved.clear()
+    viewed = []  # per-row views of the kept batch: built only if something reads a joiner's caches
+    monkeypatch.setattr(tail_placement, "view_row", lambda *args: viewed.append(args) or view_row(*args))
     run_wave(scheduler, cached)
     after = scheduler.batch.copies.as_dict()
     assert not moved  # tails of different lengths, each written where it stays
+    assert not viewed  # they joined in the batch they prefilled in: nobody read a row of it
     # The system prompt was stored: each agent stores once, when it ends, not also at its prompt boundary.
     assert scheduler.prompt_cache.stats.puts - puts == len(cached)
     delta = {k: after[k] - before[k] for k in after}
