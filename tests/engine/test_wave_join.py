@@ -145,6 +145,9 @@ def test_an_engine_that_holds_bursts_prefills_a_submitted_wave_in_one_step(tiny_
         while events.get(timeout=60).finish_reason is None:
             pass
         steps = engine.scheduler.phases.prefill_iterations
+        stepped = []  # the engine thread's scheduler steps: while a burst is held it waits on its inbox
+        step = engine.scheduler.step
+        monkeypatch.setattr(engine.scheduler, "step", lambda: stepped.append(1) or step())
         cached = wave(tokenizer, shared, "cached", 6, "Please")
         for r in cached:
             engine.submit(r, events.put)
@@ -153,5 +156,6 @@ def test_an_engine_that_holds_bursts_prefills_a_submitted_wave_in_one_step(tiny_
         while ended < len(cached):
             ended += events.get(timeout=60).finish_reason is not None
         assert engine.scheduler.phases.prefill_iterations - steps <= 2  # at most the first alone, then the rest
+        assert len(stepped) < 60  # ~0.6 s held: polled each millisecond it would be hundreds of steps
     finally:
         engine.stop(10)
