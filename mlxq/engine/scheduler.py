@@ -174,7 +174,9 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
     def _load(self, views: list[JoinerView] | None = None) -> Load:
         """``views``: the joiners' views when the caller already built them this step."""
         running = [Extent(len(r.request.prompt_ids), r.request.max_tokens) for r in self.batch.rows]
-        views = self.joiners.views(self._chunk_len) if views is None else views
+        # The load reads extents and own tokens, not next chunks: admitting a burst asks this once per
+        # arrival over every joiner, so the chunk lengths (snapshot points, cache kinds) are not worked out.
+        views = self.joiners.views(lambda joiner: 0) if views is None else views
         return load_of(running, views, len(self._preempted))
 
     def _kv_load(self, extent: Extent | None = None, held: tuple | None = None) -> tuple[Load, Extent | None]:
