@@ -1,5 +1,6 @@
 """What parsing an agent's chat request costs the server (before it reaches the engine), with and without
-the system heads kept (server/system_heads.py), side by side.
+the system heads kept (server/system_heads.py; with them, where chats are cut for tokenizing:
+server/head_split.py), side by side.
 
     python scripts/bench_request_parse.py --model DIR --system-words 1300 --requests 64 --rounds 3
 
@@ -22,13 +23,19 @@ from mlxq.server.protocol import parse_generation
 
 
 def per_request_ms(bodies: list[dict], lm, keep: bool) -> float:
-    system_heads._heads.clear()
+    forget()
     start = time.perf_counter()
     for body in bodies:
         if not keep:
-            system_heads._heads.clear()
+            forget()
         parse_generation(body, "chat", lm)
     return round(1000 * (time.perf_counter() - start) / len(bodies), 2)
+
+
+def forget() -> None:
+    """Nothing kept: the system head rendered and the whole chat tokenized again (server/head_split.py)."""
+    system_heads._heads.clear()
+    system_heads._splits.clear()
 
 
 def main() -> None:
