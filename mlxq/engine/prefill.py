@@ -22,7 +22,7 @@ from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.shared_tails import evaluable
 from mlxq.engine.step_plan import PrefillPlan
-from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, tails_in_place
+from mlxq.engine.tail_placement import PlacedRows, broadcast_rows, can_place, merge_for_tails, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
@@ -155,7 +155,9 @@ class Prefilling:
             self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
         else:
             self.batch.copies.extracted += len(group)
-        if not shared:
+        if placed is not None:
+            self.batch.copies.broadcast += broadcast_rows(sources, placed[1])
+        elif not shared:
             self.batch.copies.broadcast += same_as_previous(sources)
         for i, (joiner, n) in enumerate(zip(group, lengths, strict=True)):  # only once everything succeeded
             if kept is not None:

@@ -20,9 +20,8 @@ right-aligned, as after mlx-lm's roll:
 The padding queries compute rows nobody reads (their K/V are never
 written, their logits never sampled); every real query attends to its own
 prefix and tail only (the batch mask's left padding and causality), so each
-row computes what it computes alone. Rows sharing one stored prefix are
-written by one gather per layer (the prefix shifted per row), not one copy
-per row.
+row computes what it computes alone. Neighbouring rows with one stored
+prefix and one padding are written by one broadcast per layer.
 """
 
 from __future__ import annotations
@@ -67,10 +66,11 @@ def merge_for_tails(rows: list[list], tails: list[int], room: int, sources: list
                     ) -> tuple[list[BatchKVCache], TailLayout]:
     """Per layer one BatchKVCache of ``rows`` (solo cache lists, ``can_place``) laid out for ``tails``
     (``layout_for``), and that layout. ``sources``: per row, what its caches hold (equal and not None:
-    the same K/V); a run of neighbouring rows with one source is written by one gather."""
+    the same K/V); a stretch of neighbouring rows with one source and one padding is written by one
+    broadcast (``broadcast_rows`` counts the rows it spares a write)."""
     sizes = [row[0].offset if row[0].keys is not None else 0 for row in rows]
     layout = layout_for(sizes, tails, room)
-    runs = _runs(sources or [None] * len(rows))
+    runs = _runs(sources or [None] * len(rows), layout.padding)
     merged = []
     for column in zip(*rows, strict=True):
         out = BatchKVCache(layout.padding)
@@ -103,8 +103,13 @@ def tails_in_place(caches: list[BatchKVCache], layout: TailLayout) -> Iterator[N
     what the padding columns held (the rows' prefixes), so only real tokens' K/V are written."""
     pad = mx.array(layout.chunk_padding)
     keep = (mx.arange(layout.width)[None, :] < pad[:, None])[:, None, :, None]  # [rows, 1, width, 1]
-    for cache in caches:
-        cache.update_and_fetch = _keeping(cache, keep)  # this instance, this forward only
+    end = layout.start + layout.width
+    # What the chunk's columns hold, read (and the merge done) before the forward: read inside it, the
+    # buffer its write goes into would have a second reader, and the write would copy it whole.
+    kept = [(c.keys[..., layout.start : end, :], c.values[..., layout.start : end, :]) for c in caches]
+    mx.eval(kept, [(c.keys, c.values) for c in caches])
+    for cache, (keys, values) in zip(caches, kept, strict=True):
+        cache.update_and_fetch = _keeping(cache, keep, keys, values)  # this instance, this forward only
     try:
         yield
     finally:
@@ -112,20 +117,24 @@ def tails_in_place(caches: list[BatchKVCache], layout: TailLayout) -> Iterator[N
             vars(cache).pop("update_and_fetch", None)
 
 
-def _keeping(cache: BatchKVCache, keep: mx.array):
+def _keeping(cache: BatchKVCache, keep: mx.array, old_keys: mx.array, old_values: mx.array):
     def update_and_fetch(keys: mx.array, values: mx.array):
-        start, end = cache._idx, cache._idx + keys.shape[2]
-        keys = mx.where(keep, cache.keys[..., start:end, :], keys)
-        values = mx.where(keep, cache.values[..., start:end, :], values)
-        return BatchKVCache.update_and_fetch(cache, keys, values)
+        return BatchKVCache.update_and_fetch(cache, mx.where(keep, old_keys, keys), mx.where(keep, old_values, values))
     return update_and_fetch
 
 
-def _runs(sources: list) -> list[tuple[int, int]]:
-    """[start, end) of each run of neighbouring rows with one (not None) source; other rows alone."""
+def broadcast_rows(sources: list, layout: TailLayout) -> int:
+    """Rows ``merge_for_tails`` wrote by broadcast from the row before them (no write of their own)."""
+    return sum(end - start - 1 for start, end in _runs(sources, layout.padding))
+
+
+def _runs(sources: list, padding: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each stretch of neighbouring rows with one (not None) source and one padding
+    (written by one broadcast); other rows alone."""
     runs, start = [], 0
     for end in range(1, len(sources) + 1):
-        if end < len(sources) and sources[end] is not None and sources[end] == sources[start]:
+        if (end < len(sources) and sources[end] is not None and sources[end] == sources[start]
+                and padding[end] == padding[start]):
             continue
         runs.append((start, end))
         start = end
@@ -136,25 +145,13 @@ def _rows_into(column: tuple, name: str, layout: TailLayout, runs: list[tuple[in
     """One [rows, heads, capacity, dim] buffer: each row's ``name`` array at its left padding, zeros elsewhere."""
     sample = next(getattr(c, name) for c in column if c.keys is not None)
     heads, dim = sample.shape[1], sample.shape[3]
-    blocks = []
+    out = mx.zeros((len(column), heads, layout.capacity, dim), dtype=sample.dtype)
     for start, end in runs:
-        cache = column[start]
+        cache, pad = column[start], layout.padding[start]
         if cache.keys is None:
-            blocks.append(mx.zeros((end - start, heads, layout.capacity, dim), dtype=sample.dtype))
             continue
-        row = getattr(cache, name)[..., : cache.offset, :]
-        blocks.append(_shifted(row, layout.padding[start:end], layout.capacity))
-    return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=0)
-
-
-def _shifted(row: mx.array, padding: list[int], capacity: int) -> mx.array:
-    """[len(padding), heads, capacity, dim]: ``row`` ([1, heads, n, dim]) at each padding, zeros around
-    it; one ``take`` of head vectors (the row plus one zero vector per head) for every row."""
-    _, heads, n, dim = row.shape
-    if len(padding) == 1:
-        return mx.pad(row, [(0, 0), (0, 0), (padding[0], capacity - padding[0] - n), (0, 0)])
-    source = mx.concatenate([row[0], mx.zeros((heads, 1, dim), dtype=row.dtype)], axis=1)  # [heads, n + 1, dim]
-    columns = mx.arange(capacity)[None, :] - mx.array(padding)[:, None]
-    columns = mx.where((columns >= 0) & (columns < n), columns, n)  # outside the row: the zero vector
-    index = (mx.arange(heads)[None, :, None] * (n + 1) + columns[:, None, :]).reshape(-1)
-    return mx.take(source.reshape(heads * (n + 1), dim), index, axis=0).reshape(len(padding), heads, capacity, dim)
+        n = cache.offset
+        row = getattr(cache, name)[..., :n, :]
+        out[start:end, :, pad : pad + n] = row if end - start == 1 else mx.broadcast_to(row, (end - start, heads, n,
+                                                                                                dim))
+    return out

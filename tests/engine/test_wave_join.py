@@ -56,9 +56,10 @@ def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_
     # The system prompt was stored: each agent stores once, when it ends, not also at its prompt boundary.
     assert scheduler.prompt_cache.stats.puts - puts == len(cached)
     delta = {k: after[k] - before[k] for k in after}
-    # One forward for the five tails on one merged copy of the stored prefix (written once, broadcast),
-    # the batch kept for the join, rows stored from views as they leave.
-    assert delta == {"kept": 5, "referenced": 0, "broadcast": 4, "gathered": 0, "extracted": 0, "batch_extends": 0,
+    # One forward for the five tails on one merged copy of the stored prefix (each row placed where its
+    # tail starts: tails of five lengths, five writes), the batch kept for the join, rows stored from
+    # views as they leave.
+    assert delta == {"kept": 5, "referenced": 0, "broadcast": 0, "gathered": 0, "extracted": 0, "batch_extends": 0,
                      "extended_rows": 0}
     assert scheduler._prefilled_together is None  # the kept batch is the running batch's now, not held twice
     for r in cached:
