@@ -104,9 +104,11 @@ def tails_in_place(caches: list[BatchKVCache], layout: TailLayout) -> Iterator[N
     pad = mx.array(layout.chunk_padding)
     keep = (mx.arange(layout.width)[None, :] < pad[:, None])[:, None, :, None]  # [rows, 1, width, 1]
     end = layout.start + layout.width
-    # What the chunk's columns hold, read (and the merge done) before the forward: read inside it, the
-    # buffer its write goes into would have a second reader, and the write would copy it whole.
-    kept = [(c.keys[..., layout.start : end, :], c.values[..., layout.start : end, :]) for c in caches]
+    # What the chunk's columns hold, copied out (and the merge done) before the forward: read inside it,
+    # or kept as views, the buffer its write goes into would have a second reader, and the write would
+    # copy that buffer whole instead of writing in place.
+    kept = [(mx.contiguous(c.keys[..., layout.start : end, :]), mx.contiguous(c.values[..., layout.start : end, :]))
+            for c in caches]
     mx.eval(kept, [(c.keys, c.values) for c in caches])
     for cache, (keys, values) in zip(caches, kept, strict=True):
         cache.update_and_fetch = _keeping(cache, keep, keys, values)  # this instance, this forward only
