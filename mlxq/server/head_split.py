@@ -18,6 +18,7 @@ that renders the date, say), is tokenized whole.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from mlxq.server.system_heads import keep, kept
@@ -59,7 +60,7 @@ def encode(tokenizer, text: str) -> list[int]:
 def find_split(tokenizer, head: str, text: str, ids: list[int]) -> HeadSplit | None:
     """The cut after the last special token ``head`` and ``text`` share, checked against ``text``'s
     tokens ``ids``; None when they share none."""
-    shared = _common_length(head, text)
+    shared = len(os.path.commonprefix([head, text]))  # once per head
     ends = [end for token in special_tokens(tokenizer) for end in _ends(text, token, shared)]
     if not ends:
         return None
@@ -82,15 +83,3 @@ def _ends(text: str, token: str, limit: int) -> list[int]:
         out.append(start + len(token))
         start = text.find(token, start + len(token), limit)
     return out
-
-
-def _common_length(a: str, b: str) -> int:
-    """Characters ``a`` and ``b`` share from the start (halving: whole-string comparisons run in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
