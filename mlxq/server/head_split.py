@@ -18,10 +18,13 @@ that renders the date, say), is tokenized whole.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from mlxq.server.system_heads import keep, kept
+
+log = logging.getLogger("mlxq.server")
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,12 @@ def encode_chat(tokenizer, text: str, system: list, tools, template_kwargs: dict
         return encode(tokenizer, text)
     keep(tokenizer, "split", parts, NO_SPLIT)  # a burst's other first chats tokenize whole meanwhile
     ids = encode(tokenizer, text)
-    head = head_text()
-    found = find_split(tokenizer, head, text, ids) if head else None
+    try:
+        head = head_text()
+        found = find_split(tokenizer, head, text, ids) if head else None
+    except Exception:  # an optimization: a tokenizer it does not understand is tokenized whole
+        log.warning("no head split for this tokenizer", exc_info=True)
+        found = None
     keep(tokenizer, "split", parts, found or NO_SPLIT)
     return ids
 

@@ -78,3 +78,17 @@ def test_the_cut_is_checked_against_the_whole_chats_tokens(load_tiny):
     assert found is not None and found.exact and text.startswith(found.text)
     assert not head_split.find_split(tokenizer, head, text, ids[:-1] + [ids[-1] + 1]).exact  # other tokens: no
     assert head_split.find_split(tokenizer, "no special token here", text, ids) is None
+
+
+def test_a_tokenizer_the_split_does_not_understand_is_tokenized_whole(load_tiny, monkeypatch):
+    _, tokenizer = load_tiny("llama")
+
+    def broken(*args):
+        raise AttributeError("no added tokens here")
+
+    monkeypatch.setattr(head_split, "special_tokens", broken)
+    for question in ("first", "second"):
+        messages = chat(SYSTEM, question)
+        assert tokenize_chat(tokenizer, messages, None, {}) == whole(tokenizer, messages)
+    [(_, split)] = system_heads._splits[tokenizer].values()
+    assert split is head_split.NO_SPLIT
