@@ -138,7 +138,9 @@ class Prefilling:
             if placed is not None:  # every row written where it stays (engine/tail_placement.py)
                 caches, layout = placed
                 tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
-                with adapter_rows(self.model, [j.row.request.adapter for j in group]), tails_in_place(caches, layout):
+                evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
+                with (adapter_rows(self.model, [j.row.request.adapter for j in group]),
+                      tails_in_place(caches, layout, evaluate)):
                     self.model(tokens, cache=caches)
             else:
                 caches = shared.caches if shared is not None else merge_with_room(

@@ -98,9 +98,11 @@ class PlacedRows:
 
 
 @contextmanager
-def tails_in_place(caches: list[BatchKVCache], layout: TailLayout) -> Iterator[None]:
+def tails_in_place(caches: list[BatchKVCache], layout: TailLayout, evaluate=mx.eval) -> Iterator[None]:
     """During one forward of left-padded chunks (``layout.chunk_padding``): each cache's write keeps
-    what the padding columns held (the rows' prefixes), so only real tokens' K/V are written."""
+    what the padding columns held (the rows' prefixes), so only real tokens' K/V are written.
+    ``evaluate(arrays)``: how the merge is evaluated first (the scheduler's, which turns an allocation
+    failure into a MemoryFault)."""
     pad = mx.array(layout.chunk_padding)
     keep = (mx.arange(layout.width)[None, :] < pad[:, None])[:, None, :, None]  # [rows, 1, width, 1]
     end = layout.start + layout.width
@@ -109,7 +111,7 @@ def tails_in_place(caches: list[BatchKVCache], layout: TailLayout) -> Iterator[N
     # copy that buffer whole instead of writing in place.
     kept = [(mx.contiguous(c.keys[..., layout.start : end, :]), mx.contiguous(c.values[..., layout.start : end, :]))
             for c in caches]
-    mx.eval(kept, [(c.keys, c.values) for c in caches])
+    evaluate([kept, [(c.keys, c.values) for c in caches]])
     for cache, (keys, values) in zip(caches, kept, strict=True):
         cache.update_and_fetch = _keeping(cache, keep, keys, values)  # this instance, this forward only
     try:
