@@ -121,11 +121,11 @@ class Prefilling:
     def _advance_together(self, planned: list[tuple[Joiner, int]]) -> None:
         """One planned chunk for each joiner from one forward, then back to solo caches.
 
-        Rows are merged (history right-aligned), the chunks right-padded and the
-        caches told the real lengths (``prepare``/``finalize``, so padding never
-        displaces a ring's tokens or a recurrent state), then each row is extracted,
-        or, after every row's last chunk, the batch is kept for their join
-        (engine/wave_caches.py).
+        Rows on plain full-attention caches are placed where their chunks end
+        together (engine/tail_placement.py); others are merged right-aligned with
+        the chunks right-padded (``_right_padded_forward``). Then each row is
+        extracted, or, after every row's last chunk, the batch is kept for their
+        join (engine/wave_caches.py).
         """
         group, lengths = [j for j, _ in planned], [n for _, n in planned]
         longest = max(lengths)
@@ -137,11 +137,7 @@ class Prefilling:
             placed = None if shared is not None else self._placed(group, lengths, last, sources)
             if placed is not None:  # every row written where it stays (engine/tail_placement.py)
                 caches, layout = placed
-                tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
-                evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
-                with (adapter_rows(self.model, [j.row.request.adapter for j in group]),
-                      tails_in_place(caches, layout, evaluate)):
-                    self.model(tokens, cache=caches)
+                self._placed_forward(group, caches, layout, chunks)
             else:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
@@ -167,6 +163,13 @@ class Prefilling:
             elif rows is not None:
                 joiner.caches = rows[i]
             self._advanced(joiner, n)
+
+    def _placed_forward(self, group: list[Joiner], caches: list, layout, chunks: list) -> None:
+        """The chunks left-padded on caches laid out for them; the padding's K/V never written."""
+        tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
+        evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
+        with adapter_rows(self.model, [j.row.request.adapter for j in group]), tails_in_place(caches, layout, evaluate):
+            self.model(tokens, cache=caches)
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):
         """mlx-lm's way: chunks right-padded, the caches told the real lengths (``prepare``/``finalize``, so
