@@ -135,6 +135,7 @@ async def run(url: str, args, log_path: Path | None) -> None:
         for r in records:
             fields = logged.get(r.id, {})
             r.queue_ms, r.phases_ms = fields.get("queue_ms"), phases_of(fields)
+            r.parse_ms, r.server_ttft_ms = fields.get("parse_ms"), fields.get("ttft_ms")
         mark_outliers(records, samples, args.outlier_factor, args.outlier_min_ms, args.batch, args.prompt_concurrency)
         async with httpx.AsyncClient(timeout=30) as client:
             stats = await read_stats(client, url)
@@ -142,6 +143,8 @@ async def run(url: str, args, log_path: Path | None) -> None:
         waves.append(summary)
         all_records += records
         print(f"wave {wave}: {json.dumps(summary)}", flush=True)
+        print(f"  outside the engine (ms p50/p95): {phase_line({k: summary[k] for k in ('parse_ms', 'http_ms')})}; "
+              f"queue {phase_line({'': summary['queue_ms']})}", flush=True)
         print(f"  admission -> token 0 by phase (ms p50/p95): {phase_line(summary['ttft_phases_ms'])}", flush=True)
         for r in sorted(records, key=lambda r: r.sent_s):
             if r.outlier:
@@ -150,7 +153,7 @@ async def run(url: str, args, log_path: Path | None) -> None:
 
 
 def phase_line(phases: dict) -> str:
-    return ", ".join(f"{name} {v['p50']:.0f}/{v['p95']:.0f}" for name, v in phases.items()) or "not logged"
+    return ", ".join(f"{name} {v['p50']:.0f}/{v['p95']:.0f}".strip() for name, v in phases.items() if v) or "not logged"
 
 
 def write_results(args, waves: list[dict], records: list[Record]) -> None:

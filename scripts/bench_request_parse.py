@@ -1,7 +1,8 @@
 """What parsing an agent's chat request costs the server (before it reaches the engine), with and without
-the system heads kept (server/system_heads.py), side by side.
+the system heads kept (server/system_heads.py; with them, where chats are cut for tokenizing:
+server/head_split.py), side by side.
 
-    python scripts/bench_request_parse.py --model DIR --system-words 1300 --requests 64 --rounds 3
+    python scripts/bench_request_parse.py --model DIR --system-words 1300 --requests 64 --rounds 3 [--threads 40]
 
 Each round parses ``--requests`` chat bodies (one shared system prompt, each its own 40-word question)
 with ``protocol.parse_generation`` twice: once clearing the kept heads before every request (each
@@ -11,9 +12,11 @@ renders its system messages again, as before), once keeping them; prints ms per 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from mlxq.bench.datasets import _text, corpus_words
 from mlxq.models.loader import load_model
@@ -22,13 +25,35 @@ from mlxq.server.protocol import parse_generation
 
 
 def per_request_ms(bodies: list[dict], lm, keep: bool) -> float:
-    system_heads._heads.clear()
+    forget()
     start = time.perf_counter()
     for body in bodies:
         if not keep:
-            system_heads._heads.clear()
+            forget()
         parse_generation(body, "chat", lm)
     return round(1000 * (time.perf_counter() - start) / len(bodies), 2)
+
+
+def burst_ms(bodies: list[dict], lm, threads: int) -> dict:
+    """Every body parsed at once in ``threads`` worker threads (as the server's thread pool takes a burst),
+    heads kept: the burst's wall time and its slowest parse, ms."""
+    done = []
+
+    def parse(body: dict) -> None:
+        start = time.perf_counter()
+        parse_generation(body, "chat", lm)
+        done.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(parse, bodies))
+    return {"burst_wall_ms": round(1000 * (time.perf_counter() - start), 1), "slowest_ms": round(1000 * max(done), 1)}
+
+
+def forget() -> None:
+    """Nothing kept: the system head rendered and the whole chat tokenized again (server/head_split.py)."""
+    system_heads._heads.clear()
+    getattr(system_heads, "_splits", {}).clear()
 
 
 def main() -> None:
@@ -37,6 +62,7 @@ def main() -> None:
     ap.add_argument("--system-words", type=int, default=1300)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="also parse a round's bodies at once in this many threads")
     args = ap.parse_args()
     lm = load_model(args.model)
     words, rng = corpus_words(), random.Random(0)
@@ -45,10 +71,12 @@ def main() -> None:
                                                             {"role": "user", "content": _text(rng, words, 40)}]}
               for _ in range(args.requests)]
     parse_generation(bodies[0], "chat", lm)  # first-use costs
+    gc.freeze()  # as the server does once its model is loaded (server/run.py)
     for round_no in range(args.rounds):
         fresh, kept = per_request_ms(bodies, lm, keep=False), per_request_ms(bodies, lm, keep=True)
+        burst = burst_ms(bodies, lm, args.threads) if args.threads else {}
         print(json.dumps({"round": round_no, "rendered_each_time_ms": fresh, "heads_kept_ms": kept,
-                          "ratio": round(kept / fresh, 3)}), flush=True)
+                          "ratio": round(kept / fresh, 3)} | burst), flush=True)
 
 
 if __name__ == "__main__":

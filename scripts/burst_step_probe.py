@@ -116,8 +116,9 @@ def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int
     with ExitStack() as stack:
         if fences is not None:
             stack.enter_context(mock.patch.object(sched, "model", FencedModel(sched.model, fences)))
-            for module, name in ((prefill, "merge_with_room"), (prefill, "finalize_chunks"), (prefill, "view_rows"),
-                                 (prefill, "extract_row"), (joining, "merge_solo_rows"),
+            for module, name in ((prefill, "merge_with_room"), (prefill, "merge_for_tails"),
+                                 (prefill, "finalize_chunks"), (prefill, "view_rows"), (prefill, "extract_row"),
+                                 (joining, "merge_solo_rows"),
                                  (running_batch, "extend_batch"), (running_batch, "_grouped_caches"),
                                  (running_batch, "share_groups"), (shared_tails, "share_groups"),
                                  (shared_tails, "prefix_from_spans")):

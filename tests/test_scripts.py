@@ -204,7 +204,10 @@ def test_agents_burst_times_every_request_and_names_each_outliers_cause(small_mo
         assert len(wave["outliers"]) == 3 and all(o["cause"] for o in wave["outliers"])
     assert summary["waves"][1]["cached_share"] > 0.5  # the second wave found the system prompt cached
     records = json.loads((tmp_path / "requests.json").read_text())
-    assert len(records) == 6 and all(r["queue_ms"] is not None for r in records)
+    assert len(records) == 6 and all(r["queue_ms"] is not None and r["parse_ms"] > 0 for r in records)
+    # The client's first-token time outside the engine: the server's parse, and the HTTP rest (never below 0).
+    outside = summary["overall"]["cached_outside_engine"]
+    assert outside["parse_ms"]["p50"] > 0 and outside["http_ms"]["p50"] >= 0
     assert all(r["phases_ms"]["join"] >= 0 and "lease" in r["phases_ms"] for r in records)  # the request log's
     for phase in ("lease", "join"):
         assert summary["waves"][1]["ttft_phases_ms"][phase]["p95"] >= 0

@@ -45,6 +45,8 @@ class Record:
     completion_tokens: int
     queue_ms: float | None = None  # the server's: submit -> engine pickup (from its request log)
     phases_ms: dict[str, float] | None = None  # the server's: pickup -> token 0 by phase (engine/ttft_phases.py)
+    parse_ms: float | None = None  # the server's: request received -> submitted (read, render, tokenize)
+    server_ttft_ms: float | None = None  # the server's: submitted -> token 0
     outlier: str | None = None  # the cause, for an outlier
 
 
@@ -123,12 +125,21 @@ def wave_summary(records: list[Record], samples: list[Sample], wall: float, stat
             "prefill_iterations": ((stats.get("batch") or {}).get("phase_timing") or {}).get("prefill_iterations"),
             "max_pending": max((s.pending for s in samples), default=0),
             "queue_ms": spread([r.queue_ms for r in records if r.queue_ms is not None]),
+            **outside_engine(records),
             "ttft_phases_ms": phase_spread(records),
             "outliers": [{"id": r.id, "ttft_ms": round(r.ttft_ms), "cause": r.outlier} for r in records if r.outlier]}
 
 
 def spread(values: list[float]) -> dict[str, float] | None:
     return {"p50": round(pct(values, 0.5), 1), "p95": round(pct(values, 0.95), 1)} if values else None
+
+
+def outside_engine(records: list[Record]) -> dict:
+    """The client's first-token time outside the engine: ``parse_ms`` (received -> submitted, the server's)
+    and ``http_ms`` (the rest: sending, reading the SSE chunk, the client's own work), p50 / p95."""
+    timed = [r for r in records if r.parse_ms is not None and r.server_ttft_ms is not None]
+    return {"parse_ms": spread([r.parse_ms for r in timed]),
+            "http_ms": spread([r.ttft_ms - r.parse_ms - r.server_ttft_ms for r in timed])}
 
 
 def phase_spread(records: list[Record]) -> dict[str, dict[str, float]]:
@@ -148,6 +159,7 @@ def overall_summary(records: list[Record], waves: list[dict], cold_waves: int) -
             if cached else None,
             "cached_out_tok_s": [w["out_tok_s"] for w in waves[cold_waves:]],
             "cached_queue_ms": spread([r.queue_ms for r in records if r.wave >= cold_waves and r.queue_ms is not None]),
+            "cached_outside_engine": outside_engine([r for r in records if r.wave >= cold_waves]),
             "cached_ttft_phases_ms": phase_spread([r for r in records if r.wave >= cold_waves]),
             "ram_entries_before_eviction": max(held, default=None),
             "ram_entries_last": waves[-1]["ram_tier"]["entries"] if waves else None,

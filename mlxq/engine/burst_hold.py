@@ -44,3 +44,11 @@ def hold_for_burst(joiners: Sequence[JoinerView], admissions: Sequence[float], n
     previous, last = admissions[-2], admissions[-1]
     first = min(j.admitted_at for j in joiners)
     return now - last < hold.gap_s and last - previous < hold.gap_s and now - first < hold.window_s
+
+
+def hold_left(joiners: Sequence[JoinerView], admissions: Sequence[float], now: float, hold: BurstHold) -> float:
+    """Seconds until ``hold_for_burst`` (holding now) stops holding unless another request arrives: the
+    newest admission's ``gap_s`` or the oldest joiner's ``window_s`` runs out, whichever comes first.
+    The engine thread waits that long for a submission instead of polling (engine/engine.py)."""
+    first = min(j.admitted_at for j in joiners)
+    return max(0.0, min(admissions[-1] + hold.gap_s, first + hold.window_s) - now)

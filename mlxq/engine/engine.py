@@ -366,6 +366,7 @@ class Engine:
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
                 grammar_timing=self.grammar_timing, sharing=self._sharing_policy(), checkpoints=self.checkpoints,
             )
+            self.scheduler.await_arrival = self._await_arrival
 
     def _burst_hold(self):
         """A burst of agents' tails waits for the rest of it on a GPU (one forward for the wave);
@@ -566,6 +567,14 @@ class Engine:
             else:
                 self._admit_to_fifo(work)
         return True
+
+    def _await_arrival(self, timeout: float) -> None:
+        """Until something is submitted or ``timeout`` seconds pass (a held burst's end): the engine
+        thread sleeps on its inbox instead of planning the held step again every millisecond, so the
+        server threads parsing the rest of the burst have the GIL, and an arrival is admitted at once."""
+        with self._inbox.not_empty:
+            if not self._inbox.queue:
+                self._inbox.not_empty.wait(timeout)
 
     def _take_flush(self, flush: _Flush) -> None:
         if self.scheduler is not None:

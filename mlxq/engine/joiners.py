@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 @dataclass(eq=False)
 class Joiner:
     row: Row
-    caches: list
+    _caches: list  # its solo caches (read them as ``caches``)
     done: int = 0  # prompt tokens already prefilled
     leader: Joiner | None = None  # prefilling the prefix this joiner shares: wait for it, then take
     wait_until: int = 0  # the leader's ``done`` at which the shared prefix is in the prompt cache
@@ -38,10 +38,30 @@ class Joiner:
     admitted_at: float = field(default_factory=time.monotonic)  # when the scheduler took it in
     # (id of the caches list, is_trimmable): the planner asks per joiner per admission and step
     _trimmable: tuple[int, bool] | None = field(default=None, repr=False)
+    # (rows, index): its caches are that row of a kept plain full-attention batch, built when first read
+    _row_of: tuple | None = field(default=None, repr=False)
+
+    @property
+    def caches(self) -> list:
+        if self._row_of is not None:
+            rows, index = self._row_of
+            self._caches, self._row_of = rows.row(index), None
+        return self._caches
+
+    @caches.setter
+    def caches(self, caches: list) -> None:
+        self._caches, self._row_of = caches, None
+
+    def read_row(self, rows, index: int) -> None:
+        """Its caches become row ``index`` of ``rows`` (tail_placement.PlacedRows), built only if read: a
+        burst whose rows join in the batch they prefilled in never builds them."""
+        self._row_of = (rows, index)
 
     @property
     def trimmable(self) -> bool:
         """Every layer of its caches full attention (``is_trimmable``), computed once per caches list."""
+        if self._row_of is not None:
+            return True  # a row of a plain full-attention batch (the only ones kept as rows)
         if self._trimmable is None or self._trimmable[0] != id(self.caches):
             self._trimmable = (id(self.caches), is_trimmable(self.caches))
         return self._trimmable[1]

@@ -58,7 +58,8 @@ class Joining:
         pending = Pending.prompt_ends([j.prompt for j in joining])
         if self._join_group([j.row for j in joining], lambda: [j.caches for j in joining], pending):
             return
-        if not self.batch and self._start_grouped([j.row for j in joining], [j.caches for j in joining], pending):
+        if not self.batch and self._start_grouped([j.row for j in joining], lambda: [j.caches for j in joining],
+                                                  pending):
             return
         try:
             caches, batched = self._joining_caches(joining)
@@ -152,9 +153,10 @@ class Joining:
         self.sharing_stats.rows_joined += sum(g >= 0 for g in into)
         return True
 
-    def _start_grouped(self, rows: list[Row], solo: list[list], pending: Pending) -> bool:
-        """Into an empty batch, rows on a leased prefix are grouped straight from their solo caches:
-        a burst of agents never holds a merged copy of every row's prefix (``RunningBatch.start_grouped``)."""
+    def _start_grouped(self, rows: list[Row], solo, pending: Pending) -> bool:
+        """Into an empty batch, rows on a leased prefix are grouped straight from their solo caches
+        (``solo()``): a burst of agents never holds a merged copy of every row's prefix
+        (``RunningBatch.start_grouped``)."""
         policy = self.sharing
         if policy is None or policy.mode == "off" or len(rows) < 2:
             return False
@@ -162,7 +164,7 @@ class Joining:
         if not groups:
             return False
         try:
-            self.batch.start_grouped(rows, solo, groups, policy.plan, pending)
+            self.batch.start_grouped(rows, solo(), groups, policy.plan, pending)
         except Exception:  # nothing changed yet: the usual join, then the usual grouping
             log.warning("shared-prefix groups of %d joiners not built", len(rows), exc_info=True)
             return False

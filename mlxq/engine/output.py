@@ -98,6 +98,7 @@ class RequestOutput:
             inter_token_s=tuple(self._gaps),
             checkpoint_tokens=self.checkpoint_tokens,
             ttft_phases_ms=self.phases.durations_ms(first),
+            parse_s=None if self.request.received_at is None else submitted - self.request.received_at,
         )
 
     def _logprobs(self, token: int, logprobs) -> tuple[float | None, tuple[TopLogprob, ...]]:

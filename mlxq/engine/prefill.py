@@ -20,8 +20,9 @@ from mlx_lm.models.cache import BatchKVCache
 from mlxq.engine.faults import MemoryFault
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
-from mlxq.engine.shared_tails import SharedTails, evaluable
+from mlxq.engine.shared_tails import evaluable
 from mlxq.engine.step_plan import PrefillPlan
+from mlxq.engine.tail_placement import PlacedRows, broadcast_rows, can_place, merge_for_tails, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
@@ -120,11 +121,11 @@ class Prefilling:
     def _advance_together(self, planned: list[tuple[Joiner, int]]) -> None:
         """One planned chunk for each joiner from one forward, then back to solo caches.
 
-        Rows are merged (history right-aligned), the chunks right-padded and the
-        caches told the real lengths (``prepare``/``finalize``, so padding never
-        displaces a ring's tokens or a recurrent state), then each row is extracted,
-        or, after every row's last chunk, the batch is kept for their join
-        (engine/wave_caches.py).
+        Rows on plain full-attention caches are placed where their chunks end
+        together (engine/tail_placement.py); others are merged right-aligned with
+        the chunks right-padded (``_right_padded_forward``). Then each row is
+        extracted, or, after every row's last chunk, the batch is kept for their
+        join (engine/wave_caches.py).
         """
         group, lengths = [j for j, _ in planned], [n for _, n in planned]
         longest = max(lengths)
@@ -132,41 +133,67 @@ class Prefilling:
         last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
         with mx.stream(generation_stream):
             sources = self._lease_sources(group)
-            caches, shared = self._forward_caches(group, longest, last, sources)
-            padding = [longest - n for n in lengths]
-            if any(padding):
-                for cache in caches:
-                    cache.prepare(lengths=lengths, right_padding=padding)
-            tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
-            with adapter_rows(self.model, [j.row.request.adapter for j in group]), self._routed(shared):
-                self.model(tokens, cache=caches)
-            if any(padding):
-                for cache in caches:
-                    finalize_chunks(cache, padding)
+            shared = self._shared_tails(group) if last else None
+            placed = None if shared is not None else self._placed(group, lengths, last, sources)
+            if placed is not None:  # every row written where it stays (engine/tail_placement.py)
+                caches, layout = placed
+                self._placed_forward(group, caches, layout, chunks)
+            else:
+                caches = shared.caches if shared is not None else merge_with_room(
+                    [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
+                self._right_padded_forward(group, caches, shared, chunks, lengths)
             self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
-            # Joining next: the rows stay in this batch, the joiners read views into it (no copy); on a
-            # shared prefix their own caches (the prefix) are read no more: they join with this batch.
-            rows = (None if shared else view_rows(caches, len(group)) if last
+            # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
+            # rows build theirs only if read); on a shared prefix their own caches (the prefix) are read
+            # no more: they join with this batch.
+            kept = PlacedRows(caches, layout) if last and placed is not None else None
+            rows = (None if shared or kept else view_rows(caches, len(group)) if last
                     else [extract_row(caches, i) for i in range(len(group))])
         if last:
             self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
         else:
             self.batch.copies.extracted += len(group)
-        if not shared:
+        if placed is not None:
+            self.batch.copies.broadcast += broadcast_rows(sources, placed[1])
+        elif not shared:
             self.batch.copies.broadcast += same_as_previous(sources)
         for i, (joiner, n) in enumerate(zip(group, lengths, strict=True)):  # only once everything succeeded
-            joiner.caches = joiner.caches if rows is None else rows[i]
+            if kept is not None:
+                joiner.read_row(kept, i)
+            elif rows is not None:
+                joiner.caches = rows[i]
             self._advanced(joiner, n)
 
-    def _forward_caches(self, group: list[Joiner], longest: int, last: bool,
-                        sources: list) -> tuple[list, SharedTails | None]:
-        """(caches for the joiners' forward, SharedTails or None): their last chunks on one leased
-        prefix read it by reference (engine/shared_tails.py); else their caches merged, with room for
-        this chunk and for the decode steps after it when the rows join as they are."""
-        shared = self._shared_tails(group) if last else None
-        if shared is not None:
-            return shared.caches, shared
-        return merge_with_room([j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources), None
+    def _placed_forward(self, group: list[Joiner], caches: list, layout, chunks: list) -> None:
+        """The chunks left-padded on caches laid out for them; the padding's K/V never written."""
+        tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
+        evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
+        with adapter_rows(self.model, [j.row.request.adapter for j in group]), tails_in_place(caches, layout, evaluate):
+            self.model(tokens, cache=caches)
+
+    def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):
+        """mlx-lm's way: chunks right-padded, the caches told the real lengths (``prepare``/``finalize``, so
+        padding never displaces a ring's tokens or a recurrent state), then every row moved by its padding."""
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        if any(padding):
+            for cache in caches:
+                cache.prepare(lengths=lengths, right_padding=padding)
+        tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
+        with adapter_rows(self.model, [j.row.request.adapter for j in group]), self._routed(shared):
+            self.model(tokens, cache=caches)
+        if any(padding):
+            for cache in caches:
+                finalize_chunks(cache, padding)
+
+    def _placed(self, group: list[Joiner], lengths: list[int], last: bool, sources: list):
+        """(caches, layout) with each row placed for its tail (engine/tail_placement.py), or None where
+        the placement does not apply (a layer that is not plain full attention: a ring, a recurrent
+        state, quantized KV)."""
+        rows = [j.caches for j in group]
+        if not can_place(rows):
+            return None
+        return merge_for_tails(rows, lengths, BatchKVCache.step if last else 0, sources)
 
     def _lease_sources(self, group: list[Joiner]) -> list:
         """Per joiner, (its lease's node, tokens) while it holds exactly what its lease lent (nothing of

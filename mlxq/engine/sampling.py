@@ -6,6 +6,8 @@ seeded request here draw the same tokens as mlx_lm.server for the same seed.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -20,8 +22,15 @@ def make_request_sampler(params: SamplingParams, tokenizer):
         min_p=params.min_p,
         xtc_probability=params.xtc_probability,
         xtc_threshold=params.xtc_threshold,
-        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+        xtc_special_tokens=list(_xtc_special_tokens(tokenizer)),
     )
+
+
+@lru_cache(maxsize=8)
+def _xtc_special_tokens(tokenizer) -> tuple[int, ...]:
+    """What mlx_lm.server passes XTC (newline and EOS ids), once per tokenizer: tokenizing on every
+    admission cost the engine thread a tokenizer call per request of a burst."""
+    return tuple(tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
 
 
 def make_request_processors(params: SamplingParams) -> list:

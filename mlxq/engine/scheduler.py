@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from mlxq.engine.burst_hold import BurstHold, hold_for_burst
+from mlxq.engine.burst_hold import BurstHold, hold_for_burst, hold_left
 from mlxq.engine.checkpoint_rows import RowCheckpoints
 from mlxq.engine.checkpointing import Checkpointing
 from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
@@ -132,6 +132,9 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         self._preempted: list[Row] = []  # rows whose KV was dropped, oldest first: readmitted before new work
         self._times_preempted: dict[str, int] = {}  # request id -> requeues so far
         self.clock = time.monotonic  # what joiners' admission times are compared with (burst holds)
+        # While a burst is held and nothing decodes: wait up to the given seconds for an arrival (the
+        # engine waits on its inbox; alone, a short sleep and the caller steps again).
+        self.await_arrival: Callable[[float], None] = lambda left: time.sleep(min(left, BURST_POLL_S))
         self._admissions: tuple[float, ...] = ()  # the last two admission times (engine/intake.py)
 
     # --- state the engine reads -------------------------------------------------
@@ -171,7 +174,9 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
     def _load(self, views: list[JoinerView] | None = None) -> Load:
         """``views``: the joiners' views when the caller already built them this step."""
         running = [Extent(len(r.request.prompt_ids), r.request.max_tokens) for r in self.batch.rows]
-        views = self.joiners.views(self._chunk_len) if views is None else views
+        # The load reads extents and own tokens, not next chunks: admitting a burst asks this once per
+        # arrival over every joiner, so the chunk lengths (snapshot points, cache kinds) are not worked out.
+        views = self.joiners.views(lambda joiner: 0) if views is None else views
         return load_of(running, views, len(self._preempted))
 
     def _kv_load(self, extent: Extent | None = None, held: tuple | None = None) -> tuple[Load, Extent | None]:
@@ -231,9 +236,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         if not self.joiners:
             return
         views = self.joiners.views(self._chunk_len)  # the intake may have dropped or released joiners
-        if hold_for_burst(views, self._admissions, self.clock(), self.config.burst):
-            if not self.batch:
-                time.sleep(BURST_POLL_S)  # releases the GIL to the server threads parsing the rest
+        now = self.clock()
+        if hold_for_burst(views, self._admissions, now, self.config.burst):
+            if not self.batch:  # nothing decodes meanwhile: leave the GIL to the server threads parsing the rest
+                self.await_arrival(hold_left(views, self._admissions, now, self.config.burst))
             return
         self.timing.interrupt()  # prefill work sits between these decode steps
         self._prefilled_together = None  # set by this step's forward when it ends its joiners' prompts

@@ -71,6 +71,7 @@ class Request:
     grammar: GrammarSpec | None = None  # structured output: tokens outside it are never drawn
     num_choices: int = 1  # the client's n: this request is one of n choices (n > 1 is not checkpointed)
     submitted_at: float = field(default_factory=time.monotonic)
+    received_at: float | None = None  # when the server began reading it (time.monotonic): parse = submitted - this
     # Set from any thread; the engine checks it between steps and stops the row.
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -100,6 +101,7 @@ class Usage:
     inter_token_s: tuple[float, ...] = ()  # gaps between successive tokens, at the engine
     checkpoint_tokens: int = 0  # completion tokens restored from a generation checkpoint, not generated again
     ttft_phases_ms: dict[str, float] | None = None  # batch lane: admission -> token 0 in phases (engine/ttft_phases.py)
+    parse_s: float | None = None  # received -> submitted: body read, parsed, rendered, tokenized (server requests)
 
     @property
     def prefill_s(self) -> float:

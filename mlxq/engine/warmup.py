@@ -10,7 +10,8 @@ not to whichever users arrive first.
 The warm-up runs on the engine thread before the server reports ready, on
 synthetic prompts, with a scheduler of its own and no prompt cache: nothing
 is stored, nothing is counted. It covers: joiners of different lengths
-prefilled in one padded forward, a merge into a batch, batched decode (greedy
+prefilled in one padded forward, tails of different lengths on caches
+they hold (engine/tail_placement.py), a merge into a batch, batched decode (greedy
 and seeded sampling), a joiner extending a running batch, evictions at
 different times, and the return to a lone row's caches; with ``--batch 1``
 the serial lane instead. Where rows may share a prefix
@@ -66,6 +67,23 @@ def warm_up(model, tokenizer, scheme, prefill_step_size: int, scheduler=None) ->
         if sched.is_idle:
             break
         sched.step()
+    _warm_placed_tails(model, tokenizer, scheme, scheduler, config)
     if shares(scheduler):
         warm_shared(model, tokenizer, scheduler, _prompt(tokenizer, PREFIX_TOKENS + 8))
     return time.perf_counter() - start
+
+
+def _warm_placed_tails(model, tokenizer, scheme, scheduler, config) -> None:
+    """Joiners continuing prefixes they hold, with chunks of different lengths in one forward: the
+    placement of a cached burst's tails (engine/tail_placement.py; 16-token chunks: 16 + 16, then
+    16 + 11 on the first chunks' caches)."""
+    from mlxq.engine.scheduler import BatchScheduler
+
+    ignore = lambda event: None  # noqa: E731
+    sched = BatchScheduler(model, tokenizer, scheduler.footprint, replace(config, prefill_step_size=16), scheme=scheme)
+    sched.add(Request("warmup-3", _prompt(tokenizer, 40), SamplingParams(), 2, ignore_eos=True), ignore)
+    sched.add(Request("warmup-4", _prompt(tokenizer, 28), SamplingParams(), 2, ignore_eos=True), ignore)
+    for _ in range(16):
+        if sched.is_idle:
+            break
+        sched.step()

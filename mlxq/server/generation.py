@@ -7,6 +7,7 @@ run it; the renderer it picks decides what the client sees.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import replace
 
@@ -26,10 +27,17 @@ from mlxq.server.protocol import GenerationSpec
 from mlxq.server.state import ServerState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_RECEIVED = "mlxq.received_at"  # the scope key: when the route began reading the request (time.monotonic)
+
+
+def mark_received(http: HTTPRequest) -> None:
+    """Stamp the request's arrival: its engine request logs ``parse_ms`` from here to its submission."""
+    http.scope.setdefault(_RECEIVED, time.monotonic())
 
 
 async def read_and_parse(http: HTTPRequest, parse) -> tuple[ServerState, dict, object]:
     """(state, the JSON body, ``parse(body, model, token limits, defaults)`` run off the event loop)."""
+    mark_received(http)
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     body = await read_json(http, state.config.max_request_bytes)
@@ -49,9 +57,10 @@ def check_limits(spec: GenerationSpec, config) -> None:
                        code="max_tokens_too_large")
 
 
-def admit(state: ServerState, spec: GenerationSpec, prefix: str) -> list[Request]:
+def admit(state: ServerState, spec: GenerationSpec, prefix: str, http: HTTPRequest | None = None) -> list[Request]:
     """The spec's engine requests (one per choice), once the server's limits and KV budget allow it.
-    Under --max-tokens-policy clamp, a max_tokens the KV budget cannot hold is lowered to what it can."""
+    Under --max-tokens-policy clamp, a max_tokens the KV budget cannot hold is lowered to what it can.
+    ``http``: the request they came in (its arrival, ``mark_received``, times their parse)."""
     check_limits(spec, state.config)
     adapter = resolve_model(state, spec.model)
     try:
@@ -61,7 +70,8 @@ def admit(state: ServerState, spec: GenerationSpec, prefix: str) -> list[Request
         if fits < 1:
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
         spec = replace(spec, max_tokens=fits)
-    return [_new_request(spec, prefix, adapter, i) for i in range(spec.n)]
+    received = None if http is None else http.scope.get(_RECEIVED)
+    return [_new_request(spec, prefix, adapter, received, i) for i in range(spec.n)]
 
 
 def _kv_room(state: ServerState, num_prompt: int) -> int:
@@ -69,7 +79,8 @@ def _kv_room(state: ServerState, num_prompt: int) -> int:
     return max_tokens_within(engine.footprint, engine.kv_budget_bytes, num_prompt)
 
 
-def _new_request(spec: GenerationSpec, prefix: str, adapter: AdapterInfo | None, index: int = 0) -> Request:
+def _new_request(spec: GenerationSpec, prefix: str, adapter: AdapterInfo | None, received: float | None,
+                 index: int = 0) -> Request:
     return Request(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_ids=spec.prompt_ids,
@@ -85,6 +96,7 @@ def _new_request(spec: GenerationSpec, prefix: str, adapter: AdapterInfo | None,
         num_choices=spec.n,
         adapter=adapter.name if adapter else "",
         namespace=adapter.identity if adapter else "",  # a prompt cached under one adapter serves no other
+        received_at=received,
     )
 
 

@@ -16,7 +16,7 @@ from mlxq.server.state import ServerState
 
 async def create_message(http: HTTPRequest):
     state, body, spec = await read_and_parse(http, parse_messages)
-    [request] = admit(state, spec, "msg")
+    [request] = admit(state, spec, "msg", http)
     acc = Accumulator(state.loaded.tokenizer, spec.tools)
     message_id = new_message_id()
     model = spec.model if isinstance(body.get("model"), str) else state.model_name

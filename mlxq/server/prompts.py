@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from mlxq.server.errors import APIError, invalid
+from mlxq.server.head_split import encode, encode_chat
 from mlxq.server.system_heads import system_head
 from mlxq.server.token_bound import token_lower_bound
 
@@ -70,7 +71,30 @@ def tokenize_chat(tokenizer, messages, tools, template_kwargs: dict, context_len
         raise invalid("this model has no chat template: use /v1/completions", "messages")
     text = render_chat(tokenizer, messages, tools, template_kwargs, add_generation_prompt=True)
     refuse_if_it_cannot_fit(tokenizer, text, context_length, "messages")
-    return list(tokenizer.encode(text, add_special_tokens=False))  # what apply_chat_template(tokenize=True) does
+    leading = _leading_system(messages)
+    if leading == 0 or leading == len(messages):
+        return encode(tokenizer, text)
+    # Agents resend one system prompt: its part of the text is tokenized once (server/head_split.py).
+    return encode_chat(tokenizer, text, messages[:leading], tools, template_kwargs,
+                       lambda: _head_text(tokenizer, messages[:leading], tools, template_kwargs))
+
+
+def _leading_system(messages: list) -> int:
+    """How many messages lead with the system (or developer) role."""
+    leading = 0
+    while leading < len(messages) and messages[leading].get("role") in ("system", "developer"):
+        leading += 1
+    return leading
+
+
+def _head_text(tokenizer, system: list, tools, template_kwargs: dict) -> str | None:
+    """The system messages rendered before an empty user turn: where agents' chats part (None when the
+    template insists on more)."""
+    try:
+        return render_chat(tokenizer, system + [{"role": "user", "content": ""}], tools, template_kwargs,
+                           add_generation_prompt=False)
+    except APIError:
+        return None
 
 
 def render_chat(tokenizer, messages, tools, template_kwargs: dict, *, add_generation_prompt: bool) -> str:
@@ -122,19 +146,13 @@ def tokenize_completion(tokenizer, prompt, context_length: int | None = None) ->
 def system_prefix_length(tokenizer, messages, tools, template_kwargs: dict, prompt_ids: list[int]) -> int | None:
     """Tokens of ``prompt_ids`` that render the leading system message(s): a boundary many
     agents share, worth its own prompt-cache snapshot. None when there is no system prefix."""
-    leading = 0
-    while leading < len(messages) and messages[leading].get("role") in ("system", "developer"):
-        leading += 1
+    leading = _leading_system(messages)
     if leading == 0 or leading == len(messages):
         return None
 
     def render_head() -> list[int] | None:
-        try:
-            text = render_chat(tokenizer, messages[:leading] + [{"role": "user", "content": ""}], tools,
-                               template_kwargs, add_generation_prompt=False)
-        except APIError:  # the template insists on more context: no boundary, no harm
-            return None
-        return tokenizer.encode(text, add_special_tokens=False)
+        text = _head_text(tokenizer, messages[:leading], tools, template_kwargs)
+        return None if text is None else tokenizer.encode(text, add_special_tokens=False)
 
     head = system_head(tokenizer, messages[:leading], tools, template_kwargs, render_head)
     if head is None:

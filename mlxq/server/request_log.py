@@ -60,6 +60,7 @@ class RequestLogger:
             "prompt_tokens": len(done.request.prompt_ids),
             "cached_tokens": usage.cached_tokens if usage else 0,
             "generated_tokens": usage.completion_tokens if usage else 0,
+            "parse_ms": round(usage.parse_s * 1000, 1) if usage and usage.parse_s is not None else None,
             "queue_ms": round(usage.queue_s * 1000, 1) if usage else None,  # submit -> the engine picked it up
             "ttft_ms": round(usage.ttft_s * 1000, 1) if usage else None,
             "decode_tok_s": round(usage.decode_tok_s, 1) if usage else None,

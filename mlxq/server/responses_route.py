@@ -14,7 +14,7 @@ from mlxq.server.responses_request import parse_responses
 async def create_response(http: HTTPRequest):
     state, body, parsed = await read_and_parse(http, parse_responses)
     spec = parsed.spec
-    [request] = admit(state, spec, "resp")
+    [request] = admit(state, spec, "resp", http)
     acc = Accumulator(state.loaded.tokenizer, spec.tools)
     model = body["model"] if isinstance(body.get("model"), str) else state.model_name
     renderer = ResponseRenderer(acc, parsed, model)

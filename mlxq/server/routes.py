@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from mlxq.engine.types import FinishReason, Request
 from mlxq.server.errors import APIError
-from mlxq.server.generation import admit, choice_batches, collect_all, sse_response
+from mlxq.server.generation import admit, choice_batches, collect_all, mark_received, sse_response
 from mlxq.server.model_routing import model_cards
 from mlxq.server.offload import parse_request
 from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk, sse_line
@@ -27,11 +27,12 @@ async def completions(http: HTTPRequest):
 
 
 async def _generate(http: HTTPRequest, kind):
+    mark_received(http)
     state: ServerState = http.app.state.mlxq
     state.require_ready()
     spec = await parse_request(http, state.config.max_request_bytes, parse_generation, kind, state.loaded,
                                limits=state.config.token_limits, defaults=state.config.request_defaults)
-    requests = admit(state, spec, "chatcmpl" if kind == "chat" else "cmpl")
+    requests = admit(state, spec, "chatcmpl" if kind == "chat" else "cmpl", http)
     response_id = requests[0].request_id
     model = requests[0].adapter or state.model_name
     builders = [ChoiceBuilder(spec, state.loaded.tokenizer, response_id, model, index=i)

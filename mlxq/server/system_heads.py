@@ -11,6 +11,8 @@ system messages, tools and template arguments. An entry lives
 ``MAX_AGE_S`` (templates may render the date) and at most ``KEPT`` are
 kept (least recently used out). A stale or colliding entry can only move
 the snapshot point: the caller keeps the common prefix with the prompt.
+Where chats on a head are cut for tokenizing (server/head_split.py) is
+kept alike, apart.
 """
 
 from __future__ import annotations
@@ -27,28 +29,61 @@ MAX_AGE_S = 60.0
 
 _lock = threading.Lock()
 _heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> OrderedDict(key -> (time, ids))
+_splits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same for head_split.HeadSplit
+_STORES = {"head": _heads, "split": _splits}
 
 
 def system_head(tokenizer, system: list, tools, template_kwargs: dict,
                 compute: Callable[[], list[int] | None]) -> list[int] | None:
     """``compute()`` (the system messages' token ids, or None), or what it gave for the same
     arguments less than ``MAX_AGE_S`` ago."""
-    try:
-        key = json.dumps([system, tools, template_kwargs], sort_keys=True, default=str)
-        with _lock:
-            entries = _heads.setdefault(tokenizer, OrderedDict())
-    except TypeError:  # a tokenizer that takes no weak reference: nothing is kept
-        return compute()
-    now = time.monotonic()
-    with _lock:
-        found = entries.get(key)
-        if found is not None and now - found[0] < MAX_AGE_S:
-            entries.move_to_end(key)
-            return found[1]
+    parts = [system, tools, template_kwargs]
+    found = kept(tokenizer, "head", parts, _MISSING)
+    if found is not _MISSING:
+        return found
     ids = compute()
+    keep(tokenizer, "head", parts, ids)
+    return ids
+
+
+_MISSING = object()
+
+
+def kept(tokenizer, kind: str, parts: list, default=None):
+    """What ``keep`` kept for ``tokenizer``, ``kind`` and ``parts`` less than ``MAX_AGE_S`` ago, else ``default``."""
+    key = _key(kind, parts)
+    if key is None:
+        return default
     with _lock:
-        entries[key] = (now, ids)
+        try:
+            entries = _STORES[kind].get(tokenizer)
+        except TypeError:  # a tokenizer that takes no weak reference: nothing was kept
+            return default
+        found = None if entries is None else entries.get(key)
+        if found is None or time.monotonic() - found[0] >= MAX_AGE_S:
+            return default
+        entries.move_to_end(key)
+        return found[1]
+
+
+def keep(tokenizer, kind: str, parts: list, value) -> None:
+    """Keep ``value`` for ``tokenizer``, ``kind`` and ``parts`` (the least recently used past ``KEPT`` go)."""
+    key = _key(kind, parts)
+    if key is None:
+        return
+    with _lock:
+        try:
+            entries = _STORES[kind].setdefault(tokenizer, OrderedDict())
+        except TypeError:  # a tokenizer that takes no weak reference: nothing is kept
+            return
+        entries[key] = (time.monotonic(), value)
         entries.move_to_end(key)
         while len(entries) > KEPT:
             entries.popitem(last=False)
-    return ids
+
+
+def _key(kind: str, parts: list) -> str | None:
+    try:
+        return json.dumps(parts, sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxq.engine.burst_hold import BurstHold, hold_for_burst
+from mlxq.engine.burst_hold import BurstHold, hold_for_burst, hold_left
 from mlxq.engine.preempt import plan_decode_preemption, rows_that_fit
 from mlxq.engine.step_plan import (
     MIN_SHARED_PREFILL,
@@ -276,6 +276,17 @@ def test_a_burst_of_tails_is_held_while_it_arrives_and_at_most_its_window():
     steady = [tail(0.01 * i) for i in range(20)]
     assert hold_for_burst(steady, (0.18, 0.19), now=0.145, hold=hold)
     assert not hold_for_burst(steady, (0.18, 0.19), now=0.151, hold=hold)  # the first waited its window
+
+
+def test_a_held_burst_says_how_long_it_waits_without_another_arrival():
+    hold = BurstHold(window_s=0.15, gap_s=0.02)
+    arriving = [tail(0.004), tail(0.009)]
+    left = hold_left(arriving, (0.004, 0.009), now=0.010, hold=hold)
+    assert abs(left - 0.019) < 1e-9  # the newest arrival's 20 ms gap
+    assert not hold_for_burst(arriving, (0.004, 0.009), now=0.010 + left + 1e-6, hold=hold)  # then it goes
+    steady = [tail(0.01 * i) for i in range(20)]
+    assert abs(hold_left(steady, (0.18, 0.19), now=0.145, hold=hold) - 0.005) < 1e-9  # the first's window ends
+    assert hold_left(steady, (0.18, 0.19), now=0.2, hold=hold) == 0.0
 
 
 def test_no_hold_for_a_lone_request_a_long_prefill_or_without_a_window():

@@ -13,9 +13,11 @@ from dataclasses import replace
 
 import pytest
 
+from mlxq.engine import prefill, tail_placement
 from mlxq.engine.scheduler import SchedulerConfig
 from mlxq.engine.types import Request, SamplingParams
 from mlxq.golden.cases import LONG
+from mlxq.kv.batch_ops import view_row
 from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
 
 
@@ -33,8 +35,10 @@ def run_wave(scheduler, requests: list[Request]) -> None:
 
 
 @pytest.mark.parametrize("token0_in_decode", [True, False])
-def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_tiny, token0_in_decode):
+def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_tiny, token0_in_decode, monkeypatch):
     model, tokenizer = load_tiny("llama")
+    moved = []  # rows moved by their padding after a forward (engine/tail_placement.py places them instead)
+    monkeypatch.setattr(prefill, "finalize_chunks", lambda cache, shifts: moved.append(shifts))
     shared = tokenizer.encode(LONG + " " + LONG)
     config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=token0_in_decode)
     scheduler, finished = recording_scheduler(model, tokenizer, config)
@@ -42,14 +46,20 @@ def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_
     cold, cached = wave(tokenizer, shared, "cold", 3, "Agent"), wave(tokenizer, shared, "cached", 5, "Please")
     run_wave(scheduler, cold)
     before, puts = scheduler.batch.copies.as_dict(), scheduler.prompt_cache.stats.puts
+    moved.clear()
+    viewed = []  # per-row views of the kept batch: built only if something reads a joiner's caches
+    monkeypatch.setattr(tail_placement, "view_row", lambda *args: viewed.append(args) or view_row(*args))
     run_wave(scheduler, cached)
     after = scheduler.batch.copies.as_dict()
+    assert not moved  # tails of different lengths, each written where it stays
+    assert not viewed  # they joined in the batch they prefilled in: nobody read a row of it
     # The system prompt was stored: each agent stores once, when it ends, not also at its prompt boundary.
     assert scheduler.prompt_cache.stats.puts - puts == len(cached)
     delta = {k: after[k] - before[k] for k in after}
-    # One forward for the five tails on one merged copy of the stored prefix (written once, broadcast),
-    # the batch kept for the join, rows stored from views as they leave.
-    assert delta == {"kept": 5, "referenced": 0, "broadcast": 4, "gathered": 0, "extracted": 0, "batch_extends": 0,
+    # One forward for the five tails on one merged copy of the stored prefix (each row placed where its
+    # tail starts: tails of five lengths, five writes), the batch kept for the join, rows stored from
+    # views as they leave.
+    assert delta == {"kept": 5, "referenced": 0, "broadcast": 0, "gathered": 0, "extracted": 0, "batch_extends": 0,
                      "extended_rows": 0}
     assert scheduler._prefilled_together is None  # the kept batch is the running batch's now, not held twice
     for r in cached:
@@ -136,6 +146,9 @@ def test_an_engine_that_holds_bursts_prefills_a_submitted_wave_in_one_step(tiny_
         while events.get(timeout=60).finish_reason is None:
             pass
         steps = engine.scheduler.phases.prefill_iterations
+        stepped = []  # the engine thread's scheduler steps: while a burst is held it waits on its inbox
+        step = engine.scheduler.step
+        monkeypatch.setattr(engine.scheduler, "step", lambda: stepped.append(1) or step())
         cached = wave(tokenizer, shared, "cached", 6, "Please")
         for r in cached:
             engine.submit(r, events.put)
@@ -144,5 +157,6 @@ def test_an_engine_that_holds_bursts_prefills_a_submitted_wave_in_one_step(tiny_
         while ended < len(cached):
             ended += events.get(timeout=60).finish_reason is not None
         assert engine.scheduler.phases.prefill_iterations - steps <= 2  # at most the first alone, then the rest
+        assert len(stepped) < 60  # ~0.6 s held: polled each millisecond it would be hundreds of steps
     finally:
         engine.stop(10)

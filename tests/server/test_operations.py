@@ -176,6 +176,7 @@ def test_request_log_lines_are_json_without_prompts(tiny_model_dirs):
     phases = {k: v for k, v in lines[0].items() if k.startswith("ttft_") and k != "ttft_ms"}
     assert lines[0]["lane"] == "continuous" and {"ttft_lease_ms", "ttft_prefill_ms", "ttft_join_ms"} <= set(phases)
     assert abs(sum(phases.values()) - (lines[0]["ttft_ms"] - lines[0]["queue_ms"])) < 1.0  # each rounded to 0.1
+    assert 0 < lines[0]["parse_ms"] < 10_000  # received -> submitted: the body read, parsed and tokenized
     assert "SECRET-PROMPT" not in logs
     with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-prompts") as server:
         httpx.post(server.url + "/v1/completions", json={"prompt": "SECRET-PROMPT", "max_tokens": 3})

@@ -1,0 +1,161 @@
+"""Joiners' tails of different lengths in one forward, each written where it stays: no row moved after.
+
+A burst of agents on a cached system prompt advances its tails (40-64 tokens
+each) in one forward over the merged prefixes. mlx-lm's way right-pads the
+chunks, so after the forward every row is moved right by its padding
+(``BatchKVCache.finalize``; here ``wave_caches.finalize_chunks``): a second
+copy of the whole batch (~290 MB a row on the 8B shape at 2.2k tokens, and a
+fresh buffer as large as every row's KV). Here each row's prefix is merged
+where it must end for its tail to end at the batch's last column, the
+chunks are left-padded, and the forward writes a row's padding columns with
+what the merged cache already holds there (the end of its prefix), so the
+K/V the forward leaves are the row's prefix and tail, contiguous and
+right-aligned, as after mlx-lm's roll:
+
+    row i: prefix P_i, tail t_i, W = max t, E = max(P + t)
+    merged:  left padding E - P_i - t_i, prefix up to column E - t_i
+    chunk:   written at [E - W, E); row i's real tokens at [E - t_i, E)
+    offset:  E - W - padding_i = P_i - (W - t_i): the real tokens' positions are P_i, P_i + 1, ...
+
+The padding queries compute rows nobody reads (their K/V are never
+written, their logits never sampled); every real query attends to its own
+prefix and tail only (the batch mask's left padding and causality), so each
+row computes what it computes alone. Neighbouring rows with one stored
+prefix and one padding are written by one broadcast per layer.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlxq.kv.batch_ops import view_row
+
+
+@dataclass(frozen=True)
+class TailLayout:
+    """Where a group's rows go in their merged caches, decided from their lengths alone."""
+
+    padding: list[int]  # each row's left padding in the merged caches
+    chunk_padding: list[int]  # each row's left padding in the chunk (the longest tail less its own)
+    start: int  # the column the forward's chunk starts at (the merged caches' ``_idx``)
+    width: int  # the chunk's width (the longest tail)
+    capacity: int  # the merged buffers' length: a whole number of mlx-lm's growth steps
+
+
+def layout_for(sizes: list[int], tails: list[int], room: int) -> TailLayout:
+    """Rows holding ``sizes`` tokens, advancing ``tails`` tokens each, with ``room`` columns after."""
+    end = max(s + t for s, t in zip(sizes, tails, strict=True))
+    width = max(tails)
+    capacity = -(-(end + room) // BatchKVCache.step) * BatchKVCache.step
+    return TailLayout([end - s - t for s, t in zip(sizes, tails, strict=True)], [width - t for t in tails],
+                      end - width, width, capacity)
+
+
+def can_place(rows: list[list]) -> bool:
+    """Every layer of every row a plain full-attention cache: what the placement knows how to merge."""
+    return all(type(c) is KVCache for row in rows for c in row) and any(c.keys is not None for c in rows[0])
+
+
+def merge_for_tails(rows: list[list], tails: list[int], room: int, sources: list | None = None
+                    ) -> tuple[list[BatchKVCache], TailLayout]:
+    """Per layer one BatchKVCache of ``rows`` (solo cache lists, ``can_place``) laid out for ``tails``
+    (``layout_for``), and that layout. ``sources``: per row, what its caches hold (equal and not None:
+    the same K/V); a stretch of neighbouring rows with one source and one padding is written by one
+    broadcast (``broadcast_rows`` counts the rows it spares a write)."""
+    sizes = [row[0].offset if row[0].keys is not None else 0 for row in rows]
+    layout = layout_for(sizes, tails, room)
+    runs = _runs(sources or [None] * len(rows), layout.padding)
+    merged = []
+    for column in zip(*rows, strict=True):
+        out = BatchKVCache(layout.padding)
+        out.keys, out.values = (_rows_into(column, name, layout, runs) for name in ("keys", "values"))
+        out.offset += layout.start
+        out._idx = layout.start
+        merged.append(out)
+    return merged, layout
+
+
+class PlacedRows:
+    """A placed batch's rows as solo cache lists, each built when first read: views into the batch as it
+    was after the forward (``view_row``; the decode steps after the join write into its arrays)."""
+
+    def __init__(self, caches: list[BatchKVCache], layout: TailLayout):
+        self._layers = []
+        for cache in caches:
+            kept = copy.copy(cache)
+            kept.keys, kept.values = cache.keys[..., : cache._idx, :], cache.values[..., : cache._idx, :]
+            self._layers.append(kept)
+        self._paddings = [layout.padding] * len(caches)  # every layer's rows are placed alike
+
+    def row(self, index: int) -> list:
+        return view_row(self._layers, index, self._paddings)
+
+
+@contextmanager
+def tails_in_place(caches: list[BatchKVCache], layout: TailLayout, evaluate=mx.eval) -> Iterator[None]:
+    """During one forward of left-padded chunks (``layout.chunk_padding``): each cache's write keeps
+    what the padding columns held (the rows' prefixes), so only real tokens' K/V are written.
+    ``evaluate(arrays)``: how the merge is evaluated first (the scheduler's, which turns an allocation
+    failure into a MemoryFault)."""
+    pad = mx.array(layout.chunk_padding)
+    keep = (mx.arange(layout.width)[None, :] < pad[:, None])[:, None, :, None]  # [rows, 1, width, 1]
+    end = layout.start + layout.width
+    # What the chunk's columns hold, copied out (and the merge done) before the forward: read inside it,
+    # or kept as views, the buffer its write goes into would have a second reader, and the write would
+    # copy that buffer whole instead of writing in place.
+    kept = [(mx.contiguous(c.keys[..., layout.start : end, :]), mx.contiguous(c.values[..., layout.start : end, :]))
+            for c in caches]
+    evaluate([kept, [(c.keys, c.values) for c in caches]])
+    for cache, (keys, values) in zip(caches, kept, strict=True):
+        cache.update_and_fetch = _keeping(cache, keep, keys, values)  # this instance, this forward only
+    try:
+        yield
+    finally:
+        for cache in caches:
+            vars(cache).pop("update_and_fetch", None)
+
+
+def _keeping(cache: BatchKVCache, keep: mx.array, old_keys: mx.array, old_values: mx.array):
+    def update_and_fetch(keys: mx.array, values: mx.array):
+        return BatchKVCache.update_and_fetch(cache, mx.where(keep, old_keys, keys), mx.where(keep, old_values, values))
+    return update_and_fetch
+
+
+def broadcast_rows(sources: list, layout: TailLayout) -> int:
+    """Rows ``merge_for_tails`` wrote by broadcast from the row before them (no write of their own)."""
+    return sum(end - start - 1 for start, end in _runs(sources, layout.padding))
+
+
+def _runs(sources: list, padding: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each stretch of neighbouring rows with one (not None) source and one padding
+    (written by one broadcast); other rows alone."""
+    runs, start = [], 0
+    for end in range(1, len(sources) + 1):
+        if (end < len(sources) and sources[end] is not None and sources[end] == sources[start]
+                and padding[end] == padding[start]):
+            continue
+        runs.append((start, end))
+        start = end
+    return runs
+
+
+def _rows_into(column: tuple, name: str, layout: TailLayout, runs: list[tuple[int, int]]) -> mx.array:
+    """One [rows, heads, capacity, dim] buffer: each row's ``name`` array at its left padding, zeros elsewhere."""
+    sample = next(getattr(c, name) for c in column if c.keys is not None)
+    heads, dim = sample.shape[1], sample.shape[3]
+    out = mx.zeros((len(column), heads, layout.capacity, dim), dtype=sample.dtype)
+    for start, end in runs:
+        cache, pad = column[start], layout.padding[start]
+        if cache.keys is None:
+            continue
+        n = cache.offset
+        row = getattr(cache, name)[..., :n, :]
+        out[start:end, :, pad : pad + n] = row if end - start == 1 else mx.broadcast_to(row, (end - start, heads, n,
+                                                                                                dim))
+    return out
