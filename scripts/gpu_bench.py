@@ -192,7 +192,8 @@ def phase_restore(args, results):
             ssd, ssd_cached = ttft(prompt + [7], restarted)
             read_s = fresh.stats.restore_ms_last / 1e3
             runs[pages] = {"ssd_ttft_s": ssd, "ssd_cached_tokens": ssd_cached, "ssd_over_cold": ssd / cold,
-                           "ssd_restore_ms": fresh.stats.restore_ms_last, "read_gb_s": fresh.bytes / read_s / 1e9}
+                           "ssd_restore_ms": fresh.stats.restore_ms_last, "read_gb_s": fresh.bytes / read_s / 1e9,
+                           "verify_wait_ms": getattr(fresh.stats, "restore_verify_wait_ms_last", None)}
             log(f"restore {length} (page cache {pages}): SSD {ssd * 1e3:.1f} ms = {ssd / cold:.3f}x cold, "
                 f"read {runs[pages]['read_gb_s']:.2f} GB/s")
         out[str(length)] = {"cold_ttft_s": cold, "ram_ttft_s": warm, "cached_tokens": cached,

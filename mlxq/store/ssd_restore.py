@@ -1,14 +1,15 @@
-"""A restore along a chain of node files, one tensor per step, reading only what RAM lacks.
+"""A restore along a chain of node files, one layer per step, reading only what RAM lacks.
 
 The restore builds on a *base*: the first ``base.n`` tokens of the prompt,
 held by the RAM tier (a node's chain) or by another restore that finished.
-Each full-attention tensor of the result is allocated once at its final size;
-the base is copied in, then every file of the chain beyond the base is read
-straight from the file into its rows (one read per head, large and
-sequential; each file's checksum is computed over the bytes as they land).
-A file's rows past its child's fork point are overwritten by the child. No
-tensor is read into a temporary and copied again, and nothing is
-concatenated. Rings and recurrent layers come whole from the last file.
+Every file of the chain beyond the base is loaded by MLX's own loader
+(store/tensor_view.py: on CUDA straight into device memory, the reads spread
+over threads), one layer per engine step; a full-attention tensor is the
+base's rows, then each file's rows up to its child's fork point, joined on
+the device. Rings and recurrent layers come whole from the last file. Every
+tensor's checksum is computed by a thread pool from its own read of the
+file while the layers load (store/verify_pool.py), and the result is used
+only once all of them matched: a bad file is a clean miss.
 
 Restores that arrive together for one shared prefix do not read it twice:
 the later ones wait for the first (``leader``) and build on its result.
@@ -16,22 +17,21 @@ the later ones wait for the first (``leader``) and build on its result.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
-import xxhash
 from mlx.utils import tree_map
 
 from mlxq.store.entries import CacheEntry
-from mlxq.store.mlxkv import DTYPES, EntryHeader, MlxkvError, decode_layer, read_exactly
+from mlxq.store.mlxkv import EntryHeader, MlxkvError, decode_layer
 from mlxq.store.prefix import common_prefix
 from mlxq.store.prefix_tree import Node
 from mlxq.store.ssd_tree import FileNode
+from mlxq.store.tensor_view import TensorPiece, load_pieces, read_pool
+from mlxq.store.verify_pool import TensorCheck, Verification
 
 SPAN_KINDS = ("kv", "qkv")
 
@@ -57,7 +57,7 @@ class Base:
 
 @dataclass(eq=False)
 class PendingRestore:
-    """A restore in progress: one tensor per engine step (so decoding rows never wait for all of it)."""
+    """A restore in progress: one layer per engine step (so decoding rows never wait for all of it)."""
 
     chain: list[FileNode]  # root excluded
     n: int  # prompt tokens it will serve
@@ -72,6 +72,7 @@ class PendingRestore:
     failed: tuple[FileNode, Exception] | None = None  # set when done and a file was bad
     done: bool = False
     busy_s: float = 0.0  # time spent reading and copying, not waiting between steps
+    verify_wait_s: float = 0.0  # of busy_s: waiting for the checksums after the last layer loaded
 
     @property
     def read_bytes(self) -> int:
@@ -100,7 +101,7 @@ class PendingRestore:
         return False
 
     def step(self) -> bool:
-        """Read one more tensor; True once done (``entry`` set, or ``failed``)."""
+        """Load one more layer; True once done (``entry`` set, or ``failed``)."""
         start = time.perf_counter()
         try:
             next(self.steps)
@@ -132,8 +133,9 @@ def files_to_read(chain: list[FileNode], base_n: int) -> list[FileNode]:
 
 
 def restore_steps(pending: PendingRestore, checked_header) -> Generator[None, None, CacheEntry]:
-    """Read ``pending.files`` into the result, one output tensor per step. ``checked_header(node)``:
-    the file's header, checked against the store's index (MlxkvError if not)."""
+    """Load ``pending.files`` into the result, one layer per step, while a thread pool checks every tensor's
+    checksum (store/verify_pool.py); the result is returned only once all of them matched.
+    ``checked_header(node)``: the file's header, checked against the store's index (MlxkvError if not)."""
     headers: dict[FileNode, EntryHeader] = {}
     for node in pending.files:
         try:
@@ -145,60 +147,64 @@ def restore_steps(pending: PendingRestore, checked_header) -> Generator[None, No
     last = pending.chain[-1]
     last_start, last_tokens = pending.spans[last]
     end = last_start + len(last_tokens)
-    fds = {}
+    fds, checks = {}, None
     try:
         for node in pending.files:
             fds[node] = os.open(node.path, os.O_RDONLY)
+        checks = Verification([TensorCheck(node, f"{t['name']} of layer {i}", fds[node],
+                                           headers[node].data_start + t["offset"], t["nbytes"], t["xxh3"])
+                               for node in pending.files for i, layer in enumerate(headers[node].layers)
+                               for t in layer["tensors"]])
         caches = []
         for i, layer in enumerate(headers[last].layers):
+            _raise_failure(checks.failure())
             if layer["kind"] not in SPAN_KINDS:
-                tensors = {}
-                for t in layer["tensors"]:
-                    tensors[t["name"]] = _read_whole(fds[last], headers[last], t, last)
-                    yield
+                tensors = _load(last, fds[last], headers[last], i)
                 caches.append(decode_layer(layer["kind"], layer["meta"], tensors))
-                continue
-            tensors = {}
-            for k, t in enumerate(layer["tensors"]):
-                tensors[t["name"]] = _assemble_tensor(pending, headers, fds, i, k, t, end)
-                yield
-            caches.append(decode_layer(layer["kind"], dict(layer["meta"], offset=end), tensors))
+            else:
+                tensors = _assemble_layer(pending, headers, fds, i, end)
+                caches.append(decode_layer(layer["kind"], dict(layer["meta"], offset=end), tensors))
+            mx.eval(list(tensors.values()))
+            yield
+        waited = time.perf_counter()
+        _raise_failure(checks.wait())
+        pending.verify_wait_s = time.perf_counter() - waited
     finally:
+        if checks is not None:
+            checks.close()
         for fd in fds.values():
             os.close(fd)
     tokens = tuple(pending.prompt[:last_start]) + last_tokens
     return CacheEntry(tokens, caches, sum(c.nbytes for c in caches), last.trimmable, pending.namespace)
 
 
-def _read_whole(fd: int, header: EntryHeader, t: dict, node: FileNode) -> mx.array:
-    array = mx.zeros(t["shape"], DTYPES[t["dtype"]], stream=mx.cpu)  # filled and read on the host
-    mx.eval(array)
-    view = memoryview(array).cast("B") if t["nbytes"] else memoryview(bytearray())
-    if read_exactly(fd, view, header.data_start + t["offset"]) != t["nbytes"]:
-        raise _FileFailed(node, MlxkvError(f"tensor {t['name']!r} is truncated"))
-    if xxhash.xxh3_128_hexdigest(view) != t["xxh3"]:
-        raise _FileFailed(node, MlxkvError(f"tensor {t['name']!r} fails its checksum"))
-    return array
+def _raise_failure(failure: tuple[FileNode, str] | None) -> None:
+    if failure is not None:
+        raise _FileFailed(failure[0], MlxkvError(failure[1]))
 
 
-def _assemble_tensor(pending: PendingRestore, headers: dict, fds: dict, layer: int, k: int, last_t: dict,
-                     end: int) -> mx.array:
-    """One full-attention tensor ([..., tokens, width]) of ``end`` tokens: base rows, then each file's rows."""
-    shape = [*last_t["shape"][:-2], end, last_t["shape"][-1]]
-    dtype = DTYPES[last_t["dtype"]]
-    out = mx.zeros(shape, dtype, stream=mx.cpu)  # filled and read on the host
-    mx.eval(out)
-    outer, row = math.prod(shape[:-2]), shape[-1] * dtype.size
-    rows = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8).reshape(outer, end * row) if out.nbytes \
-        else np.zeros((outer, 0), np.uint8)
-    for first, span in pending.base.pieces(layer):
-        part = mx.contiguous(_part(span, k))
-        mx.eval(part)
-        n = part.shape[-2]
-        src = np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8).reshape(outer, n * row)
-        rows[:, first * row : (first + n) * row] = src
-    for node in pending.files:
-        _read_rows(fds[node], headers[node], layer, k, node, pending.spans[node][0], rows, row, end)
+def _load(node: FileNode, fd: int, header: EntryHeader, layer: int) -> dict[str, mx.array]:
+    """One layer's tensors of one file, by MLX's own loader (store/tensor_view.py)."""
+    pieces = [TensorPiece(t["name"], fd, header.data_start + t["offset"], t["nbytes"], tuple(t["shape"]),
+                          t["dtype"]) for t in header.layers[layer]["tensors"]]
+    arrays, short = load_pieces(pieces, read_pool())
+    if short:
+        raise _FileFailed(node, MlxkvError(f"tensor {short[0]!r} of layer {layer} is truncated"))
+    return arrays
+
+
+def _assemble_layer(pending: PendingRestore, headers: dict, fds: dict, layer: int, end: int) -> dict:
+    """One full-attention layer's tensors ([..., tokens, width]) of ``end`` tokens: the base's rows up to
+    the first file read, then each file's rows up to the next file's fork point (or ``end``)."""
+    loaded = {node: _load(node, fds[node], headers[node], layer) for node in pending.files}
+    starts = [pending.spans[node][0] for node in pending.files] + [end]
+    names = [t["name"] for t in headers[pending.files[-1]].layers[layer]["tensors"]]
+    base = [(first, span) for first, span in pending.base.pieces(layer) if first < starts[0]]
+    out = {}
+    for k, name in enumerate(names):
+        parts = [_cut(_part(span, k), 0, min(starts[0] - first, _part(span, k).shape[-2])) for first, span in base]
+        parts += [_cut(loaded[node][name], 0, starts[j + 1] - starts[j]) for j, node in enumerate(pending.files)]
+        out[name] = mx.contiguous(parts[0]) if len(parts) == 1 else mx.concatenate(parts, axis=-2)
     return out
 
 
@@ -208,26 +214,6 @@ def _part(span, k: int) -> mx.array:
     return flat[k]
 
 
-def _read_rows(fd: int, header: EntryHeader, layer: int, k: int, node: FileNode, start: int, rows: np.ndarray,
-               row: int, end: int) -> None:
-    """A file's k-th tensor of ``layer`` into rows [start, ...) of ``rows`` (what fits before ``end``),
-    hashing every byte of it in file order."""
-    t = header.layers[layer]["tensors"][k]
-    span = t["shape"][-2]
-    fits = min(span, end - start)
-    hasher = xxhash.xxh3_128()
-    at = header.data_start + t["offset"]
-    spill = np.empty((span - fits) * row, np.uint8)
-    for o in range(rows.shape[0]):
-        into = rows[o, start * row : (start + fits) * row]
-        for buf in (into, spill):
-            if read_exactly(fd, memoryview(buf), at) != buf.nbytes:
-                raise _FileFailed(node, MlxkvError(f"tensor {t['name']!r} of layer {layer} is truncated"))
-            hasher.update(buf)
-            at += buf.nbytes
-    if hasher.hexdigest() != t["xxh3"]:
-        raise _FileFailed(node, MlxkvError(f"tensor {t['name']!r} of layer {layer} fails its checksum"))
-
-
 def _cut(span, lo: int, hi: int):
-    return tree_map(lambda a: a[..., lo:hi, :], span)
+    """Rows [lo, hi) of every tensor of a span (a view: no copy until the layer is concatenated)."""
+    return tree_map(lambda a: a if lo == 0 and a.shape[-2] == hi else a[..., lo:hi, :], span)
