@@ -2,14 +2,12 @@
 
 The restore builds on a *base*: the first ``base.n`` tokens of the prompt,
 held by the RAM tier (a node's chain) or by another restore that finished.
-Every file of the chain beyond the base is loaded by MLX's own loader
-(store/tensor_view.py: on CUDA straight into device memory, the reads spread
-over threads), one layer per engine step; a full-attention tensor is the
-base's rows, then each file's rows up to its child's fork point, joined on
-the device. Rings and recurrent layers come whole from the last file. Every
-tensor's checksum is computed by a thread pool from its own read of the
-file while the layers load (store/verify_pool.py), and the result is used
-only once all of them matched: a bad file is a clean miss.
+Every file of the chain beyond the base is read, one layer per engine step
+(store/restore_reads.py: straight into host arrays, or on CUDA by MLX's
+loader into device memory); a full-attention tensor is the base's rows, then
+each file's rows up to its child's fork point. Rings and recurrent layers
+come whole from the last file. Every tensor's checksum is checked, and the
+result is used only once all of them matched: a bad file is a clean miss.
 
 Restores that arrive together for one shared prefix do not read it twice:
 the later ones wait for the first (``leader``) and build on its result.
@@ -23,15 +21,13 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx.utils import tree_map
 
 from mlxq.store.entries import CacheEntry
 from mlxq.store.mlxkv import EntryHeader, MlxkvError, decode_layer
 from mlxq.store.prefix import common_prefix
 from mlxq.store.prefix_tree import Node
+from mlxq.store.restore_reads import FileFailed, cut, placement
 from mlxq.store.ssd_tree import FileNode
-from mlxq.store.tensor_view import TensorPiece, load_pieces, read_pool
-from mlxq.store.verify_pool import TensorCheck, Verification
 
 SPAN_KINDS = ("kv", "qkv")
 
@@ -50,8 +46,8 @@ class Base:
             return []
         if self.entry is not None:
             c = self.entry.caches[layer]
-            return [(0, _cut((c.keys, c.values), 0, self.n))]
-        return [(node.depth, _cut(node.spans[layer], 0, min(node.end, self.n) - node.depth))
+            return [(0, cut((c.keys, c.values), 0, self.n))]
+        return [(node.depth, cut(node.spans[layer], 0, min(node.end, self.n) - node.depth))
                 for node in self.node.chain() if node.depth < self.n]
 
 
@@ -108,7 +104,7 @@ class PendingRestore:
             return False
         except StopIteration as stop:
             self.entry = stop.value
-        except _FileFailed as exc:
+        except FileFailed as exc:
             self.failed = (exc.node, exc.error)
         finally:
             self.busy_s += time.perf_counter() - start
@@ -120,12 +116,6 @@ class StaleRead(MlxkvError):
     """A file of the chain was split or rewritten after the restore was planned: not a bad file."""
 
 
-class _FileFailed(Exception):
-    def __init__(self, node: FileNode, error: Exception):
-        super().__init__(str(error))
-        self.node, self.error = node, error
-
-
 def files_to_read(chain: list[FileNode], base_n: int) -> list[FileNode]:
     """The chain's files whose part (up to the next file's fork point) reaches past ``base_n``."""
     ends = [child.start for child in chain[1:]] + [chain[-1].end]
@@ -133,9 +123,9 @@ def files_to_read(chain: list[FileNode], base_n: int) -> list[FileNode]:
 
 
 def restore_steps(pending: PendingRestore, checked_header) -> Generator[None, None, CacheEntry]:
-    """Load ``pending.files`` into the result, one layer per step, while a thread pool checks every tensor's
-    checksum (store/verify_pool.py); the result is returned only once all of them matched.
-    ``checked_header(node)``: the file's header, checked against the store's index (MlxkvError if not)."""
+    """Read ``pending.files`` into the result, one layer per step (store/restore_reads.py: how, by device);
+    the result is returned only once every tensor matched its checksum. ``checked_header(node)``: the
+    file's header, checked against the store's index (MlxkvError if not)."""
     headers: dict[FileNode, EntryHeader] = {}
     for node in pending.files:
         try:
@@ -143,77 +133,33 @@ def restore_steps(pending: PendingRestore, checked_header) -> Generator[None, No
                 raise StaleRead("the file was split after the restore was planned")
             headers[node] = checked_header(node)
         except (MlxkvError, OSError) as exc:
-            raise _FileFailed(node, exc) from None
+            raise FileFailed(node, exc) from None
     last = pending.chain[-1]
     last_start, last_tokens = pending.spans[last]
     end = last_start + len(last_tokens)
-    fds, checks = {}, None
+    fds, reads = {}, None
     try:
         for node in pending.files:
             fds[node] = os.open(node.path, os.O_RDONLY)
-        checks = Verification([TensorCheck(node, f"{t['name']} of layer {i}", fds[node],
-                                           headers[node].data_start + t["offset"], t["nbytes"], t["xxh3"])
-                               for node in pending.files for i, layer in enumerate(headers[node].layers)
-                               for t in layer["tensors"]])
+        reads = placement()(pending, headers, fds, end)
         caches = []
         for i, layer in enumerate(headers[last].layers):
-            _raise_failure(checks.failure())
+            reads.check()
             if layer["kind"] not in SPAN_KINDS:
-                tensors = _load(last, fds[last], headers[last], i)
+                tensors = reads.whole(i)
                 caches.append(decode_layer(layer["kind"], layer["meta"], tensors))
             else:
-                tensors = _assemble_layer(pending, headers, fds, i, end)
+                tensors = reads.spans(i)
                 caches.append(decode_layer(layer["kind"], dict(layer["meta"], offset=end), tensors))
             mx.eval(list(tensors.values()))
             yield
         waited = time.perf_counter()
-        _raise_failure(checks.wait())
+        reads.finish()
         pending.verify_wait_s = time.perf_counter() - waited
     finally:
-        if checks is not None:
-            checks.close()
+        if reads is not None:
+            reads.close()
         for fd in fds.values():
             os.close(fd)
     tokens = tuple(pending.prompt[:last_start]) + last_tokens
     return CacheEntry(tokens, caches, sum(c.nbytes for c in caches), last.trimmable, pending.namespace)
-
-
-def _raise_failure(failure: tuple[FileNode, str] | None) -> None:
-    if failure is not None:
-        raise _FileFailed(failure[0], MlxkvError(failure[1]))
-
-
-def _load(node: FileNode, fd: int, header: EntryHeader, layer: int) -> dict[str, mx.array]:
-    """One layer's tensors of one file, by MLX's own loader (store/tensor_view.py)."""
-    pieces = [TensorPiece(t["name"], fd, header.data_start + t["offset"], t["nbytes"], tuple(t["shape"]),
-                          t["dtype"]) for t in header.layers[layer]["tensors"]]
-    arrays, short = load_pieces(pieces, read_pool())
-    if short:
-        raise _FileFailed(node, MlxkvError(f"tensor {short[0]!r} of layer {layer} is truncated"))
-    return arrays
-
-
-def _assemble_layer(pending: PendingRestore, headers: dict, fds: dict, layer: int, end: int) -> dict:
-    """One full-attention layer's tensors ([..., tokens, width]) of ``end`` tokens: the base's rows up to
-    the first file read, then each file's rows up to the next file's fork point (or ``end``)."""
-    loaded = {node: _load(node, fds[node], headers[node], layer) for node in pending.files}
-    starts = [pending.spans[node][0] for node in pending.files] + [end]
-    names = [t["name"] for t in headers[pending.files[-1]].layers[layer]["tensors"]]
-    base = [(first, span) for first, span in pending.base.pieces(layer) if first < starts[0]]
-    out = {}
-    for k, name in enumerate(names):
-        parts = [_cut(_part(span, k), 0, min(starts[0] - first, _part(span, k).shape[-2])) for first, span in base]
-        parts += [_cut(loaded[node][name], 0, starts[j + 1] - starts[j]) for j, node in enumerate(pending.files)]
-        out[name] = mx.contiguous(parts[0]) if len(parts) == 1 else mx.concatenate(parts, axis=-2)
-    return out
-
-
-def _part(span, k: int) -> mx.array:
-    """The k-th tensor of a span in file order: keys, values; or keys.data/scales/biases, values.*."""
-    flat = [a for side in span for a in (side if isinstance(side, tuple | list) else (side,))]
-    return flat[k]
-
-
-def _cut(span, lo: int, hi: int):
-    """Rows [lo, hi) of every tensor of a span (a view: no copy until the layer is concatenated)."""
-    return tree_map(lambda a: a if lo == 0 and a.shape[-2] == hi else a[..., lo:hi, :], span)

@@ -16,6 +16,8 @@ from tests.store.test_prompt_cache import cache_with, held_tokens
 
 IDENTITY = Identity("a" * 16, "native", "")
 
+pytestmark = pytest.mark.usefixtures("restore_placement")  # each test: host reads, then device loads
+
 
 def tier(root: Path, ram_bytes: int = 1 << 30, **kw) -> ColdTier:
     store = SsdStore(root, IDENTITY, kw.pop("max_bytes", None), "test")

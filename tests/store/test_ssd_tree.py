@@ -6,10 +6,13 @@ import logging
 import struct
 
 import mlx.core as mx
+import pytest
 
 from mlxq.store.mlxkv import FORMAT_VERSION, read_header
 from tests.store.test_cold_tier import drain, files, spans, tier
 from tests.store.test_prompt_cache import cache_with, held_tokens, ring_with
+
+pytestmark = pytest.mark.usefixtures("restore_placement")  # each test: host reads, then device loads
 
 SHARED = list(range(1000, 1064))  # a system prompt many agents share
 
