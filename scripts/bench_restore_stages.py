@@ -1,6 +1,6 @@
 """Where an SSD restore's time goes on this host, stage by stage (page-cached file, no model).
 
-    python scripts/bench_restore_stages.py            # one JSON line per read path, then a summary
+    python scripts/bench_restore_stages.py            # one JSON line per read path
 
 One 12.7k-token prefix of the Llama-3-8B KV shape (32 layers x K/V, each
 8 KV heads x 12,700 x 128 bf16 = 26 MB; 1.66 GB) in one file in the OS page
