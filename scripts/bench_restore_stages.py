@@ -21,6 +21,9 @@ Paths:
   load-ver    load-par, with every tensor's xxh3 computed by a thread pool over a map of the file at
               the same time (the restore's verification)
   verify      that verification alone
+  load-file   ``mx.load`` of a real safetensors file of the same tensors, by path (MLX's own reader threads,
+              arrays evaluated together so reads and copies to the device overlap): what a node file
+              MLX could open itself would give
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TENSORS = 64
 SHAPE = (1, 8, int(os.environ.get("RESTORE_STAGES_TOKENS", "12700")), 128)
 NBYTES = 8 * SHAPE[2] * 128 * 2
-PATHS = ("zeros", "zeros-par", "load", "load-par", "load-ver", "verify")
+PATHS = ("zeros", "zeros-par", "load", "load-par", "load-ver", "verify", "load-file")
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
@@ -109,6 +112,9 @@ def one_path(path: str, kind: str, threads: int) -> dict:
             arrays = read_zeros(fd, threads)
         elif kind in ("load", "load-par"):
             arrays = read_load(fd, 1 if kind == "load" else threads)
+        elif kind == "load-file":
+            loaded = mx.load(path + ".safetensors")
+            arrays = [loaded[f"t{i}"] for i in range(TENSORS)]
         elif kind == "load-ver":
             with _pool(1) as one:
                 checked = one.submit(verify, path, threads)
@@ -146,10 +152,20 @@ def main() -> None:
         for _ in range(TENSORS):
             f.write(block)
         f.flush()
+        if "load-file" in args.paths:
+            with open(f.name + ".safetensors", "wb") as st:
+                header = {f"t{i}": {"dtype": "BF16", "shape": [*SHAPE[:2], args.tokens, SHAPE[3]],
+                                    "data_offsets": [i * len(block), (i + 1) * len(block)]} for i in range(TENSORS)}
+                body = json.dumps(header).encode()
+                st.write(len(body).to_bytes(8, "little") + body)
+                for _ in range(TENSORS):
+                    st.write(block)
         for kind in args.paths.split(","):
             subprocess.run([sys.executable, __file__, "--one", kind, "--file", f.name,
                             "--threads", str(args.threads)], check=False, timeout=120,
                            env={**os.environ, "RESTORE_STAGES_TOKENS": str(args.tokens)})
+        if os.path.exists(f.name + ".safetensors"):
+            os.unlink(f.name + ".safetensors")
 
 
 if __name__ == "__main__":
