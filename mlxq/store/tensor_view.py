@@ -11,8 +11,8 @@ lands in MLX's buffer straight from the page cache, split across a thread
 pool when one is given (``os.preadv`` releases the GIL).
 
 The view never raises inside MLX's read (an exception there would cross
-MLX's evaluation): a short read is zero-filled and named in ``short``, which
-the caller checks after the load.
+MLX's evaluation): a short or failed read is zero-filled and named in
+``short``, which the caller checks after the load.
 """
 
 from __future__ import annotations
@@ -126,10 +126,13 @@ class SafetensorsView(io.RawIOBase):
 
 
 def _read_fully(fd: int, into: memoryview, at: int) -> bool:
-    """Fill ``into`` from ``at``; False (the rest zero-filled) if the file ends first."""
+    """Fill ``into`` from ``at``; False (the rest zero-filled) if the file ends first or cannot be read."""
     done = 0
     while done < len(into):
-        got = os.preadv(fd, [into[done:]], at + done)
+        try:
+            got = os.preadv(fd, [into[done:]], at + done)
+        except OSError:  # an I/O error must not cross MLX's evaluation: the piece is reported short
+            got = 0
         if got <= 0:
             into[done:] = bytes(len(into) - done)
             return False

@@ -100,3 +100,11 @@ def test_checks_pass_on_good_bytes_and_name_a_flipped_or_missing_tensor(tmp_path
         past_end.close()
     finally:
         os.close(fd)
+
+
+def test_a_read_error_is_a_short_piece_not_an_exception_inside_mlx(tmp_path):
+    (tmp_path / "f").write_bytes(bytes(64))
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    os.close(fd)  # reads now fail with EBADF
+    loaded, short = load_pieces([TensorPiece("keys", fd, 0, 64, (16,), "float32")])
+    assert short == ["keys"] and as_bytes(loaded["keys"]) == bytes(64)
