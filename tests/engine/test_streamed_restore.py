@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 from mlxq.engine.serial import run_serial
 from mlxq.engine.types import Request, SamplingParams
@@ -13,8 +15,10 @@ from mlxq.store.cold_tier import ColdTier
 from mlxq.store.mlxkv import Identity
 from mlxq.store.prompt_cache import PromptCache
 from mlxq.store.ssd_store import SsdStore
+from tests.store.conftest import restore_placement  # noqa: F401  (a fixture: host reads, then device loads)
 
 IDENTITY = Identity("e" * 16, "native", "")
+pytestmark = pytest.mark.usefixtures("restore_placement")
 
 
 def restarted(root: Path) -> PromptCache:
