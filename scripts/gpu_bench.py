@@ -171,10 +171,10 @@ def phase_restore(args, results):
         def ttft(ids, cache):
             o = run_serial(lm.model, lm.tokenizer, Request("r", ids, SamplingParams(), 1), lambda e: None,
                            prefill_step_size=2048, prompt_cache=cache)
-            return o.usage().ttft_s, o.usage().cached_tokens
+            return o.usage().ttft_s, o.usage().cached_tokens, o.tokens
 
-        cold, _ = ttft(prompt, cache)
-        warm, cached = ttft(prompt + [7], cache)  # the same prompt plus one token: all but one from RAM
+        cold, _, _ = ttft(prompt, cache)
+        warm, cached, ram_tokens = ttft(prompt + [7], cache)  # the same prompt plus one token: all but one from RAM
         t = time.perf_counter()
         tier.begin_flush()
         while tier.has_work(flushing=True):
@@ -191,12 +191,13 @@ def phase_restore(args, results):
                 fresh = SsdStore(root, identity)
                 fresh.scan()
                 ColdTier(fresh, restarted)
-                ssd, ssd_cached = ttft(prompt + [7], restarted)
-                read_s = fresh.stats.restore_ms_last / 1e3
                 run = pages if placement is None else f"{pages}_{placement}"
+                ssd, ssd_cached, ssd_tokens = ttft(prompt + [7], restarted)
+                read_s = fresh.stats.restore_ms_last / 1e3
                 runs[run] = {"ssd_ttft_s": ssd, "ssd_cached_tokens": ssd_cached, "ssd_over_cold": ssd / cold,
                              "ssd_restore_ms": fresh.stats.restore_ms_last, "read_gb_s": fresh.bytes / read_s / 1e9,
-                             "verify_wait_ms": getattr(fresh.stats, "restore_verify_wait_ms_last", None)}
+                             "verify_wait_ms": getattr(fresh.stats, "restore_verify_wait_ms_last", None),
+                             "same_token_as_ram_hit": ssd_tokens == ram_tokens}
                 log(f"restore {length} (page cache {run}): SSD {ssd * 1e3:.1f} ms = {ssd / cold:.3f}x cold, "
                     f"read {runs[run]['read_gb_s']:.2f} GB/s, restore {fresh.stats.restore_ms_last:.0f} ms")
         _use_placement(None)

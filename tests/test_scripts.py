@@ -137,6 +137,7 @@ def test_ssd_restore_measurements(tmp_path):
     restore = json.loads((tmp_path / "gpu-bench-small.json").read_text())["restore"]["300"]
     assert restore["files"] >= 1
     assert [restore[f"page_cache_cached_{p}"]["ssd_cached_tokens"] for p in ("host", "device")] == [300, 300]
+    assert all(run["same_token_as_ram_hit"] for run in restore.values() if isinstance(run, dict))
     run("bench_ssd.py", "--preset", "small", "--parts", "restore-speed", "--restore-shape", "small",
         "--restore-tokens", "400", "--rounds", "1", "--out", str(tmp_path / "ssd"))
     speed = json.loads((tmp_path / "ssd" / "ssd.json").read_text())["restore_speed"]
