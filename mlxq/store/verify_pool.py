@@ -1,4 +1,4 @@
-"""A restore's checksums, computed by a thread pool while the restore loads the same bytes.
+"""A CUDA restore's checksums, computed by a thread pool while the restore loads the same bytes.
 
 Every tensor of every file a restore reads is hashed (xxh3-128, as written)
 from its own read of the file, on a pool of threads: xxhash and ``os.preadv``
