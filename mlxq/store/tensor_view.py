@@ -34,7 +34,7 @@ _ST_NAMES = {"bool_": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32", "
              "int16": "I16", "int32": "I32", "int64": "I64", "float16": "F16", "bfloat16": "BF16",
              "float32": "F32", "float64": "U64"}
 READ_CHUNK = 4 << 20  # bytes per thread-pool read: large and sequential, enough of them to spread
-READ_THREADS = max(1, min(8, os.cpu_count() or 1))  # H200 host: 8 threads 5.9 GB/s, one 3.2, 16 no more than 8
+READ_THREADS = max(1, min(8, os.cpu_count() or 1))  # H200 host: 8 threads 5.9 GB/s, one 3.2; 16 no faster
 _pool: ThreadPoolExecutor | None = None
 
 
