@@ -89,7 +89,10 @@ def _check(check: TensorCheck) -> tuple[object, str] | None:
     done = 0
     while done < check.nbytes:
         want = scratch[: min(READ_CHUNK, check.nbytes - done)]
-        got = os.preadv(check.fd, [want], check.offset + done)
+        try:
+            got = os.preadv(check.fd, [want], check.offset + done)
+        except OSError as exc:  # a file that cannot be read is a bad file, like a short one
+            return check.key, f"tensor {check.name!r} cannot be read ({exc.strerror})"
         if got <= 0:
             return check.key, f"tensor {check.name!r} is truncated"
         hasher.update(want[:got])

@@ -108,3 +108,13 @@ def test_a_read_error_is_a_short_piece_not_an_exception_inside_mlx(tmp_path):
     os.close(fd)  # reads now fail with EBADF
     loaded, short = load_pieces([TensorPiece("keys", fd, 0, 64, (16,), "float32")])
     assert short == ["keys"] and as_bytes(loaded["keys"]) == bytes(64)
+
+
+def test_a_check_that_cannot_read_its_file_fails_it_cleanly(tmp_path):
+    (tmp_path / "f").write_bytes(bytes(64))
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    os.close(fd)  # reads now fail with EBADF
+    checks = Verification([TensorCheck("file", "keys", fd, 0, 64, xxhash.xxh3_128_hexdigest(bytes(64)))])
+    key, message = checks.wait()
+    checks.close()
+    assert key == "file" and message.startswith("tensor 'keys' cannot be read")
