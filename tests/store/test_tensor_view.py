@@ -118,3 +118,10 @@ def test_a_check_that_cannot_read_its_file_fails_it_cleanly(tmp_path):
     key, message = checks.wait()
     checks.close()
     assert key == "file" and message.startswith("tensor 'keys' cannot be read")
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="CUDA loads through MLX instead")
+def test_host_memory_backends_read_rows_into_place():
+    from mlxq.store import restore_reads
+
+    assert restore_reads.placement() is restore_reads.HostRows
