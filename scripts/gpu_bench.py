@@ -171,10 +171,10 @@ def phase_restore(args, results):
         def ttft(ids, cache):
             o = run_serial(lm.model, lm.tokenizer, Request("r", ids, SamplingParams(), 1), lambda e: None,
                            prefill_step_size=2048, prompt_cache=cache)
-            return o.usage().ttft_s, o.usage().cached_tokens
+            return o.usage().ttft_s, o.usage().cached_tokens, o.tokens
 
-        cold, _ = ttft(prompt, cache)
-        warm, cached = ttft(prompt + [7], cache)  # the same prompt plus one token: all but one from RAM
+        cold, _, _ = ttft(prompt, cache)
+        warm, cached, ram_tokens = ttft(prompt + [7], cache)  # the same prompt plus one token: all but one from RAM
         t = time.perf_counter()
         tier.begin_flush()
         while tier.has_work(flushing=True):
@@ -182,28 +182,44 @@ def phase_restore(args, results):
         flush_s = time.perf_counter() - t
         durable = tier.flush_result().durable
         runs = {}
-        for pages in ("dropped", "cached"):  # from the disk, then with the files in the OS page cache
-            if pages == "dropped":
-                drop_page_cache(root)
-            restarted = PromptCache(64 * 10**9)
-            fresh = SsdStore(root, identity)
-            fresh.scan()
-            ColdTier(fresh, restarted)
-            ssd, ssd_cached = ttft(prompt + [7], restarted)
-            read_s = fresh.stats.restore_ms_last / 1e3
-            runs[pages] = {"ssd_ttft_s": ssd, "ssd_cached_tokens": ssd_cached, "ssd_over_cold": ssd / cold,
-                           "ssd_restore_ms": fresh.stats.restore_ms_last, "read_gb_s": fresh.bytes / read_s / 1e9}
-            log(f"restore {length} (page cache {pages}): SSD {ssd * 1e3:.1f} ms = {ssd / cold:.3f}x cold, "
-                f"read {runs[pages]['read_gb_s']:.2f} GB/s")
+        for placement in args.restore_placements or [None]:
+            _use_placement(placement)
+            for pages in ("dropped", "cached"):  # from the disk, then with the files in the OS page cache
+                if pages == "dropped":
+                    drop_page_cache(root)
+                restarted = PromptCache(64 * 10**9)
+                fresh = SsdStore(root, identity)
+                fresh.scan()
+                ColdTier(fresh, restarted)
+                run = pages if placement is None else f"{pages}_{placement}"
+                ssd, ssd_cached, ssd_tokens = ttft(prompt + [7], restarted)
+                read_s = fresh.stats.restore_ms_last / 1e3
+                runs[run] = {"ssd_ttft_s": ssd, "ssd_cached_tokens": ssd_cached, "ssd_over_cold": ssd / cold,
+                             "ssd_restore_ms": fresh.stats.restore_ms_last, "read_gb_s": fresh.bytes / read_s / 1e9,
+                             "verify_wait_ms": getattr(fresh.stats, "restore_verify_wait_ms_last", None),
+                             "same_token_as_ram_hit": ssd_tokens == ram_tokens}
+                log(f"restore {length} (page cache {run}): SSD {ssd * 1e3:.1f} ms = {ssd / cold:.3f}x cold, "
+                    f"read {runs[run]['read_gb_s']:.2f} GB/s, restore {fresh.stats.restore_ms_last:.0f} ms")
+        _use_placement(None)
         out[str(length)] = {"cold_ttft_s": cold, "ram_ttft_s": warm, "cached_tokens": cached,
                             "entry_bytes": cache.bytes, "flush_s": flush_s, "durable": durable,
                             "file_bytes": fresh.bytes, "files": len(fresh.files),
-                            "ssd_ttft_s": runs["dropped"]["ssd_ttft_s"], **{f"page_cache_{k}": v for k, v in
+                            "ssd_ttft_s": next(iter(runs.values()))["ssd_ttft_s"], **{f"page_cache_{k}": v for k, v in
                                                                            runs.items()}}
         log(f"restore {length}: cold {cold * 1e3:.0f} ms, RAM hit {warm * 1e3:.1f} ms "
             f"({fresh.bytes / 1e9:.2f} GB, flush {flush_s:.2f}s)")
         shutil.rmtree(root, ignore_errors=True)
     results["restore"] = out
+
+
+def _use_placement(name: str | None) -> None:
+    """Restores read as ``name`` says (store/restore_reads.py: host, device), or as this device does (None)."""
+    from mlxq.store import restore_reads, ssd_restore
+
+    if not hasattr(restore_reads, "placement"):
+        return  # a tree from before the placements: its one read path
+    chosen = {"host": restore_reads.HostRows, "device": restore_reads.DeviceLoads}.get(name)
+    ssd_restore.placement = (lambda: chosen) if chosen else restore_reads.placement
 
 
 def phase_kvquant(args, results):
@@ -328,6 +344,9 @@ def main() -> None:
     ap.add_argument("--isolate", action="store_true", help="http: each server alone on the GPU, one after the other")
     ap.add_argument("--restore-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
     ap.add_argument("--kv-prompt-tokens", type=int, default=2048)
+    ap.add_argument("--restore-placements", type=lambda s: s.split(",") if s else [], default=[],
+                    help="restore: measure each read path (host,device; store/restore_reads.py), not only the "
+                         "device's own")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -213,6 +213,7 @@ class ColdTier:
         stats.restores += 1
         stats.restored_tokens += pending.n - pending.base.n
         stats.restore_ms_last = round(pending.busy_s * 1000, 3)
+        stats.restore_verify_wait_ms_last = round(pending.verify_wait_s * 1000, 3)
         self.read_bytes_per_s = smooth(self.read_bytes_per_s, pending.read_bytes / max(pending.busy_s, 1e-6))
         self.store.touch(pending.chain)
         return True

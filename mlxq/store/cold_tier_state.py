@@ -47,6 +47,7 @@ class SsdStats:
     restores: int = 0
     restored_tokens: int = 0
     restore_ms_last: float = 0.0
+    restore_verify_wait_ms_last: float = 0.0  # of restore_ms_last: waiting for checksums after the last layer loaded
     read_files: int = 0  # node files read by restores (a prefix shared by many restores counts once)
     read_bytes: int = 0
     reread_bytes: int = 0  # bytes of files read again (evicted from RAM, or only partly used the first time)

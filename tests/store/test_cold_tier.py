@@ -9,12 +9,14 @@ import mlx.core as mx
 import pytest
 
 from mlxq.store.cold_tier import ColdTier
-from mlxq.store.mlxkv import Identity
+from mlxq.store.mlxkv import Identity, read_header
 from mlxq.store.prompt_cache import PromptCache
 from mlxq.store.ssd_store import SsdStore
 from tests.store.test_prompt_cache import cache_with, held_tokens
 
 IDENTITY = Identity("a" * 16, "native", "")
+
+pytestmark = pytest.mark.usefixtures("restore_placement")  # each test: host reads, then device loads
 
 
 def tier(root: Path, ram_bytes: int = 1 << 30, **kw) -> ColdTier:
@@ -169,14 +171,16 @@ def test_scan_reaps_tmp_removes_corrupt_and_ignores_foreign_fingerprints(tmp_pat
     assert not orphan.exists() and not bad.exists() and good.exists() and foreign.exists()
 
 
-def test_a_file_corrupted_after_the_scan_is_skipped_at_restore(tmp_path):
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_file_corrupted_after_the_scan_is_skipped_at_restore(tmp_path, where):
     t = tier(tmp_path)
     t.ram.put("", [1, 2, 3, 4, 5], cache_with([1, 2, 3, 4, 5]))
     drain(t)
     fresh = tier(tmp_path)
     (path,) = files(tmp_path)
     data = bytearray(path.read_bytes())
-    data[-1] ^= 0x10  # the last tensor's bytes
+    # the first layer's first tensor (its check may end before the layers load) or the last tensor's bytes
+    data[read_header(path).data_start if where == "first" else -1] ^= 0x10
     path.write_bytes(bytes(data))
     assert fresh.ram.take("", [1, 2, 3, 4, 5, 6]) == (None, 0)
     assert not path.exists() and fresh.store.stats.corrupt_removed == 1

@@ -6,10 +6,14 @@ import logging
 import struct
 
 import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlxq.store.mlxkv import FORMAT_VERSION, read_header
 from tests.store.test_cold_tier import drain, files, spans, tier
 from tests.store.test_prompt_cache import cache_with, held_tokens, ring_with
+
+pytestmark = pytest.mark.usefixtures("restore_placement")  # each test: host reads, then device loads
 
 SHARED = list(range(1000, 1064))  # a system prompt many agents share
 
@@ -209,3 +213,29 @@ def test_a_file_sharing_only_a_few_tokens_is_not_split(tmp_path):
     for tokens in (one, other):
         caches, n = again.ram.take("", tokens + [0])
         assert n == 41 and held_tokens(caches[0]) == tokens
+
+
+def quantized_with(tokens: list[int]) -> list:
+    """8-bit quantized KV caches (mlx-lm's QuantizedKVCache) whose keys encode the token ids."""
+    out = []
+    for layer in range(2):
+        c = KVCache()
+        k = mx.array(tokens, dtype=mx.float32).reshape(1, 1, -1, 1) * mx.ones((1, 2, 1, 64)) + layer
+        c.update_and_fetch(k, -k)
+        out.append(c.to_quantized(group_size=64, bits=8))
+    return out
+
+
+def test_quantized_kv_along_a_chain_restores_bit_exactly(tmp_path):
+    t = tier(tmp_path)
+    tail = SHARED + [1] * 8
+    for tokens in (SHARED, tail):
+        t.ram.put("", tokens, quantized_with(tokens))
+        drain(t)
+    assert spans(t) == [(0, 64), (64, 8)]
+    caches, n = tier(tmp_path).ram.take("", tail + [0])
+    assert n == 72
+    for got, want in zip(caches, quantized_with(tail), strict=True):
+        assert type(got) is QuantizedKVCache and got.offset == 72
+        for a, b in zip((*got.keys, *got.values), (*want.keys, *want.values), strict=True):
+            assert mx.array_equal(a[..., :72, :], b[..., :72, :]).item()
