@@ -119,8 +119,11 @@ def line(result: dict) -> str:
     steps = result["sharing_after"].get("steps", 0) - result["sharing_before"].get("steps", 0)
     failed = sum(r["failed"] or 0 for s in ("on", "off") for r in result[s])
     shed = {s: (result[f"{s}_server"].get("faults") or {}).get("preemptions") for s in ("on", "off")}
+    rounds = {s: "/".join(f"{r['output_throughput_tok_s']:.0f}:{r['ttft_ms']['p95']:.0f}" for r in result[s])
+              for s in ("on", "off")}
     return (f"{result['part']}: on {tok['on']:.0f} tok/s vs off {tok['off']:.0f} (x{tok['on'] / tok['off']:.2f}); "
-            f"TTFT p95 on {p95['on']:.0f} ms, off {p95['off']:.0f}; shared steps {steps}; failed {failed}; "
+            f"TTFT p95 on {p95['on']:.0f} ms, off {p95['off']:.0f}; per round tok/s:TTFT p95 ms on {rounds['on']}, "
+            f"off {rounds['off']}; shared steps {steps}; failed {failed}; "
             f"preemptions so far on {shed['on']}, off {shed['off']}; {result['wall_s']}s")
 
 
