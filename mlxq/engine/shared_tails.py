@@ -15,8 +15,11 @@ batch, or appended to the running group on the same prefix, which rows
 already decoding on their own copies of it form first), and no joiner
 ever holds a copy of the prefix.
 
-The tails' attention is the shared-prefix path (kv/shared_prefix_attention.py:
-the prefix and the tail merged by log-sum-exp), so rows grouped this way
+The tails' attention is the shared-prefix path (the prefix and the tail
+merged by log-sum-exp; kv/shared_prefix_decode.py's ``mma_prefill`` on
+CUDA: the prefix on tensor cores for every row's queries at once, no score
+matrix of it in memory; elsewhere plain operations in bounded blocks of
+scores, kv/shared_prefix_attention.py), so rows grouped this way
 compute what grouped decode steps compute, not bit for bit what a row
 alone computes; it runs only where the policy groups rows anyway (never
 under ``--shared-prefix-attention off``, nor in ``auto`` on the CPU).
