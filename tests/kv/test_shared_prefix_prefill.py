@@ -1,5 +1,5 @@
 """The tails' prefill on a shared prefix (several queries per row): the route, bounded score blocks,
-and the tensor-core path's composition.
+the tensor-core path's composition, and tails cut from a lease's spans without a copy of the prefix.
 
 On the CPU the plain path is the oracle (it equals MLX's attention over per-row copies:
 tests/kv/test_shared_prefix_attention.py). Products longer than SCORE_BLOCK scores go in blocks of
@@ -19,6 +19,7 @@ from mlxq.kv import prefix_mma_kernel
 from mlxq.kv import shared_prefix_attention as spa
 from mlxq.kv import shared_prefix_decode as decode
 from mlxq.kv.shared_prefix_decode import CallShape, route
+from mlxq.kv.sharing_plan import tail_from_spans
 from tests.kv.test_shared_prefix_attention import make_group, reference
 
 ALL = frozenset({"full", "split", "gqa", "mma", "mma_gqa", "mma_prefill"})
@@ -116,3 +117,42 @@ def test_the_tensor_core_prefix_takes_prefill_chunks():
     assert prefix_mma_kernel.self_check(rows=5, positions=9) < 2e-2
     assert prefix_mma_kernel.self_check(rows=64, positions=56, length=2048) < 2e-2
     assert decode.self_check()["mma_prefill"] < 2e-2
+
+
+def _chain(lengths, heads=4, dim=64, seed=15):
+    mx.random.seed(seed)
+    spans = [tuple(mx.random.normal((1, heads, n, dim)) for _ in range(2)) for n in lengths]
+    mx.eval(spans)
+    return spans
+
+
+@pytest.mark.parametrize("skip", [0, 100, 3000, 3001, 3100, 3101])
+def test_a_tail_from_a_chains_spans_equals_the_cut_of_their_concatenation(skip):
+    spans = _chain([3000, 100, 1])
+    tail = tail_from_spans(spans, skip)
+    whole = mx.concatenate([k for k, _ in spans], axis=2)
+    assert tail.offset == 3101 - skip
+    if tail.offset:
+        assert mx.array_equal(tail.keys, whole[:, :, skip:]).item()
+        assert mx.array_equal(tail.values, mx.concatenate([v for _, v in spans], axis=2)[:, :, skip:]).item()
+
+
+def test_a_tail_from_spans_holds_no_copy_of_the_prefix():
+    """The cut of a lease's assembled cache (a lazy concatenation of the whole chain) computes and keeps
+    the whole chain: a copy of the prefix per row. The tail from the spans holds its own tokens only."""
+    spans = [(mx.ones((1, 4, n, 64)), mx.ones((1, 4, n, 64))) for n in (60_000, 40)]  # 123 MB
+    mx.eval(spans)
+    base = mx.get_active_memory()
+    tail = tail_from_spans(spans, 60_000)
+    mx.eval(tail.keys, tail.values)
+    assert mx.get_active_memory() - base < 4 * (tail.keys.nbytes + tail.values.nbytes)
+    del tail
+    cut = _cut_tail(spans, 60_000)
+    assert mx.get_active_memory() - base > 60_000 * 4 * 64 * 4 and cut[0].shape[2] == 40  # what sharing avoids
+
+
+def _cut_tail(spans, skip):
+    keys, values = (mx.concatenate([span[i] for span in spans], axis=2) for i in (0, 1))
+    cut = keys[:, :, skip:], values[:, :, skip:]
+    mx.eval(cut)
+    return cut
