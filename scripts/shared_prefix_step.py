@@ -28,7 +28,8 @@ instead: one forward of a chunk of that many tokens per row on a shared
 prefix (engine/shared_tails.py's forward), for ``--prefill-paths``:
 ``ops_whole`` (plain operations, the prefix's scores in one product),
 ``ops`` (the same in blocks of kv/shared_prefix_attention.SCORE_BLOCK
-scores), ``mma_prefill`` (the tensor-core prefix, CUDA), and ``copies``
+scores), ``mma_prefill`` (the tensor-core prefix, CUDA; ``mma_prefill_w8``:
+its blocks of 8 warps instead of ``PREFILL_WARPS``), and ``copies``
 (per-row copies of the prefix through the model's own attention, where
 they fit in ``--max-copies-gb``). Median of ``--prefill-reps`` after a
 warm-up forward; logits of the last position against ``ops_whole``.
@@ -167,7 +168,7 @@ def prefill_case(model, vocab, rows, prefix, length, reps, max_copies_gb, paths)
     for path in paths:
         if path == "copies" and result["copies_gb"] > max_copies_gb:
             continue
-        if path == "mma_prefill" and not shared_prefix_decode.is_enabled():
+        if path.startswith("mma_prefill") and not shared_prefix_decode.is_enabled():
             continue
         with _prefill_path(path):
             ms, logits = time_prefill(model, copies if path == "copies" else shared, rows, length, vocab, reps)
@@ -192,6 +193,14 @@ def _prefill_path(path: str):
                 yield
         finally:
             shared_prefix_attention.SCORE_BLOCK = block
+    elif path == "mma_prefill_w8":
+        warps = shared_prefix_decode.PREFILL_WARPS
+        shared_prefix_decode.PREFILL_WARPS = 8
+        try:
+            with shared_prefix_decode.forced("mma_prefill"):
+                yield
+        finally:
+            shared_prefix_decode.PREFILL_WARPS = warps
     else:
         with shared_prefix_decode.forced(path):
             yield

@@ -84,6 +84,9 @@ GQA_MAX_GROUP_TOKENS = 524_288  # from here the split path's GEMMs beat the gqa 
 MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 groups (H200, 8B shape)
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
 PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa", "mma_prefill")
+# Warps per block of the prefix kernel in a prefill: each block stages the whole prefix once for its
+# 16 x PREFILL_WARPS query rows (64 x 56 queries x 4 heads of a group = 14,336 rows per KV head).
+PREFILL_WARPS = 4
 AGREEMENT = 2e-2  # a kernel's largest difference to the plain path, bf16 outputs of order 1: a few ulps
 
 _kernels: frozenset[str] = frozenset()  # the kernel paths whose self-checks passed (``passing_paths``)
@@ -174,8 +177,8 @@ def _mma_prefill(queries, prefix_keys, prefix_values, tail_keys, tail_values, ta
                  sinks: mx.array | None, shares: mx.array | None) -> mx.array:
     """Many queries per row (the tails' prefill): the prefix on tensor cores as one level (no score
     matrix in memory), each row's causal tail and the merge in plain operations (float32)."""
-    levels = prefix_mma_kernel.one_level(*prefix_mma_kernel.prefix_partials(queries, prefix_keys, prefix_values,
-                                                                            scale))
+    levels = prefix_mma_kernel.one_level(*prefix_mma_kernel.prefix_partials(
+        queries, prefix_keys, prefix_values, scale, warps=PREFILL_WARPS))
     prefix = unstacked(queries, prefix_keys.shape[1], levels)
     return with_tails(queries, prefix, tail_keys, tail_values, tail_starts, scale, sinks, None, shares)
 
@@ -311,7 +314,8 @@ def _mma_partials_agree() -> bool:
     """The tensor-core kernel's own check over whole chunks of several staged blocks, with one query
     per row and with a prefill chunk's several."""
     try:
-        return max(prefix_mma_kernel.self_check(), prefix_mma_kernel.self_check(rows=5, positions=9)) < AGREEMENT
+        prefill = prefix_mma_kernel.self_check(rows=5, positions=9, warps=PREFILL_WARPS)
+        return max(prefix_mma_kernel.self_check(), prefill) < AGREEMENT
     except Exception as exc:
         log.warning("mma prefix kernel unavailable (%s: %s)", type(exc).__name__, exc)
         return False

@@ -94,7 +94,7 @@ def test_a_long_prefill_chunk_in_blocks_equals_attention_over_copies(monkeypatch
     assert mx.abs(got - reference(q, pk, pv, tk, tv, starts, 0.25, None, shares)).max().item() < 1e-5
 
 
-def _chunked_partials(queries, keys, values, scale, *_):
+def _chunked_partials(queries, keys, values, scale, *_, **__):
     """The tensor-core kernel's contract in plain operations: one level per 64-key split, stacked."""
     levels = [spa.stacked_prefix_stats(queries, keys[:, :, a:a + 64], values[:, :, a:a + 64], scale)
               for a in range(0, keys.shape[2], 64)]
