@@ -24,7 +24,9 @@
   prefix, engine/shared_tails.py): every row's queries stacked per KV head
   against the prefix in the tensor-core kernel (its levels merged into one,
   no score matrix in memory), each row's causal tail and the merge as plain
-  operations in float32. bf16, any group size, where its checks passed.
+  operations in float32. bf16, any group size, where its checks passed
+  (H200 8B, one forward of 64 rows: 56 queries each on 14.5k, 252 ms vs
+  828 in plain operations; 50 on 2k, 125 vs 191, per-row copies 202).
   Everything else with several queries per row takes ``ops``, whose prefix
   product goes in blocks of at most ``SCORE_BLOCK`` scores.
 
