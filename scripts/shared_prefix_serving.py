@@ -19,6 +19,8 @@ round (default --rounds). With the 8B preset's tokenizer 2,000 words are
 and ITL (medians over --rounds) and the `on` server's shared-prefix
 counters (/stats.batch.shared_prefix) before and after, and per server
 what the part left (RAM prompt cache entries, faults, memory peak).
+``--modes on`` starts the `on` server alone (an absolute target, no
+side-by-side ratio).
 """
 
 from __future__ import annotations
@@ -73,13 +75,14 @@ def server_snapshot(url: str) -> dict:
             "requests_failed": stats.get("engine", {}).get("requests_failed")}
 
 
-def run_part(part: str, on: str, off: str, args, scratch: Path) -> dict:
+def run_part(part: str, on: str, off: str | None, args, scratch: Path) -> dict:
     dataset, words, level, *rest = part.split(":")
     requests = rest[0] if rest else str(args.per_level * int(level))
     rounds = rest[1] if len(rest) > 1 else str(args.rounds)
     path = scratch / f"{part.replace(':', '-')}.json"
-    cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", on, "--compare", off,
-           "--label", "on", "--compare-label", "off", "--dataset", DATASETS[dataset], "--num-groups", "1",
+    versus = ["--compare", off, "--compare-label", "off"] if off else []
+    cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", on, *versus,
+           "--label", "on", "--dataset", DATASETS[dataset], "--num-groups", "1",
            "--prompt-len", words, "--question-len", str(args.question_len), "--concurrency", level,
            "--num-requests", requests, "--max-tokens", str(args.max_tokens),
            "--ignore-eos", "--rounds", rounds, "--quiet", "--json", str(path)]
@@ -92,7 +95,7 @@ def run_part(part: str, on: str, off: str, args, scratch: Path) -> dict:
         error = f"timed out after {args.part_timeout}s"
     result = {"part": part, "wall_s": round(time.perf_counter() - t, 1), "sharing_before": before,
               "sharing_after": sharing_counters(on), "on_server": server_snapshot(on),
-              "off_server": server_snapshot(off)}
+              "off_server": server_snapshot(off) if off else {}}
     if error:
         return result | {"error": error}
     doc = json.loads(path.read_text())
@@ -113,15 +116,20 @@ def _pick(stats: dict) -> dict:
 def line(result: dict) -> str:
     if "error" in result:
         return f"{result['part']}: ERROR {result['error'][-300:]}"
+    sides = [s for s in ("on", "off") if result[s]]
     med = lambda side, f: sorted(f(r) for r in result[side])[len(result[side]) // 2]  # noqa: E731
-    tok = {s: med(s, lambda r: r["output_throughput_tok_s"]) for s in ("on", "off")}
-    p95 = {s: med(s, lambda r: r["ttft_ms"]["p95"]) for s in ("on", "off")}
+    tok = {s: med(s, lambda r: r["output_throughput_tok_s"]) for s in sides}
+    p95 = {s: med(s, lambda r: r["ttft_ms"]["p95"]) for s in sides}
     steps = result["sharing_after"].get("steps", 0) - result["sharing_before"].get("steps", 0)
-    failed = sum(r["failed"] or 0 for s in ("on", "off") for r in result[s])
-    shed = {s: (result[f"{s}_server"].get("faults") or {}).get("preemptions") for s in ("on", "off")}
-    return (f"{result['part']}: on {tok['on']:.0f} tok/s vs off {tok['off']:.0f} (x{tok['on'] / tok['off']:.2f}); "
-            f"TTFT p95 on {p95['on']:.0f} ms, off {p95['off']:.0f}; shared steps {steps}; failed {failed}; "
-            f"preemptions so far on {shed['on']}, off {shed['off']}; {result['wall_s']}s")
+    failed = sum(r["failed"] or 0 for s in sides for r in result[s])
+    shed = {s: (result[f"{s}_server"].get("faults") or {}).get("preemptions") for s in sides}
+    rounds = {s: "/".join(f"{r['output_throughput_tok_s']:.0f}:{r['ttft_ms']['p95']:.0f}" for r in result[s])
+              for s in sides}
+    each = lambda f: ", ".join(f"{s} {f(s)}" for s in sides)  # noqa: E731
+    ratio = f" (x{tok['on'] / tok['off']:.2f})" if "off" in tok else ""
+    return (f"{result['part']}: tok/s {each(lambda s: f'{tok[s]:.0f}')}{ratio}; "
+            f"TTFT p95 {each(lambda s: f'{p95[s]:.0f} ms')}; per round tok/s:TTFT p95 ms {each(rounds.get)}; "
+            f"shared steps {steps}; failed {failed}; preemptions so far {each(shed.get)}; {result['wall_s']}s")
 
 
 def main() -> None:
@@ -140,6 +148,7 @@ def main() -> None:
                     help="per server: both share one device, and MLX's limit is a soft cap (65GB each overran 141GB)")
     ap.add_argument("--part-timeout", type=float, default=120)
     ap.add_argument("--deadline-s", type=float, default=500, help="start no part after this many seconds")
+    ap.add_argument("--modes", default="on,off", help="servers to start: on,off side by side, or on alone")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.scratch.mkdir(parents=True, exist_ok=True)
@@ -150,22 +159,25 @@ def main() -> None:
     results = {"date": time.strftime("%Y-%m-%d"), "preset": args.preset, "args": vars(args) | {
         "out": str(args.out), "scratch": str(args.scratch), "model": str(model)}, "parts": []}
     # Both start at once (loading and warm-up overlap); each waits for /health on entry.
+    modes = args.modes.split(",")
+    if modes not in (["on", "off"], ["on"]):
+        ap.error("--modes is on,off or on")
     servers = [ServeProcess(*common, "--shared-prefix-attention", mode, log_path=str(args.scratch / f"{mode}.log"),
-                            timeout_s=600) for mode in ("on", "off")]
+                            timeout_s=600) for mode in modes]
     with contextlib.ExitStack() as stack:
         for server in servers:
             stack.push(server.__exit__)  # both stop at the end, also when one fails to come up
-        on, off = (server.__enter__() for server in servers)
-        log(f"servers up after {time.monotonic() - began:.0f}s; on: {sharing_counters(on.url)}")
+        on, off = [server.__enter__().url for server in servers] + [None] * (2 - len(servers))
+        log(f"servers up after {time.monotonic() - began:.0f}s; on: {sharing_counters(on)}")
         for part in args.parts.split(","):
             if time.monotonic() - began > args.deadline_s:
                 results["parts"].append({"part": part, "skipped": "deadline"})
                 continue
-            result = run_part(part, on.url, off.url, args, args.scratch)
+            result = run_part(part, on, off, args, args.scratch)
             results["parts"].append(result)
             log(line(result))
             (args.out / "serving.json").write_text(json.dumps(results, indent=1))
-    for name in ("on", "off"):
+    for name in modes:
         tail = (args.scratch / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
         results[f"{name}_log_tail"] = tail
     (args.out / "serving.json").write_text(json.dumps(results, indent=1))

@@ -20,7 +20,19 @@ decode steps of the whole model are timed for:
   route's own choice per call).
 
 Also: the first step's max logit difference of each shared path to the
-copies (bf16 rounding carried through the layers on the GPU).
+copies (bf16 rounding carried through the layers on the GPU), and with
+``auto`` the path the route picks for the case's decode shape.
+
+``--prefill-cases`` (rows x prefix + chunk) times the tails' prefill
+instead: one forward of a chunk of that many tokens per row on a shared
+prefix (engine/shared_tails.py's forward), for ``--prefill-paths``:
+``ops_whole`` (plain operations, the prefix's scores in one product),
+``ops`` (the same in blocks of kv/shared_prefix_attention.SCORE_BLOCK
+scores), ``mma_prefill`` (the tensor-core prefix, CUDA; ``mma_prefill_w8``:
+its blocks of 8 warps instead of ``PREFILL_WARPS``), and ``copies``
+(per-row copies of the prefix through the model's own attention, where
+they fit in ``--max-copies-gb``). Median of ``--prefill-reps`` after a
+warm-up forward; logits of the last position against ``ops_whole``.
 """
 
 from __future__ import annotations
@@ -94,6 +106,7 @@ def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb, paths) -> di
     per_token = sum(c.keys.shape[1] * c.keys.shape[3] * c.keys.itemsize * 2 for c in prefix_cache)
     result = {"rows": rows, "prefix": prefix, "own": own, "copies_gb": rows * (prefix + own) * per_token / 1e9,
               "shared_gb": (prefix + rows * own) * per_token / 1e9, "layers": layers}
+    result["auto_path"] = routed_path(model, prefix_cache[0].keys[:, :, :prefix], rows, own)
     reference = None
     if result["copies_gb"] <= max_copies_gb:
         result["copies_ms"], reference = time_steps(model, caches_for(prefix_cache, rows, own, False), rows, steps)
@@ -120,6 +133,87 @@ def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb, paths) -> di
     return result
 
 
+def time_prefill(model, make_caches, rows: int, length: int, vocab: int, reps: int) -> tuple[float, mx.array]:
+    """Median ms of one forward of ``length`` tokens per row on fresh caches (after a warm-up)."""
+    tokens = mx.random.randint(0, vocab, (rows, length), key=mx.random.key(2))
+    times, logits = [], None
+    for rep in range(reps + 1):
+        caches = make_caches()
+        start = time.perf_counter()
+        logits = model(tokens, cache=caches)[:, -1, :].astype(mx.float32)
+        mx.eval(logits, [c.tail.state if isinstance(c, SharedPrefixBatchCache) else c.state for c in caches])
+        if rep:
+            times.append(1000 * (time.perf_counter() - start))
+        del caches
+        mx.clear_cache()
+    return sorted(times)[len(times) // 2], logits
+
+
+def prefill_case(model, vocab, rows, prefix, length, reps, max_copies_gb, paths) -> dict:
+    """The tails' prefill: one forward of ``length`` tokens per row on a shared ``prefix``."""
+    mx.random.seed(0)
+    prefix_cache = prefill_prefix(model, prefix, vocab)
+    per_token = sum(c.keys.shape[1] * c.keys.shape[3] * c.keys.itemsize * 2 for c in prefix_cache)
+    result = {"rows": rows, "prefix": prefix, "chunk": length, "copies_gb": rows * prefix * per_token / 1e9}
+    spans = [(c.keys[:, :, :c.offset], c.values[:, :, :c.offset]) for c in prefix_cache]
+
+    def shared():
+        return [SharedPrefixBatchCache(pk, pv, BatchKVCache([0] * rows)) for pk, pv in spans]
+
+    def copies():
+        empty = [(mx.repeat(pk[:, :, :0], rows, 0), mx.repeat(pv[:, :, :0], rows, 0)) for pk, pv in spans]
+        return [batch_tail(*none, prefix) for none, prefix in zip(empty, spans, strict=True)]
+
+    reference = None
+    for path in paths:
+        if path == "copies" and result["copies_gb"] > max_copies_gb:
+            continue
+        if path.startswith("mma_prefill") and not shared_prefix_decode.is_enabled():
+            continue
+        with _prefill_path(path):
+            ms, logits = time_prefill(model, copies if path == "copies" else shared, rows, length, vocab, reps)
+        result[f"{path}_ms"] = ms
+        reference = logits if reference is None else reference
+        result[f"{path}_logit_diff"] = mx.abs(logits - reference).max().item()
+        print(f"  prefill {rows}x{prefix}+{length} {path}: {ms:.1f} ms", flush=True)
+    return result
+
+
+@contextlib.contextmanager
+def _prefill_path(path: str):
+    from mlxq.kv import shared_prefix_attention
+
+    if path == "copies":
+        yield
+    elif path == "ops_whole":
+        block = shared_prefix_attention.SCORE_BLOCK
+        shared_prefix_attention.SCORE_BLOCK = 1 << 62
+        try:
+            with shared_prefix_decode.forced("ops"):
+                yield
+        finally:
+            shared_prefix_attention.SCORE_BLOCK = block
+    elif path == "mma_prefill_w8":
+        warps = shared_prefix_decode.PREFILL_WARPS
+        shared_prefix_decode.PREFILL_WARPS = 8
+        try:
+            with shared_prefix_decode.forced("mma_prefill"):
+                yield
+        finally:
+            shared_prefix_decode.PREFILL_WARPS = warps
+    else:
+        with shared_prefix_decode.forced(path):
+            yield
+
+
+def routed_path(model, prefix_keys: mx.array, rows: int, own: int) -> str:
+    """What ``auto`` picks for a decode step of this case (the route from the call's shape)."""
+    _, kv_heads, _, dim = prefix_keys.shape
+    q = mx.zeros((rows, model.args.num_attention_heads, 1, dim), prefix_keys.dtype)
+    tk = mx.zeros((rows, kv_heads, own, dim), prefix_keys.dtype)
+    return shared_prefix_decode.choose(q, prefix_keys, tk, tk)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model directory (default: build --preset with mlxq's factory)")
@@ -129,6 +223,9 @@ def main() -> None:
     parser.add_argument("--max-copies-gb", type=float, default=60.0)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--paths", default="ops,full,split,gqa", help="shared paths to time (CUDA; auto: as routed)")
+    parser.add_argument("--prefill-cases", default="", help="rows x prefix + chunk, e.g. 64x14500+56")
+    parser.add_argument("--prefill-paths", default="ops_whole,ops,mma_prefill,copies")
+    parser.add_argument("--prefill-reps", type=int, default=3)
     args = parser.parse_args()
     import mlx_lm
 
@@ -139,10 +236,15 @@ def main() -> None:
     model, tokenizer = mlx_lm.load(path)
     cuda_attention.install()
     attention_route.install()
-    results = []
-    for case in args.cases.split(","):
-        results.append(run_case(model, len(tokenizer.vocab), *parse_case(case), args.steps, args.max_copies_gb,
+    results, vocab = [], len(tokenizer.vocab)
+    for case in filter(None, args.cases.split(",")):
+        rows, prefix, own = parse_case(case)
+        results.append(run_case(model, vocab, rows, prefix, own, args.steps, args.max_copies_gb,
                                 args.paths.split(",")))
+        print(json.dumps(results[-1]), flush=True)
+    for case in filter(None, args.prefill_cases.split(",")):
+        results.append(prefill_case(model, vocab, *parse_case(case), args.prefill_reps, args.max_copies_gb,
+                                    args.prefill_paths.split(",")))
         print(json.dumps(results[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

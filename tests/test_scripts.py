@@ -113,10 +113,12 @@ def test_shared_prefix_micro(tmp_path):
 def test_shared_prefix_step(small_model, tmp_path):
     out = tmp_path / "step.json"
     run("shared_prefix_step.py", "--model", str(small_model), "--cases", "3x40+5", "--steps", "2",
-        "--json", str(out))
-    (case,) = json.loads(out.read_text())["cases"]
-    assert case["copies_ms"] > 0 and case["shared_ops_ms"] > 0
+        "--prefill-cases", "3x40+6", "--prefill-reps", "1", "--json", str(out))
+    case, prefill = json.loads(out.read_text())["cases"]
+    assert case["copies_ms"] > 0 and case["shared_ops_ms"] > 0 and case["auto_path"] == "ops"
     assert case["shared_ops_logit_diff"] < 1e-4  # float32 on the CPU
+    assert prefill["ops_ms"] > 0 and prefill["ops_whole_logit_diff"] == 0.0
+    assert prefill["copies_logit_diff"] < 1e-4 and "mma_prefill_ms" not in prefill  # no kernel on the CPU
 
 
 def test_shared_prefix_serving(small_model, tmp_path):

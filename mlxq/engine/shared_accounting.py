@@ -15,9 +15,12 @@ is about to be, and per row otherwise (conservative):
 - ``--shared-prefix-attention off``, a model that declines sharing, or no
   prompt cache: nobody.
 
-A joiner still prefills its tail on its own solo caches (the lease's copy
-of the prefix) until it joins: the KV budget leaves that out, the memory
-room counts it (``step_plan.fits_memory``), so a burst joins in waves.
+A joiner with a short tail prefills it on the prefix by reference
+(engine/shared_tails.py: the tail from its lease's spans, the prefix from
+the chain's), so it never holds a copy. One with more of its own prefills
+on its solo caches (the lease's copy of the prefix) until it joins: the KV
+budget leaves that out, the memory room counts it
+(``step_plan.fits_memory``), so such a burst joins in waves.
 """
 
 from __future__ import annotations

@@ -15,8 +15,11 @@ batch, or appended to the running group on the same prefix, which rows
 already decoding on their own copies of it form first), and no joiner
 ever holds a copy of the prefix.
 
-The tails' attention is the shared-prefix path (kv/shared_prefix_attention.py:
-the prefix and the tail merged by log-sum-exp), so rows grouped this way
+The tails' attention is the shared-prefix path (the prefix and the tail
+merged by log-sum-exp; kv/shared_prefix_decode.py's ``mma_prefill`` on
+CUDA: the prefix on tensor cores for every row's queries at once, no score
+matrix of it in memory; elsewhere plain operations in bounded blocks of
+scores, kv/shared_prefix_attention.py), so rows grouped this way
 compute what grouped decode steps compute, not bit for bit what a row
 alone computes; it runs only where the policy groups rows anyway (never
 under ``--shared-prefix-attention off``, nor in ``auto`` on the CPU).
@@ -27,12 +30,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from mlx_lm.models.cache import KVCache
+
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.prefix_sharing import Group, tails_group
 from mlxq.engine.running_batch import Pending
 from mlxq.kv import attention_route
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
-from mlxq.kv.sharing_plan import PrefixSpec, prefix_from_spans, share_groups
+from mlxq.kv.sharing_plan import PrefixSpec, prefix_from_spans, share_groups, tail_from_spans
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,18 @@ class TailSharing:
             prefix = prefix_from_spans(choice.group.prefix_lease().layer_spans())
         else:  # the running group's arrays: the batch's caches then extend that group, not add one
             prefix = [c.prefixes[into] if isinstance(c, SharedPrefixBatchCache) else None for c in self.batch.caches]
-        caches = share_groups(policy.plan, [j.caches for j in group], [PrefixSpec(length, prefix)], [0] * len(group))
+        caches = share_groups(policy.plan, [j.caches for j in group], [PrefixSpec(length, prefix)], [0] * len(group),
+                              [self._own_tails(j, length) for j in group])
         return SharedTails(caches, Group(choice.group.node, length, (True,) * len(group)), into)
+
+    def _own_tails(self, joiner: Joiner, length: int) -> list | None:
+        """Per layer, what ``joiner``'s lease lent past the group's ``length`` tokens, from the chain's
+        spans (None for layers without spans, and quantized ones: cut from its caches)."""
+        spans = self._leases[joiner.row.request.request_id].layer_spans()
+        if len(spans) != len(joiner.caches):
+            return None
+        return [None if layer is None or type(cache) is not KVCache else tail_from_spans(layer, length)
+                for layer, cache in zip(spans, joiner.caches, strict=True)]
 
     def _holds_lease_only(self, joiner: Joiner) -> bool:
         """Its caches are what its lease lent, nothing computed on them yet."""

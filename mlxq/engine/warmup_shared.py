@@ -3,8 +3,8 @@
 With ``--shared-prefix-attention auto`` or ``on`` the batch lane has paths
 the plain warm-up (engine/warmup.py) never reaches: joiners' tails
 prefilled on a stored prefix read by reference (engine/shared_tails.py:
-the shared-prefix attention with many queries per row, in plain MLX
-operations), those rows adopted as a group, joiners appended to a running
+the shared-prefix attention with many queries per row, its kernel's first
+launch included on CUDA), those rows adopted as a group, joiners appended to a running
 group, rows grouped after an ordinary join (``RunningBatch.share``),
 grouped decode steps, and rows leaving a group (extracted and stored).
 Each runs here once on a 48-token prefix, on a scheduler of its own with a

@@ -81,13 +81,16 @@ __device__ __forceinline__ unsigned pack_bf16(float low, float high) {
     return *reinterpret_cast<unsigned*>(&v);
 }
 
-// Query row m of KV head kvh in the stacked layout: row m / group's head kvh * group + m % group.
-__device__ __forceinline__ unsigned query_word(const __nv_bfloat16* queries, int m, int rows, int group, int heads,
-                                               int kvh, int dim, int column) {
+// Query row m of KV head kvh in the stacked layout (b, i, p): row b's head kvh * group + i, its query p of
+// ``positions`` (m = (b * group + i) * positions + p; one query per row in a decode step).
+__device__ __forceinline__ unsigned query_word(const __nv_bfloat16* queries, int m, int rows, int group,
+                                               int positions, int heads, int kvh, int dim, int column) {
     if (m >= rows) {
         return 0u;
     }
-    const int64_t at = ((int64_t)(m / group) * heads + kvh * group + m % group) * dim + column;
+    const int per_row = group * positions;
+    const int head = kvh * group + (m % per_row) / positions;
+    const int64_t at = (((int64_t)(m / per_row) * heads + head) * positions + m % positions) * dim + column;
     return *reinterpret_cast<const unsigned*>(queries + at);
 }
 
@@ -122,7 +125,8 @@ _SOURCE = """
     const int splits = gridDim.y;
     const int heads = queries_shape[1];
     const int group = heads / prefix_keys_shape[1];
-    const int rows = queries_shape[0] * group;
+    const int positions = queries_shape[2];
+    const int rows = queries_shape[0] * group * positions;
     const int length = prefix_keys_shape[2];
     const int first = split * chunk[0];
     const int end = min(first + chunk[0], length);
@@ -137,10 +141,10 @@ _SOURCE = """
     unsigned qa[KSTEPS][4];
     for (int k = 0; k < KSTEPS; k++) {
         const int column = k * 16 + (lane % 4) * 2;
-        qa[k][0] = query_word(queries, r0, rows, group, heads, kvh, D, column);
-        qa[k][1] = query_word(queries, r1, rows, group, heads, kvh, D, column);
-        qa[k][2] = query_word(queries, r0, rows, group, heads, kvh, D, column + 8);
-        qa[k][3] = query_word(queries, r1, rows, group, heads, kvh, D, column + 8);
+        qa[k][0] = query_word(queries, r0, rows, group, positions, heads, kvh, D, column);
+        qa[k][1] = query_word(queries, r1, rows, group, positions, heads, kvh, D, column);
+        qa[k][2] = query_word(queries, r0, rows, group, positions, heads, kvh, D, column + 8);
+        qa[k][3] = query_word(queries, r1, rows, group, positions, heads, kvh, D, column + 8);
     }
     float o[DTILES][4];
     for (int t = 0; t < DTILES; t++) {
@@ -250,10 +254,10 @@ _kernel = None
 
 
 def can_run(queries: mx.array, prefix_keys: mx.array) -> bool:
-    """One bf16 query per row, a head width the kernel has, a non-empty bf16 prefix, GQA-divisible heads
-    (the values are the keys' shape and dtype in every cache)."""
+    """bf16 queries (any number per row) of a head width the kernel has, a non-empty bf16 prefix,
+    GQA-divisible heads (the values are the keys' shape and dtype in every cache)."""
     dim = queries.shape[-1]
-    return (queries.shape[2] == 1 and dim in HEAD_DIMS and queries.dtype == prefix_keys.dtype == mx.bfloat16
+    return (dim in HEAD_DIMS and queries.dtype == prefix_keys.dtype == mx.bfloat16
             and prefix_keys.shape[-1] == dim and prefix_keys.shape[2] > 0
             and queries.shape[1] % prefix_keys.shape[1] == 0)
 
@@ -273,9 +277,11 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
                     target_blocks: int = TARGET_BLOCKS, warps: int = WARPS) -> tuple[mx.array, mx.array, mx.array]:
     """Every row's queries against the prefix, one level per split (``can_run`` shapes).
 
-    queries [B, Hq, 1, D]; prefix_* [1, Hkv, P, D] (last axis contiguous, rows 16-byte aligned, as
-    caches hold them). Returns (weighted [Hkv, S, B * group, D], peak and total [Hkv, S, B * group,
-    1]), float32, in the stacked row order of kv/shared_prefix_attention.stacked_prefix_stats."""
+    queries [B, Hq, L, D] (L = 1 in a decode step, a chunk's length in a prefill); prefix_* [1, Hkv,
+    P, D] (last axis contiguous, rows 16-byte aligned, as caches hold them). Every query sees the
+    whole prefix (it precedes them all). Returns (weighted [Hkv, S, B * group * L, D], peak and total
+    [Hkv, S, B * group * L, 1]), float32, in the stacked row order of
+    kv/shared_prefix_attention.stacked_prefix_stats."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -283,9 +289,9 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
             input_names=["queries", "prefix_keys", "prefix_values", "scale", "chunk"],
             output_names=["out_weighted", "out_peak", "out_total"],
             source=_SOURCE, header=_HEADER, ensure_row_contiguous=False)
-    batch, heads, _, dim = queries.shape
+    batch, heads, positions, dim = queries.shape
     kv_heads, length = prefix_keys.shape[1], prefix_keys.shape[2]
-    rows = batch * heads // kv_heads
+    rows = batch * heads // kv_heads * positions
     chunk, splits = split_plan(rows, kv_heads, length, target_blocks, warps)
     level = (kv_heads, splits, rows)
     return tuple(_kernel(
@@ -298,19 +304,29 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
     ))
 
 
-def merged(weighted: mx.array, peak: mx.array, total: mx.array) -> mx.array:
-    """The splits' levels as one normalized output [Hkv, rows, D] (plain MLX; the check's reference form)."""
+def one_level(weighted: mx.array, peak: mx.array, total: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The splits' levels [Hkv, S, rows, n] as one unnormalized level [Hkv, rows, n] (plain MLX: float32,
+    every split's peak finite)."""
+    if weighted.shape[1] == 1:
+        return weighted[:, 0], peak[:, 0], total[:, 0]
     top = peak.max(axis=1, keepdims=True)
     factor = mx.exp(peak - top)
-    return (weighted * factor).sum(axis=1) / (total * factor).sum(axis=1)
+    return (weighted * factor).sum(axis=1), top[:, 0], (total * factor).sum(axis=1)
+
+
+def merged(weighted: mx.array, peak: mx.array, total: mx.array) -> mx.array:
+    """The splits' levels as one normalized output [Hkv, rows, D] (plain MLX; the check's reference form)."""
+    weighted, _, total = one_level(weighted, peak, total)
+    return weighted / total
 
 
 def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int = 1000, dim: int = 128,
-               warps: int = WARPS) -> float:
+               warps: int = WARPS, positions: int = 1) -> float:
     """Max |kernel - plain stacked GEMMs| of the normalized prefix level, bf16, for one split (a chunk of
     many staged blocks, the last one partial) and for many; rows x group not a multiple of 64; the
-    prefix a strided view of a longer buffer."""
-    q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
+    prefix a strided view of a longer buffer; ``positions`` queries per row (a prefill chunk), given
+    as the strided view mlx-lm's models hand over ([B, L, Hq, D] transposed)."""
+    q = mx.random.normal((rows, positions, heads, dim)).astype(mx.bfloat16).swapaxes(1, 2)
     buffer = mx.random.normal((2, 1, kv_heads, length + 77, dim)).astype(mx.bfloat16)
     keys, values = buffer[0, :, :, 5:length + 5], buffer[1, :, :, 5:length + 5]
     scale = dim**-0.5

@@ -31,6 +31,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 _NEG_INF = -float("inf")
+# The most float32 scores one product materializes: a prefill chunk of 64 rows x 56 queries x 32 heads
+# on a 14.5k prefix would be 6.6 GB per layer at once, so longer ones go in blocks of query rows
+# (each row's softmax is its own: a block changes only the summation order a BLAS picks for a product
+# of fewer rows, ~1e-6 in float32 under MKL). 2**26 scores are 256 MB.
+SCORE_BLOCK = 1 << 26
 
 KV = mx.array | tuple[mx.array, mx.array, mx.array]  # plain, or a quantized triple
 
@@ -91,20 +96,34 @@ def stacked_prefix_stats(queries: mx.array, keys: KV, values: KV, scale: float,
     b's head h = kv * group + i at position L at index (kv, (b * group + i) * L + position).
     """
     batch, heads, length, dim = queries.shape
-    kv_heads = _shape(keys)[1]
+    kv_heads, prefix = _shape(keys)[1], _shape(keys)[2]
     q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, heads // kv_heads * length, dim)
     stacked = q.swapaxes(0, 1).reshape(kv_heads, -1, dim)  # [Hkv, B*G*L, D]
-    scores = _times_keys(stacked, _map(keys, lambda a: a[0]), quant)  # [Hkv, B*G*L, P]
+    keys, values = _map(keys, lambda a: a[0]), _map(values, lambda a: a[0])
+    rows = stacked.shape[1]
+    step = max(1, SCORE_BLOCK // (kv_heads * prefix))
+    if rows <= step:
+        return _prefix_block(stacked, keys, values, quant, queries.dtype)
+    blocks = [_prefix_block(stacked[:, start:start + step], keys, values, quant, queries.dtype)
+              for start in range(0, rows, step)]
+    return tuple(mx.concatenate([b[i] for b in blocks], axis=1) for i in range(3))
+
+
+def _prefix_block(stacked: mx.array, keys: KV, values: KV, quant: Quant | None, dtype):
+    scores = _times_keys(stacked, keys, quant)  # [Hkv, rows, P]
     weights, peak, total = _stats(scores, guard=False)
-    return _times_values(weights, _map(values, lambda a: a[0]), quant, queries.dtype), peak, total
+    return _times_values(weights, values, quant, dtype), peak, total
 
 
 def prefix_partial(queries: mx.array, keys: KV, values: KV, scale: float, quant: Quant | None = None) -> Partial:
     """``stacked_prefix_stats`` in the rows' own layout [B, Hq, L, n]."""
+    return unstacked(queries, _shape(keys)[1], stacked_prefix_stats(queries, keys, values, scale, quant))
+
+
+def unstacked(queries: mx.array, kv_heads: int, stats: tuple[mx.array, mx.array, mx.array]) -> Partial:
+    """A level in the stacked layout [Hkv, B*G*L, n] as a Partial in the rows' layout [B, Hq, L, n]."""
     batch, heads, length, _ = queries.shape
-    kv_heads = _shape(keys)[1]
-    return Partial(*(_unstack(x, kv_heads, batch, heads, length)
-                     for x in stacked_prefix_stats(queries, keys, values, scale, quant)))
+    return Partial(*(_unstack(x, kv_heads, batch, heads, length) for x in stats))
 
 
 def _unstack(x: mx.array, kv_heads: int, batch: int, heads: int, length: int) -> mx.array:
@@ -114,7 +133,24 @@ def _unstack(x: mx.array, kv_heads: int, batch: int, heads: int, length: int) ->
 
 def tail_partial(queries: mx.array, keys: KV, values: KV, scale: float, mask: mx.array | None,
                  quant: Quant | None = None) -> Partial:
-    """Each row's queries against its own keys. keys [B, Hkv, T, D]; mask [B or 1, 1, L, T] bool or None."""
+    """Each row's queries against its own keys. keys [B, Hkv, T, D]; mask [B or 1, 1, L, T] bool or None.
+    At most SCORE_BLOCK scores at once: more rows go in blocks of rows."""
+    batch, heads, length, _ = queries.shape
+    step = max(1, SCORE_BLOCK // (heads * length * _shape(keys)[2]))
+    if batch <= step:
+        return _tail_block(queries, keys, values, scale, mask, quant)
+
+    def rows(x, start):  # a mask of one row serves all
+        return x if x is None or x.shape[0] == 1 else x[start:start + step]
+
+    blocks = [_tail_block(rows(queries, start), _map(keys, lambda a, s=start: rows(a, s)),
+                          _map(values, lambda a, s=start: rows(a, s)), scale, rows(mask, start), quant)
+              for start in range(0, batch, step)]
+    return Partial(*(mx.concatenate([getattr(b, f) for b in blocks]) for f in ("weighted", "peak", "total")))
+
+
+def _tail_block(queries: mx.array, keys: KV, values: KV, scale: float, mask: mx.array | None,
+                quant: Quant | None) -> Partial:
     batch, heads, length, dim = queries.shape
     kv_heads = _shape(keys)[1]
     group = heads // kv_heads
@@ -194,10 +230,7 @@ def grouped_prefix_stats(queries: mx.array, prefixes: list[tuple[KV, KV]], layou
 def grouped_prefix_partial(queries: mx.array, prefixes: list[tuple[KV, KV]], layout: RowGroups, scale: float,
                            quant: Quant | None = None) -> Partial:
     """``grouped_prefix_stats`` in the rows' own layout [B, Hq, L, n]."""
-    batch, heads, length, _ = queries.shape
-    kv_heads = _shape(prefixes[0][0])[1]
-    return Partial(*(_unstack(x, kv_heads, batch, heads, length)
-                     for x in grouped_prefix_stats(queries, prefixes, layout, scale, quant)))
+    return unstacked(queries, _shape(prefixes[0][0])[1], grouped_prefix_stats(queries, prefixes, layout, scale, quant))
 
 
 def tail_mask(starts: mx.array, length: int, span: int) -> mx.array:
@@ -218,8 +251,16 @@ def shared_prefix_attention(queries: mx.array, prefix_keys: KV, prefix_values: K
     With ``quant`` every K/V is a quantized triple. ``shares`` [B] bool: rows set False do not see
     the prefix (rows of the batch outside the group: their tail is their whole history).
     """
-    length, span = queries.shape[2], _shape(tail_keys)[2]
     prefix = prefix_partial(queries, prefix_keys, prefix_values, scale, quant)
+    return with_tails(queries, prefix, tail_keys, tail_values, tail_starts, scale, sinks, quant, shares)
+
+
+def with_tails(queries: mx.array, prefix: Partial, tail_keys: KV, tail_values: KV, tail_starts: mx.array,
+               scale: float, sinks: mx.array | None = None, quant: Quant | None = None,
+               shares: mx.array | None = None) -> mx.array:
+    """``shared_prefix_attention`` from the prefix's partial (however it was computed): each row's
+    tail, then the merge."""
+    length, span = queries.shape[2], _shape(tail_keys)[2]
     if shares is not None:  # a level with peak -inf weighs exactly 0 in the merge
         prefix = Partial(prefix.weighted, mx.where(shares[:, None, None, None], prefix.peak, _NEG_INF), prefix.total)
     parts = [prefix, tail_partial(queries, tail_keys, tail_values, scale, tail_mask(tail_starts, length, span), quant)]

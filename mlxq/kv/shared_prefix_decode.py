@@ -19,11 +19,21 @@
 - ``mma_gqa``: the same prefix levels merged by kv/gqa_decode_kernel.py
   walking the tails (one block per row and KV head, every query head of the
   group at once): bf16 groups from ``MMA_MIN_GROUP_TOKENS`` on, where both
-  kernels' self-checks and this path's own passed.
+  kernels' self-checks and this path's own passed;
+- ``mma_prefill``: many queries per row (the tails' prefill on a shared
+  prefix, engine/shared_tails.py): every row's queries stacked per KV head
+  against the prefix in the tensor-core kernel (its levels merged into one,
+  no score matrix in memory), each row's causal tail and the merge as plain
+  operations in float32. bf16, any group size, where its checks passed
+  (H200 8B, one forward of 64 rows: 56 queries each on 14.5k, 252 ms vs
+  828 in plain operations; 50 on 2k, 125 vs 191, per-row copies 202).
+  Everything else with several queries per row takes ``ops``, whose prefix
+  product goes in blocks of at most ``SCORE_BLOCK`` scores.
 
 The kernels run only on CUDA, only after ``enable()``'s self-check agrees
-with the plain path, and only for one query per row with a head width they
-have. The thresholds come from the H200 measurements in docs/benchmarks.md
+with the plain path, and only for a head width they have (one query per row
+but for ``mma_prefill``). ``route`` decides from a ``CallShape``, plain
+data. The thresholds come from the H200 measurements in docs/benchmarks.md
 ("H200: shared-prefix attention per layer"), in group tokens (rows x prefix
 length). Per layer (2026-12-01, one run): the mma_gqa path wins from 131k
 on (64 x 2k + 50: 0.113 ms vs mma 0.198, gqa 0.215; 64 x 2k + 300: 0.126
@@ -55,11 +65,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlxq.kv import gqa_decode_kernel, prefix_mma_kernel, shared_prefix_kernel, tail_merge_kernel
-from mlxq.kv.shared_prefix_attention import Quant, RowGroups, grouped_shared_prefix_attention, shared_prefix_attention
+from mlxq.kv.shared_prefix_attention import (
+    Quant,
+    RowGroups,
+    grouped_shared_prefix_attention,
+    shared_prefix_attention,
+    unstacked,
+    with_tails,
+)
 
 log = logging.getLogger("mlxq.kv")
 
@@ -67,29 +85,67 @@ SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split pat
 GQA_MAX_GROUP_TOKENS = 524_288  # from here the split path's GEMMs beat the gqa path (float16, float32)
 MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 groups (H200, 8B shape)
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
-PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa")
+PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa", "mma_prefill")
+# Warps per block of the prefix kernel in a prefill: each block stages the whole prefix once for its
+# 16 x PREFILL_WARPS query rows (64 x 56 queries x 4 heads of a group = 14,336 rows per KV head).
+PREFILL_WARPS = 4
 AGREEMENT = 2e-2  # a kernel's largest difference to the plain path, bf16 outputs of order 1: a few ulps
 
 _kernels: frozenset[str] = frozenset()  # the kernel paths whose self-checks passed (``passing_paths``)
 _checked = False  # enable() ran its self-check
 _grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
-_OPTIONAL = ("gqa", "mma", "mma_gqa")  # paths whose failed self-check keeps the others on
+_OPTIONAL = ("gqa", "mma", "mma_gqa", "mma_prefill")  # paths whose failed self-check keeps the others on
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What the route of one call of a group's attention depends on (plain data)."""
+
+    rows: int
+    queries: int  # per row: 1 in a decode step, a chunk's length in a prefill
+    prefix: int  # shared prefix tokens
+    quantized: bool  # --kv-quant triples
+    one_kernel: bool  # kv/shared_prefix_kernel.py takes it (and so the split path)
+    gqa_tails: bool  # kv/gqa_decode_kernel.py takes its tails
+    mma_prefix: bool  # kv/prefix_mma_kernel.py takes its queries and prefix (bf16)
+
+    @property
+    def group_tokens(self) -> int:
+        return self.rows * self.prefix
+
+
+def route(shape: CallShape, kernels: frozenset[str]) -> str:
+    """The path for ``shape`` given the kernel paths whose self-checks passed."""
+    if shape.quantized or "split" not in kernels:
+        return "ops"
+    if shape.queries > 1:  # a prefill chunk: the prefix on tensor cores, never a float32 score matrix of it
+        return "mma_prefill" if "mma_prefill" in kernels and shape.mma_prefix else "ops"
+    if not shape.one_kernel:
+        return "ops"
+    tokens = shape.group_tokens
+    if "mma" in kernels and tokens >= MMA_MIN_GROUP_TOKENS and shape.mma_prefix:
+        return "mma_gqa" if "mma_gqa" in kernels and shape.gqa_tails else "mma"
+    if "gqa" in kernels and tokens < GQA_MAX_GROUP_TOKENS and shape.gqa_tails:
+        return "gqa"
+    return "split" if tokens >= SPLIT_MIN_GROUP_TOKENS else "full"
+
+
+def call_shape(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant | None = None) -> CallShape:
+    if quant is not None:  # triples: no kernel takes them
+        return CallShape(queries.shape[0], queries.shape[2], prefix_keys[0].shape[2], True, False, False, False)
+    return CallShape(queries.shape[0], queries.shape[2], prefix_keys.shape[2], False,
+                     shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys, tail_values),
+                     gqa_decode_kernel.can_run(queries, tail_keys, tail_values),
+                     prefix_mma_kernel.can_run(queries, prefix_keys))
 
 
 def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant | None = None) -> str:
     if _forced is not None:
         return _forced
-    if quant is not None or not is_enabled() or not shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys,
-                                                                              tail_values):
+    if not is_enabled():
         return "ops"
-    tokens = queries.shape[0] * prefix_keys.shape[2]
-    gqa_tails = gqa_decode_kernel.can_run(queries, tail_keys, tail_values)
-    if "mma" in _kernels and tokens >= MMA_MIN_GROUP_TOKENS and prefix_mma_kernel.can_run(queries, prefix_keys):
-        return "mma_gqa" if "mma_gqa" in _kernels and gqa_tails else "mma"
-    if "gqa" in _kernels and tokens < GQA_MAX_GROUP_TOKENS and gqa_tails:
-        return "gqa"
-    return "split" if tokens >= SPLIT_MIN_GROUP_TOKENS else "full"
+    return route(call_shape(queries, prefix_keys, tail_keys, tail_values, quant), _kernels)
 
 
 def worth_sharing(rows: int, prefix_length: int) -> bool:
@@ -114,7 +170,19 @@ def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_
         return tail_merge_kernel.mma_shared_prefix_decode(*args, shares)
     if path == "mma_gqa":
         return _mma_gqa_decode(*args, shares)
+    if path == "mma_prefill":
+        return _mma_prefill(*args, shares)
     return shared_prefix_attention(*args, quant, shares)
+
+
+def _mma_prefill(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
+                 sinks: mx.array | None, shares: mx.array | None) -> mx.array:
+    """Many queries per row (the tails' prefill): the prefix on tensor cores as one level (no score
+    matrix in memory), each row's causal tail and the merge in plain operations (float32)."""
+    levels = prefix_mma_kernel.one_level(*prefix_mma_kernel.prefix_partials(
+        queries, prefix_keys, prefix_values, scale, warps=PREFILL_WARPS))
+    prefix = unstacked(queries, prefix_keys.shape[1], levels)
+    return with_tails(queries, prefix, tail_keys, tail_values, tail_starts, scale, sinks, None, shares)
 
 
 def _mma_gqa_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
@@ -153,9 +221,15 @@ def forced(path: str):
         _forced = None
 
 
-def _check_inputs(dtype):
+CHECK_QUERIES = 7  # queries per row in the prefill paths' self-check (a chunk, the padded row's first ones masked)
+
+
+def _check_inputs(dtype, positions: int = 1):
     rows, heads, kv_heads, prefix, own, dim = 6, 8, 2, 333, 40, 128
-    q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
+    if positions == 1:
+        q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
+    else:  # the strided view mlx-lm's models hand over: [B, L, Hq, D] transposed
+        q = mx.random.normal((rows, positions, heads, dim)).astype(dtype).swapaxes(1, 2)
     pk, pv = (mx.random.normal((1, kv_heads, prefix, dim)).astype(dtype) for _ in range(2))
     buffer = mx.random.normal((2, rows, kv_heads, own + 24, dim)).astype(dtype)
     return q, pk, pv, buffer[0, :, :, :own], buffer[1, :, :, :own], mx.array([0, 1, 17, 39, 5, 20]), dim**-0.5
@@ -163,29 +237,35 @@ def _check_inputs(dtype):
 
 def checked_paths(dtype) -> tuple[str, ...]:
     """The kernel paths ``self_check`` compares with the plain path in ``dtype``."""
-    return ("full", "split", "gqa") + (("mma", "mma_gqa") if dtype == mx.bfloat16 else ())
+    return ("full", "split", "gqa") + (("mma", "mma_gqa", "mma_prefill") if dtype == mx.bfloat16 else ())
 
 
 def self_check(dtype=mx.bfloat16) -> dict[str, float]:
     """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
-    the group, tails as strided views (``mma`` and ``mma_gqa`` in bf16 only)."""
-    q, pk, pv, tk, tv, starts, scale = _check_inputs(dtype)
+    the group, tails as strided views (``mma``, ``mma_gqa`` and ``mma_prefill`` in bf16 only; the
+    prefill path with CHECK_QUERIES queries per row, the others with one)."""
+    inputs = {1: _check_inputs(dtype), CHECK_QUERIES: _check_inputs(dtype, CHECK_QUERIES)}
     worst = dict.fromkeys(checked_paths(dtype), 0.0)
-    for sinks, shares in ((None, None), (mx.random.normal((q.shape[1],)),
-                                         mx.array([True, False, True, True, False, True]))):
-        want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
-        for path in worst:
-            try:
-                with forced(path):
-                    got = attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
-            except Exception as exc:  # one kernel that does not build must not take the others down
-                if path not in _OPTIONAL:
-                    raise
-                log.warning("%s shared-prefix path unavailable (%s: %s)", path, type(exc).__name__, exc)
-                worst[path] = float("inf")
-                continue
-            worst[path] = max(worst[path], mx.abs(got - want).max().item())
+    sink_logits = mx.random.normal((inputs[1][0].shape[1],))
+    for sinks, shares in ((None, None), (sink_logits, mx.array([True, False, True, True, False, True]))):
+        for positions, args in inputs.items():
+            q, pk, pv, tk, tv, starts, scale = args
+            want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
+            for path in [p for p in worst if (p == "mma_prefill") == (positions > 1)]:
+                worst[path] = max(worst[path], _path_error(path, (*args, sinks, None, shares), want))
     return worst
+
+
+def _path_error(path: str, args: tuple, want: mx.array) -> float:
+    try:
+        with forced(path):
+            got = attention(*args).astype(mx.float32)
+    except Exception as exc:  # one kernel that does not build must not take the others down
+        if path not in _OPTIONAL:
+            raise
+        log.warning("%s shared-prefix path unavailable (%s: %s)", path, type(exc).__name__, exc)
+        return float("inf")
+    return mx.abs(got - want).max().item()
 
 
 def grouped_self_check(dtype=mx.bfloat16) -> float:
@@ -218,7 +298,8 @@ def enable() -> bool:
 def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: float = AGREEMENT) -> frozenset[str]:
     """The kernel paths that may run, from ``self_check``'s max differences: ``full`` and ``split`` both
     or none (the base of every other), ``mma`` also needs the tensor-core kernel's own check, ``mma_gqa``
-    needs ``gqa`` and ``mma`` too; a path that failed leaves the others on."""
+    needs ``gqa`` and ``mma`` too, ``mma_prefill`` the tensor-core kernel's check and its own; a path
+    that failed leaves the others on."""
     if max(errors["full"], errors["split"]) >= bound:
         return frozenset()
     passed = {"full", "split"} | {path for path in ("gqa", "mma") if errors.get(path, float("inf")) < bound}
@@ -226,13 +307,17 @@ def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: flo
         passed.discard("mma")
     if {"gqa", "mma"} <= passed and errors.get("mma_gqa", float("inf")) < bound:
         passed.add("mma_gqa")
+    if mma_partials_agree and errors.get("mma_prefill", float("inf")) < bound:
+        passed.add("mma_prefill")
     return frozenset(passed)
 
 
 def _mma_partials_agree() -> bool:
-    """The tensor-core kernel's own check over whole chunks of several staged blocks."""
+    """The tensor-core kernel's own check over whole chunks of several staged blocks, with one query
+    per row and with a prefill chunk's several."""
     try:
-        return prefix_mma_kernel.self_check() < AGREEMENT
+        prefill = prefix_mma_kernel.self_check(rows=5, positions=9, warps=PREFILL_WARPS)
+        return max(prefix_mma_kernel.self_check(), prefill) < AGREEMENT
     except Exception as exc:
         log.warning("mma prefix kernel unavailable (%s: %s)", type(exc).__name__, exc)
         return False

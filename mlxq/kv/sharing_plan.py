@@ -100,9 +100,12 @@ def share_prefix(plan: SharingPlan, rows: list[list], prefix_length: int,
     return share_groups(plan, rows, [PrefixSpec(prefix_length, prefix)], [0 if s else -1 for s in shares])
 
 
-def share_groups(plan: SharingPlan, rows: list[list], specs: list[PrefixSpec], row_groups: list[int]) -> list:
+def share_groups(plan: SharingPlan, rows: list[list], specs: list[PrefixSpec], row_groups: list[int],
+                 own_tails: list[list | None] | None = None) -> list:
     """``share_prefix`` for several groups: row b begins with group ``row_groups[b]``'s prefix
-    (``specs[g]``; -1: it is in no group and keeps its whole history as its tail)."""
+    (``specs[g]``; -1: it is in no group and keeps its whole history as its tail). ``own_tails[b]``,
+    where given, holds per layer row b's tail past its prefix as a solo cache (or None: cut from its
+    cache), e.g. ``tail_from_spans`` of its lease."""
     if any(spec.length <= 0 for spec in specs):
         raise ValueError("a shared prefix has at least one token")
     if len(row_groups) != len(rows) or any(not -1 <= g < len(specs) for g in row_groups):
@@ -115,7 +118,9 @@ def share_groups(plan: SharingPlan, rows: list[list], specs: list[PrefixSpec], r
             continue
         prefixes = [_group_prefix(layer, column, spec, [b for b, x in enumerate(row_groups) if x == g])
                     for g, spec in enumerate(specs)]
-        tails = [_tail(c, specs[g].length if g >= 0 else 0) for c, g in zip(column, row_groups, strict=True)]
+        given = [None if own_tails is None or own_tails[b] is None else own_tails[b][layer] for b in range(len(rows))]
+        tails = [_tail(c, specs[g].length if g >= 0 else 0) if tail is None else tail
+                 for c, g, tail in zip(column, row_groups, given, strict=True)]
         out.append(SharedPrefixBatchCache.grouped_from_tails(prefixes, tails, row_groups))
     return out
 
@@ -145,6 +150,25 @@ def prefix_from_spans(spans_per_layer: list[list[tuple] | None]) -> list[tuple |
         keys, values = (_cat([span[i] for span in spans]) for i in (0, 1))
         out.append((keys, values))
     return out
+
+
+def tail_from_spans(spans: list[tuple], skip: int) -> KVCache:
+    """A row's own tokens after the first ``skip`` of a node chain's spans (one layer's, root first,
+    plain arrays), as a solo cache: only the spans past ``skip`` are concatenated. Cutting them from
+    the lease's assembled cache instead would evaluate the concatenation of the whole chain (MLX
+    slices a computed array): a copy of the prefix per row, the copy sharing exists to avoid."""
+    parts, start = [], 0
+    for keys, values in spans:
+        end = start + keys.shape[2]
+        if end > skip:
+            cut = max(skip - start, 0)
+            parts.append((keys[:, :, cut:], values[:, :, cut:]))
+        start = end
+    tail = KVCache()
+    if parts:
+        tail.keys, tail.values = (_cat([part[i] for part in parts]) for i in (0, 1))
+        tail.offset = tail.keys.shape[2]
+    return tail
 
 
 def _cat(parts: list):

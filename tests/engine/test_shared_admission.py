@@ -109,3 +109,41 @@ def test_a_row_outside_the_group_is_counted_whole(load_tiny):
     load, extent = scheduler._kv_load(Extent(len(fresh.prompt_ids), 4), held)
     assert [e.prefix for e in load.prefilling] == [0, 0] and min(e.shared for e in load.prefilling) >= shared
     assert extent.prefix is None and extent.shared == 0
+
+
+def test_a_burst_on_a_cached_prefix_joins_at_once_in_a_memory_room_without_its_copies(load_tiny):
+    """Agents whose own part is a short tail prefill it on the stored prefix by reference
+    (engine/shared_tails.py), so the memory room does not hold them back for copies they never make:
+    a room with space for one newcomer but not for another agent's copy admits them all at once."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from mlxq.engine.preempt import SHED_AT
+    from mlxq.engine.transient import ModelShape, joiners_transient
+
+    model, tokenizer = load_tiny("llama")
+    shared, reqs = agents(tokenizer)
+    footprint = measure_footprint(model)
+    config = SchedulerConfig(8, 8, 2048, None, shape=ModelShape.of(model))
+    finished: dict[str, list[int]] = {}
+    scheduler = BatchScheduler(model, tokenizer, footprint, config, prompt_cache=PromptCache(1 << 30),
+                               sharing=SharingPolicy("on", plan_sharing(model)),
+                               on_finish=lambda row: finished.__setitem__(row.request.request_id, row.output.tokens))
+    scheduler.add(reqs[0], lambda e: None)  # stores the system prompt
+    while not scheduler.is_idle:
+        scheduler.step()
+    longest = max(len(r.prompt_ids) for r in reqs)
+    transient = joiners_transient(config.shape, [longest] * AGENTS, 2048, 8)
+    room = footprint.row_bytes(longest + MAX_TOKENS, longest) + transient + footprint.batch_bytes([longest]) // 2
+    scheduler.config = dataclasses.replace(config, memory_limit_bytes=int((mx.get_active_memory() + room) / SHED_AT))
+    scheduler.add(reqs[1], lambda e: None)  # something runs: the room is checked from here on
+    admitted = 1
+    while admitted < AGENTS and scheduler.can_admit(reqs[admitted + 1]):
+        scheduler.add(reqs[admitted + 1], lambda e: None)
+        admitted += 1
+    assert admitted == AGENTS
+    while not scheduler.is_idle:
+        scheduler.step()
+    want = {rid: tokens for rid, (tokens, _) in serial_with_cache(model, tokenizer, reqs).items()}
+    assert finished == want

@@ -117,7 +117,8 @@ def test_memory_room_holds_newcomers_only_while_busy():
 
 def test_a_shared_prefix_counts_once_in_the_kv_budget_but_joiners_copies_in_the_memory_room():
     """Rows of one group count the prefix once and their tails (padded to the longest tail); joiners
-    of the group still hold a copy while they prefill: the memory room takes those copies."""
+    of the group prefilling more than a short tail hold a copy while they prefill: the memory room
+    takes those copies (short tails read the prefix by reference: no copy)."""
     shared = tuple(Extent(1000, 24, shared=990, prefix=0) for _ in range(4))
     plain = tuple(Extent(1000, 24) for _ in range(4))
     grouped = Sizing(FOOTPRINT, shared_layers=(True, True))
@@ -129,9 +130,11 @@ def test_a_shared_prefix_counts_once_in_the_kv_budget_but_joiners_copies_in_the_
     assert grouped.projected_bytes(Load(half_shared, ())) == 2 * 4 * tail + 2 * 1024 * 990
 
     newcomer = Extent(1000, 24, 990, 0)
+    long_tails = tuple(Extent(1000, 24, shared=500, prefix=0) for _ in range(4))  # 500 own tokens: a copy
     room = limits(memory_room=3 * 4 * tail + 4 * tail, row_cap=16, prompt_concurrency=8)  # 3 copies + newcomer
-    assert can_admit(Load(shared, shared[:3]), newcomer, room, grouped)
-    assert not can_admit(Load(shared, shared), newcomer, room, grouped)  # a fourth copy in flight
+    assert can_admit(Load(shared, long_tails[:3]), newcomer, room, grouped)
+    assert not can_admit(Load(shared, long_tails), newcomer, room, grouped)  # a fourth copy in flight
+    assert can_admit(Load(shared, shared), newcomer, room, grouped)  # short tails on the prefix: no copies
     assert can_admit(Load(shared, plain), newcomer, room, grouped)  # others' KV is in the room already
 
 
