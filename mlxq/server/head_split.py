@@ -1,19 +1,24 @@
-"""A chat's tokens after its kept system head: only the text past the head's last special token is tokenized.
+"""A chat's tokens after its kept system head: only the text from the head's last special token on is tokenized.
 
 Agents resend one system prompt of thousands of tokens with a short turn
 after it; tokenizing the whole rendered chat per request is most of what
 the server spends on it before the engine sees it. A tokenizer splits its
 input at special (added) tokens before normalizing and pre-tokenizing
-each piece, so the tokens of a chat cut right after a special token are
-the tokens of the part before followed by those of the part after. The
-cut is the last special token that the chat shares with its system
-messages rendered alone (``prompts.system_prefix_length``'s head); the part
-before it is tokenized once per head (kept with the heads,
+each piece, so the tokens of a chat cut right before a special token are
+the tokens of the part before followed by those of the part after, which
+starts with that token. The cut is before the last special token that the
+chat shares with its system messages rendered alone
+(``prompts.system_prefix_length``'s head), so what follows the cut is the
+head's own text whatever the user wrote (a cut after the token would let
+a pre-tokenizer that treats a piece's first character specially, such as
+a Metaspace prefix, see each chat's own first character). Tokens that
+strip whitespace around them or match whole words only are never cut at.
+The part before the cut is tokenized once per head (kept with the heads,
 server/system_heads.py), the rest per request. Whether the cut is exact
 for this tokenizer and template is checked once per head, on the chat it
 was found on, by comparing with the whole chat's tokens; a head whose
-check failed, or a chat that does not start with the kept text (a template
-that renders the date, say), is tokenized whole.
+check failed, or a chat that does not continue with the kept text and the
+special token (a template that renders the date, say), is tokenized whole.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ log = logging.getLogger("mlxq.server")
 class HeadSplit:
     """Where chats on one system head are cut, and the tokens before the cut."""
 
-    text: str  # the rendered chat up to and including a special token
+    text: str  # the rendered chat up to a special token
     ids: tuple[int, ...]  # its tokens
     exact: bool  # the whole chat's tokens were ``ids`` + the rest's tokens on the chat it was found on
+    token: str = ""  # the special token that follows ``text`` in every chat on this head
 
 
 NO_SPLIT = HeadSplit("", (), False)  # tokenize whole (no cut found, or one being found)
@@ -45,7 +51,7 @@ def encode_chat(tokenizer, text: str, system: list, tools, template_kwargs: dict
     parts = [system, tools, template_kwargs]
     split = kept(tokenizer, "split", parts)
     if split is not None:
-        if split.exact and text.startswith(split.text):
+        if split.exact and text.startswith(split.text) and text.startswith(split.token, len(split.text)):
             return list(split.ids) + encode(tokenizer, text[len(split.text):])
         return encode(tokenizer, text)
     keep(tokenizer, "split", parts, NO_SPLIT)  # a burst's other first chats tokenize whole meanwhile
@@ -65,28 +71,33 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def find_split(tokenizer, head: str, text: str, ids: list[int]) -> HeadSplit | None:
-    """The cut after the last special token ``head`` and ``text`` share, checked against ``text``'s
-    tokens ``ids``; None when they share none."""
+    """The cut before the last special token ``head`` and ``text`` share (past the text's start),
+    checked against ``text``'s tokens ``ids``; None when they share none."""
     shared = len(os.path.commonprefix([head, text]))  # once per head
-    ends = [end for token in special_tokens(tokenizer) for end in _ends(text, token, shared)]
-    if not ends:
+    starts = [(start, token) for token in special_tokens(tokenizer) for start in _starts(text, token, shared)]
+    starts = [(start, token) for start, token in starts if start > 0]
+    if not starts:
         return None
-    cut = max(ends)
+    cut, token = max(starts)
     before = encode(tokenizer, text[:cut])
-    return HeadSplit(text[:cut], tuple(before), before + encode(tokenizer, text[cut:]) == ids)
+    return HeadSplit(text[:cut], tuple(before), before + encode(tokenizer, text[cut:]) == ids, token)
 
 
 def special_tokens(tokenizer) -> list[str]:
-    """The tokenizer's special added tokens matched on the raw text (cut out before normalization)."""
+    """The tokenizer's special added tokens matched on the raw text (cut out before normalization),
+    without those that take whitespace around them or match whole words only (their pieces'
+    edges depend on the text beside them)."""
     backend = getattr(tokenizer, "_tokenizer", tokenizer)
     added = getattr(backend, "added_tokens_decoder", None) or {}
-    return [t.content for t in added.values() if t.special and not t.normalized and t.content]
+    plain = [t for t in added.values() if t.special and not t.normalized and t.content]
+    edges = ("lstrip", "rstrip", "single_word")
+    return [t.content for t in plain if not any(getattr(t, flag, False) for flag in edges)]
 
 
-def _ends(text: str, token: str, limit: int) -> list[int]:
-    """Where each occurrence of ``token`` in ``text[:limit]`` ends."""
+def _starts(text: str, token: str, limit: int) -> list[int]:
+    """Where each whole occurrence of ``token`` in ``text[:limit]`` starts."""
     out, start = [], text.find(token, 0, limit)
     while start >= 0:
-        out.append(start + len(token))
+        out.append(start)
         start = text.find(token, start + len(token), limit)
     return out

@@ -44,7 +44,7 @@ def test_chats_on_a_kept_head_tokenize_their_tail_only_with_the_same_ids(load_ti
     first = chat(SYSTEM, "Question zero?")
     assert tokenize_chat(tokenizer, first, None, {}) == whole(tokenizer, first)
     [split] = system_heads._splits[tokenizer].values()
-    assert split[1].exact and split[1].text.endswith(("<|im_end|>", "<|im_start|>")) and SYSTEM in split[1].text
+    assert split[1].exact and split[1].token in ("<|im_end|>", "<|im_start|>") and SYSTEM in split[1].text
     for question in QUESTIONS:
         encoded.clear()
         messages = chat(SYSTEM, question, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"})
@@ -92,3 +92,26 @@ def test_a_tokenizer_the_split_does_not_understand_is_tokenized_whole(load_tiny,
         assert tokenize_chat(tokenizer, messages, None, {}) == whole(tokenizer, messages)
     [(_, split)] = system_heads._splits[tokenizer].values()
     assert split is head_split.NO_SPLIT
+
+
+def test_the_cut_is_before_the_special_token_so_a_metaspace_first_piece_never_moves():
+    """A Metaspace pre-tokenizer with ``prepend_scheme="first"`` marks only the input's first piece:
+    cut after ``<x>``, a later chat's ``a`` would be tokenized as the first piece (``▁a``) where the
+    whole chat has ``a``. Cut before ``<x>``, the tail always starts with ``<x>``."""
+    from types import SimpleNamespace
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "\u2581sys": 1, "sys": 2, "\u2581a": 3, "a": 4, "<x>": 5, "\u2581": 6}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.add_special_tokens([AddedToken("<x>", normalized=False, special=True)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer = SimpleNamespace(_tokenizer=fast, encode=fast.encode)  # as mlx-lm's wrapper holds it
+    first = "sys<x> a"
+    found = head_split.find_split(tokenizer, "sys<x>", first, head_split.encode(tokenizer, first))
+    assert found is not None and found.exact and found.token == "<x>"
+    for later in ("sys<x>a", "sys<x> a", "sys<x>"):
+        split = list(found.ids) + head_split.encode(tokenizer, later[len(found.text):])
+        assert split == head_split.encode(tokenizer, later), later
