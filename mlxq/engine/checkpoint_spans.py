@@ -177,6 +177,8 @@ def _launch(chunk: list[mx.array], spans: list[RowSpan], heads: int, dim: int) -
         plan += [span.index, span.first, span.length, base]
         base += len(chunk) * heads * span.length * dim
         longest = max(longest, heads * span.length * dim)
+    if base == 0:
+        return mx.zeros((0,), dtype=chunk[0].dtype)  # nothing to copy: a launch with an empty grid fails
     return _kernel(len(chunk))(
         inputs=[*chunk, mx.array(plan, dtype=mx.int64)],
         template=[("T", chunk[0].dtype)],

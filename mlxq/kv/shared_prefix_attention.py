@@ -101,7 +101,7 @@ def stacked_prefix_stats(queries: mx.array, keys: KV, values: KV, scale: float,
     stacked = q.swapaxes(0, 1).reshape(kv_heads, -1, dim)  # [Hkv, B*G*L, D]
     keys, values = _map(keys, lambda a: a[0]), _map(values, lambda a: a[0])
     rows = stacked.shape[1]
-    step = max(1, SCORE_BLOCK // (kv_heads * prefix))
+    step = max(1, SCORE_BLOCK // max(1, kv_heads * prefix))  # an empty prefix: one block
     if rows <= step:
         return _prefix_block(stacked, keys, values, quant, queries.dtype)
     blocks = [_prefix_block(stacked[:, start:start + step], keys, values, quant, queries.dtype)
@@ -136,7 +136,7 @@ def tail_partial(queries: mx.array, keys: KV, values: KV, scale: float, mask: mx
     """Each row's queries against its own keys. keys [B, Hkv, T, D]; mask [B or 1, 1, L, T] bool or None.
     At most SCORE_BLOCK scores at once: more rows go in blocks of rows."""
     batch, heads, length, _ = queries.shape
-    step = max(1, SCORE_BLOCK // (heads * length * _shape(keys)[2]))
+    step = max(1, SCORE_BLOCK // max(1, heads * length * _shape(keys)[2]))  # no keys: one block
     if batch <= step:
         return _tail_block(queries, keys, values, scale, mask, quant)
 
