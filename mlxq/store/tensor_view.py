@@ -107,6 +107,10 @@ class SafetensorsView(io.RawIOBase):
             return
         for start, piece in self._spans:
             if start <= at < start + piece.nbytes:
+                if at + len(view) > start + piece.nbytes:  # past its piece: never another tensor's bytes
+                    self.short.append(piece.name)
+                    view[:] = bytes(len(view))
+                    return
                 at = piece.offset + at - start
                 break
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,7 +12,7 @@ import pytest
 import xxhash
 
 from mlxq.store import tensor_view
-from mlxq.store.tensor_view import TensorPiece, load_pieces
+from mlxq.store.tensor_view import SafetensorsView, TensorPiece, load_pieces
 from mlxq.store.verify_pool import TensorCheck, Verification
 
 # (mlxkv dtype name, numpy dtype of the same bytes, shape)
@@ -125,3 +126,15 @@ def test_host_memory_backends_read_rows_into_place():
     from mlxq.store import restore_reads
 
     assert restore_reads.placement() is restore_reads.HostRows
+
+
+def test_a_read_past_its_piece_is_short_and_zero_filled_not_the_next_bytes(tmp_path):
+    path = tmp_path / "two.bin"
+    path.write_bytes(bytes(range(1, 65)) * 2)  # the first piece's 64 bytes, then another tensor's
+    with open(path, "rb") as f:
+        view = SafetensorsView([TensorPiece("keys", f.fileno(), 0, 64, (16,), "float32")])
+        header = view.seek(0, io.SEEK_END) - 64
+        view.seek(header + 60)
+        buffer = bytearray(8)
+        view.readinto(buffer)
+    assert view.short == ["keys"] and bytes(buffer) == bytes(8)
