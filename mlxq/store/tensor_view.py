@@ -21,7 +21,8 @@ import io
 import json
 import os
 import struct
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,15 +36,23 @@ _ST_NAMES = {"bool_": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32", "
              "float32": "F32", "float64": "U64"}
 READ_CHUNK = 4 << 20  # bytes per thread-pool read: large and sequential, enough of them to spread
 READ_THREADS = max(1, min(8, os.cpu_count() or 1))  # H200 host: 8 threads 5.9 GB/s, one 3.2; 16 no faster
-_pool: ThreadPoolExecutor | None = None
 
 
-def read_pool() -> ThreadPoolExecutor:
-    """The process's load threads (made on first use)."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlxq-load")
-    return _pool
+def process_pool(threads: int, name: str) -> Callable[[], ThreadPoolExecutor]:
+    """A getter of one process-wide thread pool, made on first use (under a lock: two restores may
+    start on two threads at once)."""
+    lock, made = threading.Lock(), []
+
+    def get() -> ThreadPoolExecutor:
+        with lock:
+            if not made:
+                made.append(ThreadPoolExecutor(threads, thread_name_prefix=name))
+            return made[0]
+
+    return get
+
+
+read_pool = process_pool(READ_THREADS, "mlxq-load")  # the process's load threads
 
 
 @dataclass(frozen=True)

@@ -17,25 +17,17 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import xxhash
 
-from mlxq.store.tensor_view import READ_CHUNK
+from mlxq.store.tensor_view import READ_CHUNK, process_pool
 
 THREADS = max(1, min(8, os.cpu_count() or 1))  # hashing runs at ~10 GB/s per core: 8 outrun any page cache
-_pool: ThreadPoolExecutor | None = None
 _scratch = threading.local()
-
-
-def verify_pool() -> ThreadPoolExecutor:
-    """The process's checksum threads (made on first use; apart from the load's read threads, so a queue
-    of checks never holds up a load)."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="mlxq-verify")
-    return _pool
+# The process's checksum threads, apart from the load's read threads, so a queue of checks never holds up a load.
+verify_pool = process_pool(THREADS, "mlxq-verify")
 
 
 @dataclass(frozen=True)
