@@ -14,6 +14,10 @@ how many kernels MLX's CUDA JIT cache holds, ``ptx_files``, so a round that
 compiled kernels shows). ``--sharing auto,off`` runs both in one process, one
 scheduler each, in that order. ``--warm`` runs the engine's start-up warm-up
 (engine/warmup.py, with the prompt cache and sharing policy) first and times it.
+``--stored-head N``: each row's first N own tokens are the same every round, so
+from the second round on each row leases the prefix plus N tokens of the chain
+its previous round stored (a different chain per row, as in a server whose
+agents' questions share their first tokens with stored ones).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from unittest import mock
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxq.engine import joining, prefill, running_batch, shared_tails
+from mlxq.engine import joining, prefill, running_batch, shared_tails, tail_placement
 from mlxq.engine.prefix_sharing import SharingPolicy
 from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 from mlxq.engine.transient import ModelShape
@@ -103,7 +107,16 @@ def store_prefix(sched: BatchScheduler, model, prefix: list[int]) -> None:
     sched.prompt_cache.put("", prefix, caches)
 
 
-def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int, fences: Fences | None) -> dict:
+def tail_of(row: int, round_no: int, stored_head: int) -> list[int]:
+    """Row ``row``'s own tokens: its first ``stored_head`` the same every round (so it leases the
+    prefix plus those tokens of the chain its previous round stored, as agents whose questions share
+    their first tokens with stored ones do in a server), the rest new each round."""
+    head = [(row * 31 + j * 11) % 5000 + 100 for j in range(stored_head)]
+    return head + [(round_no * 977 + row * 31 + j * 7) % 5000 + 100 for j in range(40 + (row * 7) % 25 - stored_head)]
+
+
+def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int, fences: Fences | None,
+              stored_head: int = 0) -> dict:
     firsts: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -121,15 +134,16 @@ def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int
                                  (joining, "merge_solo_rows"),
                                  (running_batch, "extend_batch"), (running_batch, "_grouped_caches"),
                                  (running_batch, "share_groups"), (shared_tails, "share_groups"),
-                                 (shared_tails, "prefix_from_spans")):
+                                 (shared_tails, "prefix_from_spans"), (tail_placement, "gather_prefixes")):
                 stack.enter_context(mock.patch.object(module, name, fences.wrap(name, getattr(module, name))))
+            stack.enter_context(mock.patch.object(sched, "_own_tails", fences.wrap("own_tails", sched._own_tails)))
             stack.enter_context(mock.patch.object(sched.prompt_cache, "lease",
                                                   fences.wrap("lease", sched.prompt_cache.lease)))
             stack.enter_context(mock.patch.object(sched.prompt_cache, "put", fences.wrap("put",
                                                                                          sched.prompt_cache.put)))
         ids = []
         for i in range(rows):
-            tail = [(round_no * 977 + i * 31 + j * 7) % 5000 + 100 for j in range(40 + (i * 7) % 25)]
+            tail = tail_of(i, round_no, stored_head)
             rid = f"r{round_no}-{i}"
             ids.append(rid)
             sched.add(Request(rid, prefix + tail, SamplingParams(), 8, ignore_eos=True), emitter(rid))
@@ -168,6 +182,8 @@ def main() -> None:
     ap.add_argument("--sharing", default="auto", help="off, auto or on; several comma-separated: one after another")
     ap.add_argument("--first-fenced", action="store_true", help="fence round 0 too (and not round 1)")
     ap.add_argument("--warm", action="store_true", help="run the engine's start-up warm-up first, timed")
+    ap.add_argument("--stored-head", type=int, default=0,
+                    help="each row's first N own tokens repeat every round: rows lease different stored chains")
     ap.add_argument("--out", default="burst-step-probe.json")
     args = ap.parse_args()
     loaded = load_model(args.model)
@@ -189,7 +205,8 @@ def main() -> None:
         results[mode] = []
         for round_no in range(args.rounds):
             fenced = (round_no % 2 == 0) if args.first_fenced else bool(round_no % 2)
-            results[mode].append(one_round(sched, prefix, args.rows, round_no, Fences() if fenced else None))
+            results[mode].append(one_round(sched, prefix, args.rows, round_no, Fences() if fenced else None,
+                                           args.stored_head))
             print(json.dumps({"sharing": mode} | {k: v for k, v in results[mode][-1].items() if k != "steps"}),
                   flush=True)
             print("  steps:", json.dumps(results[mode][-1]["steps"]), flush=True)

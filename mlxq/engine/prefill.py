@@ -20,15 +20,21 @@ from mlx_lm.models.cache import BatchKVCache
 from mlxq.engine.faults import MemoryFault
 from mlxq.engine.joiners import Joiner
 from mlxq.engine.preempt import split_prefill_group
+from mlxq.engine.prefix_gather import Piece, RowPrefix, own_piece
 from mlxq.engine.shared_tails import evaluable
 from mlxq.engine.step_plan import PrefillPlan
-from mlxq.engine.tail_placement import PlacedRows, broadcast_rows, can_place, merge_for_tails, tails_in_place
+from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import boundary_snapshot, system_snapshot
 
 log = logging.getLogger("mlxq.scheduler")
+
+
+def _plain_spans(node) -> bool:
+    """Every layer of the node a plain (keys, values) span: what the gather reads (not quantized)."""
+    return all(span is not None and isinstance(span[0], mx.array) for span in node.spans)
 
 
 class Prefilling:
@@ -134,7 +140,7 @@ class Prefilling:
         with mx.stream(generation_stream):
             sources = self._lease_sources(group)
             shared = self._shared_tails(group) if last else None
-            placed = None if shared is not None else self._placed(group, lengths, last, sources)
+            placed = None if shared is not None else self._placed(group, lengths, last)
             if placed is not None:  # every row written where it stays (engine/tail_placement.py)
                 caches, layout = placed
                 self._placed_forward(group, caches, layout, chunks)
@@ -153,9 +159,7 @@ class Prefilling:
             self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
         else:
             self.batch.copies.extracted += len(group)
-        if placed is not None:
-            self.batch.copies.broadcast += broadcast_rows(sources, placed[1])
-        elif not shared:
+        if placed is None and not shared:
             self.batch.copies.broadcast += same_as_previous(sources)
         for i, (joiner, n) in enumerate(zip(group, lengths, strict=True)):  # only once everything succeeded
             if kept is not None:
@@ -186,14 +190,30 @@ class Prefilling:
             for cache in caches:
                 finalize_chunks(cache, padding)
 
-    def _placed(self, group: list[Joiner], lengths: list[int], last: bool, sources: list):
+    def _placed(self, group: list[Joiner], lengths: list[int], last: bool):
         """(caches, layout) with each row placed for its tail (engine/tail_placement.py), or None where
         the placement does not apply (a layer that is not plain full attention: a ring, a recurrent
         state, quantized KV)."""
         rows = [j.caches for j in group]
         if not can_place(rows):
             return None
-        return merge_for_tails(rows, lengths, BatchKVCache.step if last else 0, sources)
+        return merge_for_tails(rows, lengths, BatchKVCache.step if last else 0, self._row_prefixes(group))
+
+    def _row_prefixes(self, group: list[Joiner]) -> list[RowPrefix]:
+        """Per joiner, what its caches hold as pieces (engine/prefix_gather.py): the stored chain's
+        spans while it holds exactly what its lease lent (so the lease's own concatenation is never
+        computed, and rows on one chain share its pieces), else its own caches."""
+        out = []
+        for joiner in group:
+            lease = self._leases.get(joiner.row.request.request_id)
+            untouched = (lease is not None and lease.node is not None and joiner.caches is lease.caches
+                         and joiner.done == lease.cached)
+            nodes = [n for n in lease.chain() if n.depth < lease.cached] if untouched else []
+            if nodes and all(_plain_spans(n) for n in nodes):
+                out.append(RowPrefix(tuple(Piece(n.spans) for n in nodes), lease.cached))
+            else:
+                out.append(RowPrefix((own_piece(joiner.caches),) if joiner.done else (), joiner.done))
+        return out
 
     def _lease_sources(self, group: list[Joiner]) -> list:
         """Per joiner, (its lease's node, tokens) while it holds exactly what its lease lent (nothing of

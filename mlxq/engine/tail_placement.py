@@ -20,8 +20,8 @@ right-aligned, as after mlx-lm's roll:
 The padding queries compute rows nobody reads (their K/V are never
 written, their logits never sampled); every real query attends to its own
 prefix and tail only (the batch mask's left padding and causality), so each
-row computes what it computes alone. Neighbouring rows with one stored
-prefix and one padding are written by one broadcast per layer.
+row computes what it computes alone. Every row's prefix is written by one
+gather per layer from the stored spans it leased (engine/prefix_gather.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlxq.engine.prefix_gather import RowPrefix, gather_prefixes, own_piece
 from mlxq.kv.batch_ops import view_row
 
 
@@ -62,19 +63,20 @@ def can_place(rows: list[list]) -> bool:
     return all(type(c) is KVCache for row in rows for c in row) and any(c.keys is not None for c in rows[0])
 
 
-def merge_for_tails(rows: list[list], tails: list[int], room: int, sources: list | None = None
+def merge_for_tails(rows: list[list], tails: list[int], room: int, prefixes: list[RowPrefix] | None = None
                     ) -> tuple[list[BatchKVCache], TailLayout]:
     """Per layer one BatchKVCache of ``rows`` (solo cache lists, ``can_place``) laid out for ``tails``
-    (``layout_for``), and that layout. ``sources``: per row, what its caches hold (equal and not None:
-    the same K/V); a stretch of neighbouring rows with one source and one padding is written by one
-    broadcast (``broadcast_rows`` counts the rows it spares a write)."""
+    (``layout_for``), and that layout. ``prefixes``: per row, the pieces its caches hold
+    (engine/prefix_gather.py: a lease's stored spans, read without its concatenation); by default
+    each row's own caches. Every layer is written by one gather of all rows."""
     sizes = [row[0].offset if row[0].keys is not None else 0 for row in rows]
     layout = layout_for(sizes, tails, room)
-    runs = _runs(sources or [None] * len(rows), layout.padding)
+    prefixes = prefixes or [RowPrefix((own_piece(row),) if size else (), size)
+                            for row, size in zip(rows, sizes, strict=True)]
     merged = []
-    for column in zip(*rows, strict=True):
+    for keys, values in gather_prefixes(prefixes, layout.padding, layout.capacity):
         out = BatchKVCache(layout.padding)
-        out.keys, out.values = (_rows_into(column, name, layout, runs) for name in ("keys", "values"))
+        out.keys, out.values = keys, values
         out.offset += layout.start
         out._idx = layout.start
         merged.append(out)
@@ -125,37 +127,3 @@ def _keeping(cache: BatchKVCache, keep: mx.array, old_keys: mx.array, old_values
     def update_and_fetch(keys: mx.array, values: mx.array):
         return BatchKVCache.update_and_fetch(cache, mx.where(keep, old_keys, keys), mx.where(keep, old_values, values))
     return update_and_fetch
-
-
-def broadcast_rows(sources: list, layout: TailLayout) -> int:
-    """Rows ``merge_for_tails`` wrote by broadcast from the row before them (no write of their own)."""
-    return sum(end - start - 1 for start, end in _runs(sources, layout.padding))
-
-
-def _runs(sources: list, padding: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each stretch of neighbouring rows with one (not None) source and one padding
-    (written by one broadcast); other rows alone."""
-    runs, start = [], 0
-    for end in range(1, len(sources) + 1):
-        if (end < len(sources) and sources[end] is not None and sources[end] == sources[start]
-                and padding[end] == padding[start]):
-            continue
-        runs.append((start, end))
-        start = end
-    return runs
-
-
-def _rows_into(column: tuple, name: str, layout: TailLayout, runs: list[tuple[int, int]]) -> mx.array:
-    """One [rows, heads, capacity, dim] buffer: each row's ``name`` array at its left padding, zeros elsewhere."""
-    sample = next(getattr(c, name) for c in column if c.keys is not None)
-    heads, dim = sample.shape[1], sample.shape[3]
-    out = mx.zeros((len(column), heads, layout.capacity, dim), dtype=sample.dtype)
-    for start, end in runs:
-        cache, pad = column[start], layout.padding[start]
-        if cache.keys is None:
-            continue
-        n = cache.offset
-        row = getattr(cache, name)[..., :n, :]
-        out[start:end, :, pad : pad + n] = row if end - start == 1 else mx.broadcast_to(row, (end - start, heads, n,
-                                                                                                dim))
-    return out

@@ -1,0 +1,85 @@
+"""Every row's prefix written by one gather per layer from the stored pieces it is made of (engine/prefix_gather.py).
+
+The merged batch a cached burst's tails run on must hold, for each row, exactly
+its prefix (the concatenation of its pieces, cut to its length) at its left
+padding and zeros elsewhere; in the scheduler, rows that lease different
+chains of the prompt cache's tree are read from the chains' spans (the lease's
+own concatenation never built into the batch), and every row's greedy tokens
+are still the serial lane's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxq.engine import tail_placement
+from mlxq.engine.prefix_gather import Piece, RowPrefix, gather_prefixes, own_piece
+from mlxq.engine.scheduler import SchedulerConfig
+from mlxq.golden.cases import LONG
+from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
+from tests.engine.test_wave_join import run_wave, wave
+
+
+def _piece(tokens: int, layers: int = 2) -> Piece:
+    return Piece([(mx.random.normal((1, 3, tokens, 8)), mx.random.normal((1, 3, tokens, 8))) for _ in range(layers)])
+
+
+def test_each_row_holds_its_pieces_cut_to_its_length_at_its_padding_and_zeros_elsewhere():
+    system, a, b = _piece(11), _piece(4), _piece(6)
+    prefixes = [RowPrefix((system, a), 13), RowPrefix((system,), 9), RowPrefix((system, b), 17),
+                RowPrefix((b,), 6), RowPrefix((), 0)]
+    padding, capacity = [5, 0, 2, 1, 0], 24
+    out = gather_prefixes(prefixes, padding, capacity)
+    assert len(out) == 2
+    for layer, (keys, values) in enumerate(out):
+        assert keys.shape == values.shape == (5, 3, capacity, 8)
+        for row, (prefix, pad) in enumerate(zip(prefixes, padding, strict=True)):
+            for name, got in ((0, keys), (1, values)):
+                parts = [p.spans[layer][name] for p in prefix.pieces]
+                want = mx.zeros((1, 3, capacity, 8))
+                if parts:
+                    whole = mx.concatenate(parts, axis=2)[..., : prefix.length, :]
+                    want[..., pad : pad + prefix.length, :] = whole
+                assert mx.array_equal(got[row : row + 1], want).item(), (layer, row, name)
+
+
+def test_a_rows_own_caches_are_a_piece_read_up_to_its_offset(load_tiny):
+    model, _ = load_tiny("llama")
+    caches = make_prompt_cache(model)
+    model(mx.array([[5, 6, 7, 8, 9]]), cache=caches)
+    mx.eval([c.state for c in caches])
+    out = gather_prefixes([RowPrefix((own_piece(caches),), 5)], [3], 16)
+    for (keys, values), cache in zip(out, caches, strict=True):
+        assert mx.array_equal(keys[0:1, :, 3:8], cache.keys[..., :5, :]).item()
+        assert mx.array_equal(values[0:1, :, 3:8], cache.values[..., :5, :]).item()
+        assert not mx.any(keys[:, :, :3]).item() and not mx.any(keys[:, :, 8:]).item()
+
+
+def test_rows_leasing_different_stored_chains_are_read_from_their_spans_and_match_the_serial_lane(load_tiny,
+                                                                                                  monkeypatch):
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = recording_scheduler(model, tokenizer, SchedulerConfig(8, 4, 2048, None,
+                                                                                 token0_in_decode=True))
+    # The second wave's questions begin as the first wave's do ("Agent number ..."): each row leases the
+    # system prompt plus part of a stored question, a different chain of the tree per row.
+    cold, cached = wave(tokenizer, shared, "cold", 4, "Agent"), wave(tokenizer, shared, "cached", 4, "Agent")
+    run_wave(scheduler, cold)
+    gathered = []
+    real = tail_placement.gather_prefixes
+    monkeypatch.setattr(tail_placement, "gather_prefixes", lambda *args: gathered.append(args[0]) or real(*args))
+    run_wave(scheduler, cached)
+    assert len(gathered) == 1  # one merge for the wave's tails
+    prefixes = gathered[0]
+    cached_tokens = [finished[r.request_id][1] for r in cached]
+    assert [p.length for p in prefixes] == cached_tokens
+    assert len({p.length for p in prefixes}) > 1 and min(cached_tokens) > len(shared)  # different chains
+    system = prefixes[0].pieces[0]
+    for prefix in prefixes:
+        assert len(prefix.pieces) > 1 and prefix.pieces[0].spans is system.spans  # the stored nodes' spans, one shared
+        node_spans = {id(p.spans) for p in prefix.pieces}
+        assert len(node_spans) == len(prefix.pieces)
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
