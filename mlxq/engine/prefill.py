@@ -4,8 +4,12 @@ A mixin of BatchScheduler (engine/scheduler.py): ``_prefill`` carries out a
 ``PrefillPlan`` (engine/step_plan.py). A joiner prefills prompt[:-1] on its
 own solo caches in the serial lane's chunks (``--prefill-step-size``, cut
 where the prefix policy snapshots: store/prefix.py); when several advance in
-one step their chunks run as one forward (merged caches, right-padded
-chunks, mlx-lm's ``prepare``/``finalize``), then each row is extracted again.
+one step their chunks run as one forward: rows on plain full-attention
+caches (and tails on a shared prefix) placed where their left-padded chunks
+end together, every row's stored prefix gathered in one operation per layer
+(engine/tail_placement.py, engine/prefix_gather.py); others merged with the
+chunks right-padded (mlx-lm's ``prepare``/``finalize``); then each row is
+extracted again, or the batch kept for their join.
 """
 
 from __future__ import annotations
@@ -128,7 +132,8 @@ class Prefilling:
         """One planned chunk for each joiner from one forward, then back to solo caches.
 
         Rows on plain full-attention caches are placed where their chunks end
-        together (engine/tail_placement.py); others are merged right-aligned with
+        together (engine/tail_placement.py), tails on a shared prefix alike
+        (engine/shared_tails.py); others are merged right-aligned with
         the chunks right-padded (``_right_padded_forward``). Then each row is
         extracted, or, after every row's last chunk, the batch is kept for their
         join (engine/wave_caches.py).
@@ -139,11 +144,14 @@ class Prefilling:
         last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
         with mx.stream(generation_stream):
             sources = self._lease_sources(group)
-            shared = self._shared_tails(group) if last else None
+            shared = self._shared_tails(group, lengths) if last else None
             placed = None if shared is not None else self._placed(group, lengths, last)
             if placed is not None:  # every row written where it stays (engine/tail_placement.py)
                 caches, layout = placed
                 self._placed_forward(group, caches, layout, chunks)
+            elif shared is not None and shared.layout is not None:  # the tails placed alike
+                caches = shared.caches
+                self._placed_forward(group, caches, shared.layout, chunks, shared)
             else:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
@@ -168,11 +176,14 @@ class Prefilling:
                 joiner.caches = rows[i]
             self._advanced(joiner, n)
 
-    def _placed_forward(self, group: list[Joiner], caches: list, layout, chunks: list) -> None:
-        """The chunks left-padded on caches laid out for them; the padding's K/V never written."""
+    def _placed_forward(self, group: list[Joiner], caches: list, layout, chunks: list, shared=None) -> None:
+        """The chunks left-padded on caches laid out for them; the padding's K/V never written. On a
+        shared prefix (``shared``) the layout is the tails' and the attention goes through its seam."""
         tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
         evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
-        with adapter_rows(self.model, [j.row.request.adapter for j in group]), tails_in_place(caches, layout, evaluate):
+        written = [c.tail for c in caches] if shared is not None else caches
+        with (adapter_rows(self.model, [j.row.request.adapter for j in group]),
+              tails_in_place(written, layout, evaluate), self._routed(shared)):
             self.model(tokens, cache=caches)
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):
@@ -201,19 +212,25 @@ class Prefilling:
 
     def _row_prefixes(self, group: list[Joiner]) -> list[RowPrefix]:
         """Per joiner, what its caches hold as pieces (engine/prefix_gather.py): the stored chain's
-        spans while it holds exactly what its lease lent (so the lease's own concatenation is never
-        computed, and rows on one chain share its pieces), else its own caches."""
+        spans while it holds exactly what its lease lent (``_lease_prefix``), else its own caches."""
         out = []
         for joiner in group:
-            lease = self._leases.get(joiner.row.request.request_id)
-            untouched = (lease is not None and lease.node is not None and joiner.caches is lease.caches
-                         and joiner.done == lease.cached)
-            nodes = [n for n in lease.chain() if n.depth < lease.cached] if untouched else []
-            if nodes and all(_plain_spans(n) for n in nodes):
-                out.append(RowPrefix(tuple(Piece(n.spans) for n in nodes), lease.cached))
-            else:
-                out.append(RowPrefix((own_piece(joiner.caches),) if joiner.done else (), joiner.done))
+            lent = self._lease_prefix(joiner)
+            if lent is None:
+                lent = RowPrefix((own_piece(joiner.caches),) if joiner.done else (), joiner.done)
+            out.append(lent)
         return out
+
+    def _lease_prefix(self, joiner: Joiner) -> RowPrefix | None:
+        """The stored chain's spans a joiner holding exactly what its lease lent reads from (so the
+        lease's own concatenation is never computed, and rows on one chain share its pieces), or None."""
+        lease = self._leases.get(joiner.row.request.request_id)
+        if lease is None or lease.node is None or joiner.caches is not lease.caches or joiner.done != lease.cached:
+            return None
+        nodes = [n for n in lease.chain() if n.depth < lease.cached]
+        if not nodes or not all(_plain_spans(n) for n in nodes):
+            return None
+        return RowPrefix(tuple(Piece(n.spans) for n in nodes), lease.cached)
 
     def _lease_sources(self, group: list[Joiner]) -> list:
         """Per joiner, (its lease's node, tokens) while it holds exactly what its lease lent (nothing of

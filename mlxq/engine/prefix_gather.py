@@ -46,10 +46,12 @@ class Piece:
 
 @dataclass(frozen=True)
 class RowPrefix:
-    """A row's prefix: the first ``length`` tokens of its pieces laid end to end."""
+    """What a row holds: ``length`` tokens of its pieces laid end to end, after their first ``skip``
+    (a row's own tail past a prefix it reads by reference)."""
 
     pieces: tuple[Piece, ...]
     length: int
+    skip: int = 0
 
 
 def own_piece(caches: list) -> Piece:
@@ -59,7 +61,7 @@ def own_piece(caches: list) -> Piece:
 
 def gather_prefixes(prefixes: list[RowPrefix], padding: list[int], capacity: int) -> list[tuple[mx.array, mx.array]]:
     """Per layer (keys, values) of [rows, heads, capacity, dim]: row b's prefix at columns
-    [padding[b], padding[b] + length), zeros elsewhere."""
+    [padding[b], padding[b] + length), zeros elsewhere. At least one row names a piece."""
     pieces, offsets = _distinct(prefixes)
     index = _Index(_column_index(prefixes, offsets, padding, capacity))
     out = []
@@ -112,7 +114,7 @@ def _column_index(prefixes: list[RowPrefix], offsets: dict[int, int], padding: l
         if not prefix.length:
             continue
         columns = np.concatenate([np.arange(offsets[id(p.spans)], offsets[id(p.spans)] + p.width, dtype=np.int32)
-                                  for p in prefix.pieces])[: prefix.length]
+                                  for p in prefix.pieces])[prefix.skip : prefix.skip + prefix.length]
         index[row, pad : pad + prefix.length] = columns
     return index
 

@@ -13,7 +13,10 @@ arrays), only each row's tail written (what its lease lent past that
 prefix, and its chunk); the rows then join the batch as that group (adopted into an empty
 batch, or appended to the running group on the same prefix, which rows
 already decoding on their own copies of it form first), and no joiner
-ever holds a copy of the prefix.
+ever holds a copy of the prefix. Where every layer shares and the leases
+lend plain spans, the tails are placed as engine/tail_placement.py places
+whole rows: one gather per layer writes every row's own tokens where its
+left-padded chunk ends them, so no per-row tail cut, merge or row move.
 
 The tails' attention is the shared-prefix path (the prefix and the tail
 merged by log-sum-exp; kv/shared_prefix_decode.py's ``mma_prefill`` on
@@ -30,11 +33,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxq.engine.joiners import Joiner
+from mlxq.engine.prefix_gather import RowPrefix
 from mlxq.engine.prefix_sharing import Group, tails_group
 from mlxq.engine.running_batch import Pending
+from mlxq.engine.tail_placement import TailLayout, place_rows
 from mlxq.kv import attention_route
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import PrefixSpec, prefix_from_spans, share_groups, tail_from_spans
@@ -47,6 +52,7 @@ class SharedTails:
     caches: list
     group: Group  # the joiners as one group (every one of them in it)
     into: int | None  # the running group they join (its prefix arrays are theirs); None: an empty batch
+    layout: TailLayout | None = None  # the tails placed for left-padded chunks (engine/tail_placement.py)
 
 
 def evaluable(caches: list) -> list:
@@ -57,7 +63,7 @@ def evaluable(caches: list) -> list:
 class TailSharing:
     """Tails prefilled on a prefix read by reference (mixed into BatchScheduler)."""
 
-    def _shared_tails(self, group: list[Joiner]) -> SharedTails | None:
+    def _shared_tails(self, group: list[Joiner], chunks: list[int]) -> SharedTails | None:
         """Caches for ``group``'s last chunks that read their common leased prefix by reference, or
         None when ``prefix_sharing.tails_group`` finds no such prefix (their caches are then merged,
         a copy per row). Joiners must hold exactly what their leases lent, on full attention, and
@@ -88,9 +94,29 @@ class TailSharing:
             prefix = prefix_from_spans(choice.group.prefix_lease().layer_spans())
         else:  # the running group's arrays: the batch's caches then extend that group, not add one
             prefix = [c.prefixes[into] if isinstance(c, SharedPrefixBatchCache) else None for c in self.batch.caches]
+        one = Group(choice.group.node, length, (True,) * len(group))
+        placed = self._placed_tails(group, chunks, length, prefix)
+        if placed is not None:
+            return SharedTails(placed[0], one, into, placed[1])
         caches = share_groups(policy.plan, [j.caches for j in group], [PrefixSpec(length, prefix)], [0] * len(group),
                               [self._own_tails(j, length) for j in group])
-        return SharedTails(caches, Group(choice.group.node, length, (True,) * len(group)), into)
+        return SharedTails(caches, one, into)
+
+    def _placed_tails(self, group: list[Joiner], chunks: list[int], length: int, prefix: list):
+        """(caches, layout): every layer a SharedPrefixBatchCache over ``prefix`` whose tails hold each
+        row's own tokens past ``length`` placed for its chunk (``place_rows``: one gather per layer from
+        the stored spans, no merge or row move per row); None unless every layer shares a plain prefix
+        and every joiner's lease lends plain spans."""
+        if not all(self.sharing.plan.shared) or any(p is None for p in prefix):
+            return None
+        lent = [self._lease_prefix(j) for j in group]
+        if any(r is None for r in lent):
+            return None
+        own = [RowPrefix(r.pieces, r.length - length, skip=length) for r in lent]
+        tails, layout = place_rows(own, chunks, BatchKVCache.step)
+        rows = [0] * len(group)
+        return [SharedPrefixBatchCache.grouped([layer], tail, rows) for layer, tail in zip(prefix, tails, strict=True)
+                ], layout
 
     def _own_tails(self, joiner: Joiner, length: int) -> list | None:
         """Per layer, what ``joiner``'s lease lent past the group's ``length`` tokens, from the chain's

@@ -68,11 +68,17 @@ def merge_for_tails(rows: list[list], tails: list[int], room: int, prefixes: lis
     """Per layer one BatchKVCache of ``rows`` (solo cache lists, ``can_place``) laid out for ``tails``
     (``layout_for``), and that layout. ``prefixes``: per row, the pieces its caches hold
     (engine/prefix_gather.py: a lease's stored spans, read without its concatenation); by default
-    each row's own caches. Every layer is written by one gather of all rows."""
-    sizes = [row[0].offset if row[0].keys is not None else 0 for row in rows]
-    layout = layout_for(sizes, tails, room)
-    prefixes = prefixes or [RowPrefix((own_piece(row),) if size else (), size)
-                            for row, size in zip(rows, sizes, strict=True)]
+    each row's own caches."""
+    if prefixes is None:
+        sizes = [row[0].offset if row[0].keys is not None else 0 for row in rows]
+        prefixes = [RowPrefix((own_piece(row),) if size else (), size) for row, size in zip(rows, sizes, strict=True)]
+    return place_rows(prefixes, tails, room)
+
+
+def place_rows(prefixes: list[RowPrefix], tails: list[int], room: int) -> tuple[list[BatchKVCache], TailLayout]:
+    """Per layer one BatchKVCache holding each row's ``prefixes`` entry laid out for ``tails``: every
+    layer written by one gather of all rows."""
+    layout = layout_for([p.length for p in prefixes], tails, room)
     merged = []
     for keys, values in gather_prefixes(prefixes, layout.padding, layout.capacity):
         out = BatchKVCache(layout.padding)
