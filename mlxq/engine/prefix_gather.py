@@ -194,7 +194,9 @@ def _kernel_checked(dtype: mx.Dtype) -> bool:
         except Exception:
             log.exception("the prefix gather kernel failed; gathering with MLX's take")
             _checked[dtype] = False
-        if not _checked[dtype]:
+        if _checked[dtype]:
+            log.info("prefix gather kernel checked for %s: in use", dtype)
+        else:
             log.error("the prefix gather kernel disagrees with MLX's take; using take")
     return _checked[dtype]
 
