@@ -69,6 +69,34 @@ def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
 
 
+def test_no_view_into_the_placed_batch_is_alive_when_its_first_decode_step_writes(load_tiny, monkeypatch):
+    """The joiners' lazy row views (tail_placement.PlacedRows) hold slices of the batch's arrays: were
+    one alive at the decode step that computes token 0, MLX could not write that step's K/V in place
+    and would copy every layer's whole batch. They are gone by then."""
+    import weakref
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, _ = recording_scheduler(model, tokenizer, SchedulerConfig(8, 4, 2048, None, token0_in_decode=True))
+    run_wave(scheduler, wave(tokenizer, shared, "cold", 2, "Agent"))
+    made = []
+
+    class Recorded(tail_placement.PlacedRows):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(prefill, "PlacedRows", Recorded)
+    alive_at_decode = []
+    decode = scheduler._decode_or_shed
+    monkeypatch.setattr(scheduler, "_decode_or_shed",
+                        lambda: alive_at_decode.append(sum(r() is not None for r in made)) or decode())
+    for r in wave(tokenizer, shared, "cached", 4, "Please"):
+        scheduler.add(replace(r), lambda e: None)
+    scheduler.step()  # the tails' forward, the join, and the decode step of token 0
+    assert len(made) == 1 and alive_at_decode == [0]
+
+
 def test_rows_move_right_by_their_padding_as_mlx_lm_rolls_them():
     import mlx.core as mx
     from mlx_lm.models.cache import dynamic_roll
@@ -116,6 +144,45 @@ def test_a_burst_still_arriving_waits_for_the_rest_and_prefills_as_one_forward(l
     expected = serial_with_cache(model, tokenizer, cold + cached)
     for r in cold + cached:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_a_request_cancelled_while_its_burst_is_held_ends_at_the_next_step_and_the_rest_stay_held(load_tiny):
+    """A client that goes away while its tail is held for the rest of the burst is not kept for the
+    hold's window: the next step (at most ``gap_s`` after the last arrival, when the engine thread
+    wakes) ends it, cancelled, without a prefill; the others wait for the burst as before."""
+    import time
+
+    from mlxq.engine.burst_hold import BurstHold
+    from mlxq.engine.types import FinishReason
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=True, burst=BurstHold(window_s=0.15, gap_s=0.02))
+    scheduler, finished = recording_scheduler(model, tokenizer, config)
+    run_wave(scheduler, wave(tokenizer, shared, "cold", 1, "Agent"))
+    now = [time.monotonic() + 100.0]
+    scheduler.clock = lambda: now[0]
+    cached = [replace(r) for r in wave(tokenizer, shared, "cached", 4, "Please")]
+    events: dict[str, list] = {r.request_id: [] for r in cached}
+    steps = scheduler.phases.prefill_iterations
+    for r in cached[:3]:
+        scheduler.add(r, events[r.request_id].append)
+        now[0] += 0.005
+    scheduler.step()
+    assert scheduler.num_prefilling == 3 and scheduler.phases.prefill_iterations == steps  # held
+    cached[1].cancel()
+    scheduler.add(cached[3], events[cached[3].request_id].append)
+    now[0] += 0.005
+    scheduler.step()
+    assert [e.finish_reason for e in events[cached[1].request_id]] == [FinishReason.CANCELLED]
+    assert scheduler.num_prefilling == 3 and scheduler.phases.prefill_iterations == steps  # the rest still held
+    now[0] += 0.025
+    scheduler.step()
+    assert scheduler.phases.prefill_iterations == steps + 1 and scheduler.num_rows == 3
+    while not scheduler.is_idle:
+        scheduler.step()
+    assert finished[cached[1].request_id][0] == []  # never prefilled, never sampled
+    assert all(len(finished[r.request_id][0]) == r.max_tokens for r in cached if r is not cached[1])
 
 
 def test_an_engine_that_holds_bursts_prefills_a_submitted_wave_in_one_step(tiny_model_dirs, monkeypatch):
