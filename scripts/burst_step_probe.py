@@ -135,7 +135,11 @@ def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int
                                  (running_batch, "extend_batch"), (running_batch, "_grouped_caches"),
                                  (running_batch, "share_groups"), (shared_tails, "share_groups"),
                                  (shared_tails, "prefix_from_spans"), (tail_placement, "gather_prefixes")):
-                stack.enter_context(mock.patch.object(module, name, fences.wrap(name, getattr(module, name))))
+                # The stages the code under test has (an older one lacks some). With the gather, the merge
+                # reads the stored spans and not the leases' caches, which its fence would evaluate.
+                gathered = hasattr(tail_placement, "gather_prefixes")
+                if hasattr(module, name) and not (gathered and name == "merge_for_tails"):
+                    stack.enter_context(mock.patch.object(module, name, fences.wrap(name, getattr(module, name))))
             stack.enter_context(mock.patch.object(sched, "_own_tails", fences.wrap("own_tails", sched._own_tails)))
             stack.enter_context(mock.patch.object(sched.prompt_cache, "lease",
                                                   fences.wrap("lease", sched.prompt_cache.lease)))
