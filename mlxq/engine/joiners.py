@@ -38,6 +38,8 @@ class Joiner:
     admitted_at: float = field(default_factory=time.monotonic)  # when the scheduler took it in
     # (id of the caches list, is_trimmable): the planner asks per joiner per admission and step
     _trimmable: tuple[int, bool] | None = field(default=None, repr=False)
+    # ((done, id of its caches), tokens): its next chunk's length as last worked out (Prefilling._chunk_len)
+    next_chunk: tuple[tuple[int, int], int] | None = field(default=None, repr=False)
     # (rows, index): its caches are that row of a kept plain full-attention batch, built when first read
     _row_of: tuple | None = field(default=None, repr=False)
 

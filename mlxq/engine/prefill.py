@@ -106,10 +106,16 @@ class Prefilling:
         joiner.start_from(lease.caches, pending.n)  # it never advanced while it restored
 
     def _chunk_len(self, joiner: Joiner) -> int:
-        """The next chunk: the serial lane's boundaries (mlx-lm generate_step), cut at a snapshot point."""
+        """The next chunk: the serial lane's boundaries (mlx-lm generate_step), cut at a snapshot point.
+        Worked out once per ``done`` and caches (a held burst's joiners are planned at every arrival)."""
+        state = (joiner.done, id(joiner._caches))
+        if joiner.next_chunk is not None and joiner.next_chunk[0] == state:
+            return joiner.next_chunk[1]
         n = min(self.config.prefill_step_size, len(joiner.prompt) - 1 - joiner.done)
         split = self._split_at(joiner)
-        return n if split is None else min(n, split - joiner.done)
+        n = n if split is None else min(n, split - joiner.done)
+        joiner.next_chunk = (state, n)
+        return n
 
     def _split_at(self, joiner: Joiner) -> int | None:
         """Where to stop a chunk for a system-prompt snapshot (the serial lane stops at the same place)."""

@@ -232,10 +232,12 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
     def _plan_and_prefill(self) -> None:
         preempted = [(Extent(*resumed_size(r)), r.request.cancelled.is_set()) for r in self._preempted]
         views = self.joiners.views(self._chunk_len)
-        self._intake(plan_intake(views, preempted, self._load(views).running, self._limits(), self.sizing))
+        intake = plan_intake(views, preempted, self._load(views).running, self._limits(), self.sizing)
+        self._intake(intake)
         if not self.joiners:
             return
-        views = self.joiners.views(self._chunk_len)  # the intake may have dropped or released joiners
+        if intake.changes_joiners:  # it dropped, released or readmitted joiners: a held burst's steps do not
+            views = self.joiners.views(self._chunk_len)
         now = self.clock()
         if hold_for_burst(views, self._admissions, now, self.config.burst):
             if not self.batch:  # nothing decodes meanwhile: leave the GIL to the server threads parsing the rest

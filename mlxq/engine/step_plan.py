@@ -214,6 +214,11 @@ class IntakePlan:
     released: tuple[int, ...]  # followers to take the shared prefix from the prompt cache now
     readmit: int  # preempted rows (oldest first, after the cancelled left) that re-enter as joiners
 
+    @property
+    def changes_joiners(self) -> bool:
+        """Carrying it out changes some joiner (its view must be taken again): not a step's usual no-op."""
+        return bool(self.cancelled_joiners or self.cancelled_preempted or self.released or self.readmit)
+
 
 def plan_intake(joiners: Sequence[JoinerView], preempted: Sequence[tuple[Extent, bool]], running: Sequence[Extent],
                 limits: Limits, sizing: Sizing) -> IntakePlan:

@@ -185,6 +185,36 @@ def test_a_request_cancelled_while_its_burst_is_held_ends_at_the_next_step_and_t
     assert all(len(finished[r.request_id][0]) == r.max_tokens for r in cached if r is not cached[1])
 
 
+def test_a_held_burst_works_out_each_joiners_chunk_once_not_at_every_arrival(load_tiny, monkeypatch):
+    """While a burst is held, the engine thread plans a step at every arrival; each joiner's next chunk
+    (snapshot points, cache kinds) is worked out once, and a step whose intake changes nobody takes the
+    joiners' views once: the engine's work per arrival does not grow with the burst already there."""
+    import time
+
+    from mlxq.engine.burst_hold import BurstHold
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    config = SchedulerConfig(32, 4, 2048, None, token0_in_decode=True, burst=BurstHold(window_s=10.0, gap_s=1.0))
+    scheduler, _ = recording_scheduler(model, tokenizer, config)
+    run_wave(scheduler, wave(tokenizer, shared, "cold", 1, "Agent"))
+    now = [time.monotonic() + 100.0]
+    scheduler.clock = lambda: now[0]
+    worked_out, views = [], []
+    split_at, take_views = scheduler._split_at, scheduler.joiners.views
+    monkeypatch.setattr(scheduler, "_split_at", lambda joiner: worked_out.append(joiner) or split_at(joiner))
+    monkeypatch.setattr(scheduler.joiners, "views", lambda chunk_len: views.append(1) or take_views(chunk_len))
+    cached = wave(tokenizer, shared, "cached", 12, "Please")
+    for r in cached:
+        scheduler.add(replace(r), lambda e: None)
+        now[0] += 0.005
+        scheduler.step()
+    assert scheduler.num_prefilling == 11  # the first went at once (nothing said more were coming), the rest held
+    # Once per joiner (and once more for the first, whose chunk ran), not per joiner per arrival.
+    assert len(worked_out) == 13
+    assert len(views) == 12  # one per held step
+
+
 def test_an_engine_that_holds_bursts_prefills_a_submitted_wave_in_one_step(tiny_model_dirs, monkeypatch):
     """The engine thread as a GPU server runs it (burst window on): a wave submitted a request at
     a time, as a server hands them over, is held while it arrives and prefilled together; every
