@@ -14,6 +14,9 @@ how many kernels MLX's CUDA JIT cache holds, ``ptx_files``, so a round that
 compiled kernels shows). ``--sharing auto,off`` runs both in one process, one
 scheduler each, in that order. ``--warm`` runs the engine's start-up warm-up
 (engine/warmup.py, with the prompt cache and sharing policy) first and times it.
+``--arrivals``: the requests reach the scheduler one by one, the burst held
+as a GPU server holds it, and the engine thread's work for that (admission
+check, add, held step per arrival) is timed (``admit_one_by_one_ms``).
 ``--stored-head N``: each row's first N own tokens are the same every round, so
 from the second round on each row leases the prefix plus N tokens of the chain
 its previous round stored (a different chain per row, as in a server whose
@@ -29,12 +32,14 @@ import os
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from unittest import mock
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine import joining, prefill, running_batch, shared_tails, tail_placement
+from mlxq.engine.burst_hold import BurstHold
 from mlxq.engine.prefix_sharing import SharingPolicy
 from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 from mlxq.engine.transient import ModelShape
@@ -115,8 +120,31 @@ def tail_of(row: int, round_no: int, stored_head: int) -> list[int]:
     return head + [(round_no * 977 + row * 31 + j * 7) % 5000 + 100 for j in range(40 + (row * 7) % 25 - stored_head)]
 
 
+def admit_one_by_one(sched: BatchScheduler, requests: list) -> float:
+    """The engine thread's work for a burst reaching it a request at a time, held as a GPU server holds
+    it (engine/burst_hold.py): per arrival the admission check, the add and a held step; returns its
+    ms in all (host time: nothing is evaluated), then lets the hold end."""
+    now = [0.0]
+    config, clock = sched.config, sched.clock
+    sched.config, sched.clock = replace(config, burst=BurstHold(window_s=3600.0, gap_s=3600.0)), lambda: now[0]
+    sched.await_arrival = lambda timeout: None
+    spent = 0.0
+    try:
+        for request, emit in requests:
+            start = time.perf_counter()
+            if not sched.can_admit(request):
+                raise RuntimeError(f"{request.request_id} was not admitted")
+            sched.add(request, emit)
+            sched.step()
+            spent += time.perf_counter() - start
+            now[0] += 0.001
+    finally:
+        sched.config, sched.clock = config, clock
+    return round(1000 * spent, 1)
+
+
 def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int, fences: Fences | None,
-              stored_head: int = 0) -> dict:
+              stored_head: int = 0, arrivals: bool = False) -> dict:
     firsts: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -145,12 +173,13 @@ def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int
                                                   fences.wrap("lease", sched.prompt_cache.lease)))
             stack.enter_context(mock.patch.object(sched.prompt_cache, "put", fences.wrap("put",
                                                                                          sched.prompt_cache.put)))
-        ids = []
-        for i in range(rows):
-            tail = tail_of(i, round_no, stored_head)
-            rid = f"r{round_no}-{i}"
-            ids.append(rid)
-            sched.add(Request(rid, prefix + tail, SamplingParams(), 8, ignore_eos=True), emitter(rid))
+        requests = [(Request(f"r{round_no}-{i}", prefix + tail_of(i, round_no, stored_head), SamplingParams(), 8,
+                             ignore_eos=True), emitter(f"r{round_no}-{i}")) for i in range(rows)]
+        if arrivals:
+            admit_ms = admit_one_by_one(sched, requests)
+        else:
+            for request, emit in requests:
+                sched.add(request, emit)
         added = time.perf_counter() - t0
         steps = []
         while len(firsts) < rows and len(steps) < 64:
@@ -164,6 +193,7 @@ def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int
         sched.step()
     ttfts = sorted(firsts.values())
     return {"round": round_no, "fenced": fences is not None, "add_ms": round(1000 * added, 1),
+            "admit_one_by_one_ms": admit_ms if arrivals else None,
             "ttft_ms_p50": round(1000 * ttfts[len(ttfts) // 2], 1),
             "ttft_ms_max": round(1000 * ttfts[-1], 1), "steps": steps,
             "stages_ms": dict(fences.ms) if fences else None, "stage_calls": dict(fences.calls) if fences else None,
@@ -188,6 +218,8 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="run the engine's start-up warm-up first, timed")
     ap.add_argument("--stored-head", type=int, default=0,
                     help="each row's first N own tokens repeat every round: rows lease different stored chains")
+    ap.add_argument("--arrivals", action="store_true",
+                    help="requests reach the scheduler one by one, the burst held: time the engine's work for that")
     ap.add_argument("--out", default="burst-step-probe.json")
     args = ap.parse_args()
     loaded = load_model(args.model)
@@ -210,7 +242,7 @@ def main() -> None:
         for round_no in range(args.rounds):
             fenced = (round_no % 2 == 0) if args.first_fenced else bool(round_no % 2)
             results[mode].append(one_round(sched, prefix, args.rows, round_no, Fences() if fenced else None,
-                                           args.stored_head))
+                                           args.stored_head, args.arrivals))
             print(json.dumps({"sharing": mode} | {k: v for k, v in results[mode][-1].items() if k != "steps"}),
                   flush=True)
             print("  steps:", json.dumps(results[mode][-1]["steps"]), flush=True)
