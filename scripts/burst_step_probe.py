@@ -122,12 +122,13 @@ def tail_of(row: int, round_no: int, stored_head: int) -> list[int]:
 
 def admit_one_by_one(sched: BatchScheduler, requests: list) -> float:
     """The engine thread's work for a burst reaching it a request at a time, held as a GPU server holds
-    it (engine/burst_hold.py): per arrival the admission check, the add and a held step; returns its
-    ms in all (host time: nothing is evaluated), then lets the hold end."""
+    it (engine/burst_hold.py) from its first request on: per arrival the admission check, the add and
+    a held step; returns its ms in all (host time: nothing is evaluated), then lets the hold end."""
     now = [0.0]
     config, clock = sched.config, sched.clock
     sched.config, sched.clock = replace(config, burst=BurstHold(window_s=3600.0, gap_s=3600.0)), lambda: now[0]
     sched.await_arrival = lambda timeout: None
+    sched._admissions = (-0.002, -0.001)  # as if the burst had begun: its first request is held too
     spent = 0.0
     try:
         for request, emit in requests:
