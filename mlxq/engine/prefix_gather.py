@@ -152,7 +152,7 @@ _SOURCE = """
     const int64_t c = (i / words) % capacity;
     const int64_t h = (i / (words * capacity)) % heads;
     const int64_t b = i / (words * capacity * heads);
-    const int src = index[b * capacity + c];
+    const int src = columns[b * capacity + c];
     uint4 value = make_uint4(0, 0, 0, 0);
     if (src >= 0) {
         value = reinterpret_cast<const uint4*>(pool)[(h * width + src) * words + w];
@@ -167,18 +167,18 @@ def _kernel_applies(pool: mx.array) -> bool:
     return mx.cuda.is_available() and pool.shape[3] * pool.dtype.size % 16 == 0
 
 
-def _by_kernel(pool: mx.array, index: mx.array) -> mx.array:
+def _by_kernel(pool: mx.array, columns: mx.array) -> mx.array:
     """The copy kernel: each thread moves one 16-byte word of one output head vector."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mlxq_prefix_gather", input_names=["pool", "index", "sizes"],
+        _kernel = mx.fast.cuda_kernel(name="mlxq_prefix_gather", input_names=["pool", "columns", "sizes"],
                                       output_names=["out"], source=_SOURCE, ensure_row_contiguous=True)
     _, heads, width, dim = pool.shape
-    rows, capacity = index.shape
+    rows, capacity = columns.shape
     words = dim * pool.dtype.size // 16
     n = rows * heads * capacity * words
     sizes = mx.array([heads, width, capacity, words, n], dtype=mx.int64)
-    return _kernel(inputs=[pool, index, sizes], grid=(-(-n // _THREADS) * _THREADS, 1, 1),
+    return _kernel(inputs=[pool, columns, sizes], grid=(-(-n // _THREADS) * _THREADS, 1, 1),
                    threadgroup=(_THREADS, 1, 1), output_shapes=[(rows, heads, capacity, dim)],
                    output_dtypes=[pool.dtype])[0]
 
