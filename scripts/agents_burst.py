@@ -136,8 +136,8 @@ async def run(url: str, args, log_path: Path | None) -> None:
             fields = logged.get(r.id, {})
             r.queue_ms, r.phases_ms = fields.get("queue_ms"), phases_of(fields)
             r.parse_ms, r.server_ttft_ms = fields.get("parse_ms"), fields.get("ttft_ms")
-            received = fields.get("received_monotonic_s")  # the server's clock is this host's only with --model
-            r.send_ms = None if received is None or args.url else round((received - r.sent_at) * 1000, 1)
+            received = fields.get("received_monotonic_s")  # a log read here: the server runs on this host
+            r.send_ms = None if received is None else round((received - r.sent_at) * 1000, 1)
         mark_outliers(records, samples, args.outlier_factor, args.outlier_min_ms, args.batch, args.prompt_concurrency)
         async with httpx.AsyncClient(timeout=30) as client:
             stats = await read_stats(client, url)
