@@ -16,6 +16,9 @@ from mlxq.server.token_bound import token_lower_bound
 # in a worker thread: a render that outlives it is refused, and the caller stops waiting for it.
 RENDER_TIMEOUT_S = 10.0
 MAX_RENDERED_CHARS = 64 * 2**20
+# A small body's chat of at most this many messages renders on the event loop, without the budget (server/
+# offload.py): a template whose work grows with the square of the turns stays in the budgeted thread.
+MAX_INLINE_MESSAGES = 64
 _renderers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxq-template")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -101,11 +104,12 @@ def _head_text(tokenizer, system: list, tools, template_kwargs: dict) -> str | N
 
 def render_chat(tokenizer, messages, tools, template_kwargs: dict, *, add_generation_prompt: bool) -> str:
     """The chat template's text, within ``RENDER_TIMEOUT_S`` and ``MAX_RENDERED_CHARS``; else a 400.
-    A small body's chat (parsed on the event loop: server/offload.py) renders on the calling thread."""
+    A short chat in a small body (parsed on the event loop: server/offload.py) renders on the calling thread."""
     render = functools.partial(tokenizer.apply_chat_template, messages, tools=tools,
                                add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs)
+    inline = parsing_inline.get() and len(messages) <= MAX_INLINE_MESSAGES
     try:
-        text = render() if parsing_inline.get() else _renderers.submit(render).result(timeout=RENDER_TIMEOUT_S)
+        text = render() if inline else _renderers.submit(render).result(timeout=RENDER_TIMEOUT_S)
     except FutureTimeout:
         raise invalid(f"the chat template took longer than {RENDER_TIMEOUT_S:g} s on these messages",
                       "messages", "template_timeout") from None

@@ -31,17 +31,19 @@ def test_a_small_body_parses_on_the_loop_and_a_large_one_in_a_worker():
     assert small == here and large != here
 
 
-def test_a_chat_parsed_on_the_loop_renders_there_and_elsewhere_within_its_budget():
+def test_a_short_chat_parsed_on_the_loop_renders_there_and_others_within_the_budget():
     template = _ThreadRecordingTemplate()
-    messages = [{"role": "user", "content": "hi"}]
+    short = [{"role": "user", "content": "hi"}]
+    long = short * (prompts.MAX_INLINE_MESSAGES + 1)
 
-    def render() -> str:
+    def render(messages: list) -> str:
         return prompts.render_chat(template, messages, None, {}, add_generation_prompt=True)
 
-    async def on_the_loop() -> str:
-        return await off_loop_unless_small(10, render)
+    async def on_the_loop(messages: list) -> str:
+        return await off_loop_unless_small(10, render, messages)
 
-    assert asyncio.run(on_the_loop()) == "rendered" and not parsing_inline.get()
-    assert render() == "rendered"  # outside an inline parse: the budgeted render thread
+    assert asyncio.run(on_the_loop(short)) == "rendered" and not parsing_inline.get()
+    assert render(short) == "rendered"  # outside an inline parse: the budgeted render thread
+    assert asyncio.run(on_the_loop(long)) == "rendered"  # many turns: the budgeted thread too
     here = threading.get_ident()
-    assert template.threads[0] == here and template.threads[1] != here
+    assert template.threads[0] == here and here not in template.threads[1:]
