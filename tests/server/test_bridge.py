@@ -66,7 +66,7 @@ def test_a_response_that_never_starts_cancels_its_submitted_request(tiny_model_d
             asyncio.run(respond())
         assert request.cancelled.is_set() and len(open_streams) == 0
         deadline = time.monotonic() + 20
-        while engine.num_running and time.monotonic() < deadline:
+        while (engine.num_running or engine.stats.requests_cancelled < 1) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert engine.num_running == 0 and engine.stats.requests_cancelled == 1
     finally:
