@@ -45,7 +45,7 @@ async def one_request(client: httpx.AsyncClient, url: str, system: str, question
     body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
             "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
+    sent = time.monotonic()  # CLOCK_MONOTONIC, as the server's request log (received_monotonic_s)
     first, usage, rid = None, {}, ""
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
@@ -55,12 +55,12 @@ async def one_request(client: httpx.AsyncClient, url: str, system: str, question
             chunk = json.loads(line[6:])
             rid = chunk.get("id", rid)
             if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:
-                first = time.perf_counter()
+                first = time.monotonic()
             usage = chunk.get("usage") or usage
-    end = time.perf_counter()
+    end = time.monotonic()
     return Record(wave, rid, sent - t0, ((first or end) - sent) * 1000, end - sent, usage.get("prompt_tokens", 0),
                   (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                  usage.get("completion_tokens", 0))
+                  usage.get("completion_tokens", 0), sent_at=sent)
 
 
 async def read_stats(client: httpx.AsyncClient, url: str) -> dict:
@@ -71,7 +71,7 @@ async def poll(client: httpx.AsyncClient, url: str, t0: float, every_s: float, o
                stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
-            out.append(sample_of(await read_stats(client, url), time.perf_counter() - t0))
+            out.append(sample_of(await read_stats(client, url), time.monotonic() - t0))
         except (httpx.HTTPError, ValueError, KeyError):
             pass
         try:
@@ -86,11 +86,11 @@ async def run_wave(url: str, wave: int, system: str, questions: list[str], args)
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=len(questions) + 4)
     async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         poller = asyncio.create_task(poll(client, url, t0, args.poll_ms / 1000, samples, stop))
         records = await asyncio.gather(*(one_request(client, url, system, q, args.max_tokens, wave, t0)
                                          for q in questions))
-        wall = time.perf_counter() - t0
+        wall = time.monotonic() - t0
         stop.set()
         await poller
     return list(records), samples, wall
@@ -123,7 +123,7 @@ async def run(url: str, args, log_path: Path | None) -> None:
     words = corpus_words()
     rng = random.Random(args.seed)
     async with httpx.AsyncClient(timeout=args.timeout_s) as client:  # first-use costs: not part of any wave
-        await one_request(client, url, "Warm-up.", _text(rng, words, 20), 4, -1, time.perf_counter())
+        await one_request(client, url, "Warm-up.", _text(rng, words, 20), 4, -1, time.monotonic())
     waves, all_records = [], []
     for wave in range(args.waves):
         if wave < max(1, args.cold_waves):  # a burst on a prompt nobody sent before
@@ -136,6 +136,8 @@ async def run(url: str, args, log_path: Path | None) -> None:
             fields = logged.get(r.id, {})
             r.queue_ms, r.phases_ms = fields.get("queue_ms"), phases_of(fields)
             r.parse_ms, r.server_ttft_ms = fields.get("parse_ms"), fields.get("ttft_ms")
+            received = fields.get("received_monotonic_s")  # a log read here: the server runs on this host
+            r.send_ms = None if received is None else round((received - r.sent_at) * 1000, 1)
         mark_outliers(records, samples, args.outlier_factor, args.outlier_min_ms, args.batch, args.prompt_concurrency)
         async with httpx.AsyncClient(timeout=30) as client:
             stats = await read_stats(client, url)
@@ -143,7 +145,8 @@ async def run(url: str, args, log_path: Path | None) -> None:
         waves.append(summary)
         all_records += records
         print(f"wave {wave}: {json.dumps(summary)}", flush=True)
-        print(f"  outside the engine (ms p50/p95): {phase_line({k: summary[k] for k in ('parse_ms', 'http_ms')})}; "
+        outside = ("send_ms", "parse_ms", "http_ms", "back_ms")
+        print(f"  outside the engine (ms p50/p95): {phase_line({k: summary[k] for k in outside})}; "
               f"queue {phase_line({'': summary['queue_ms']})}", flush=True)
         print(f"  admission -> token 0 by phase (ms p50/p95): {phase_line(summary['ttft_phases_ms'])}", flush=True)
         for r in sorted(records, key=lambda r: r.sent_s):

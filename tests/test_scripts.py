@@ -215,6 +215,8 @@ def test_agents_burst_times_every_request_and_names_each_outliers_cause(small_mo
     # The client's first-token time outside the engine: the server's parse, and the HTTP rest (never below 0).
     outside = summary["overall"]["cached_outside_engine"]
     assert outside["parse_ms"]["p50"] > 0 and outside["http_ms"]["p50"] >= 0
+    # ... the HTTP rest split on this host's monotonic clock: the request's way in, and token 0's way out.
+    assert outside["send_ms"]["p50"] > 0 and outside["back_ms"]["p50"] >= 0
     assert all(r["phases_ms"]["join"] >= 0 and "lease" in r["phases_ms"] for r in records)  # the request log's
     for phase in ("lease", "join"):
         assert summary["waves"][1]["ttft_phases_ms"][phase]["p95"] >= 0

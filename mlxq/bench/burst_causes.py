@@ -47,6 +47,8 @@ class Record:
     phases_ms: dict[str, float] | None = None  # the server's: pickup -> token 0 by phase (engine/ttft_phases.py)
     parse_ms: float | None = None  # the server's: request received -> submitted (read, render, tokenize)
     server_ttft_ms: float | None = None  # the server's: submitted -> token 0
+    sent_at: float | None = None  # the client's time.monotonic() when it sent the request
+    send_ms: float | None = None  # sent -> the server's route began reading it (one host's monotonic clock)
     outlier: str | None = None  # the cause, for an outlier
 
 
@@ -136,10 +138,15 @@ def spread(values: list[float]) -> dict[str, float] | None:
 
 def outside_engine(records: list[Record]) -> dict:
     """The client's first-token time outside the engine: ``parse_ms`` (received -> submitted, the server's)
-    and ``http_ms`` (the rest: sending, reading the SSE chunk, the client's own work), p50 / p95."""
+    and ``http_ms`` (the rest: sending, reading the SSE chunk, the client's own work), p50 / p95; with a
+    client on the server's host, ``http_ms`` split in ``send_ms`` (sent -> the route began reading it) and
+    ``back_ms`` (token 0 -> the client read its chunk)."""
     timed = [r for r in records if r.parse_ms is not None and r.server_ttft_ms is not None]
+    sent = [r for r in timed if r.send_ms is not None]
     return {"parse_ms": spread([r.parse_ms for r in timed]),
-            "http_ms": spread([r.ttft_ms - r.parse_ms - r.server_ttft_ms for r in timed])}
+            "http_ms": spread([r.ttft_ms - r.parse_ms - r.server_ttft_ms for r in timed]),
+            "send_ms": spread([r.send_ms for r in sent]),
+            "back_ms": spread([r.ttft_ms - r.parse_ms - r.server_ttft_ms - r.send_ms for r in sent])}
 
 
 def phase_spread(records: list[Record]) -> dict[str, dict[str, float]]:

@@ -107,25 +107,52 @@ async def stream_events(
 async def stream_event_batches(
     engine: Engine, request: Request, is_disconnected: Callable[[], Awaitable[bool]] | None = None
 ) -> AsyncIterator[list[TokenEvent]]:
-    """The request's events, as lists of every event that arrived since the last one was taken.
-
-    When the event loop keeps up, each list holds one token; when it falls behind
-    (many streams, a busy loop), a stream's backlog comes as one list, so the SSE
-    writer can send it as one chunk instead of paying per-token overhead that
-    would slow every stream further.
-    """
-    dispatcher = dispatcher_for(asyncio.get_running_loop())
-    events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-    def emit(event: TokenEvent) -> None:
-        try:
-            dispatcher.post(events, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            request.cancel()
-
-    engine.submit(request, emit)
-    open_streams.add(asyncio.get_running_loop(), events, request)
+    """The request's events (submitted when this is first iterated), as lists of every event that arrived
+    since the last one was taken; leaving early cancels the request."""
+    stream = EventStream(engine, request)
     try:
+        async for batch in stream.batches(is_disconnected):
+            yield batch
+    finally:
+        stream.close()
+
+
+class EventStream:
+    """One engine request, submitted when this is made; its events read with ``batches``, and ``close``
+    cancels it (a no-op once it finished).
+
+    A streamed route submits as soon as it has parsed, before its response starts (the headers'
+    write, the response's tasks), and its response closes the stream however it ends, even before
+    its first chunk.
+    """
+
+    def __init__(self, engine: Engine, request: Request):
+        loop = asyncio.get_running_loop()
+        dispatcher = dispatcher_for(loop)
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def emit(event: TokenEvent) -> None:
+            try:
+                dispatcher.post(events, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                request.cancel()
+
+        self.request = request
+        self._events = events
+        engine.submit(request, emit)
+        open_streams.add(loop, events, request)
+
+    async def batches(
+        self, is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> AsyncIterator[list[TokenEvent]]:
+        """The events, as lists of every event that arrived since the last one was taken.
+
+        When the event loop keeps up, each list holds one token; when it falls behind
+        (many streams, a busy loop), a stream's backlog comes as one list, so the SSE
+        writer can send it as one chunk instead of paying per-token overhead that
+        would slow every stream further.
+        """
+        events = self._events
         while True:
             if is_disconnected is None:
                 event = await events.get()
@@ -140,9 +167,10 @@ async def stream_event_batches(
             yield batch
             if event.finish_reason is not None:
                 return
-    finally:
-        open_streams.remove(request)
-        request.cancel()  # a no-op when it already finished
+
+    def close(self) -> None:
+        open_streams.remove(self.request)
+        self.request.cancel()  # a no-op when it already finished
 
 
 async def _get_or_poll(events: asyncio.Queue, is_disconnected) -> TokenEvent | None:

@@ -17,12 +17,12 @@ from starlette.responses import StreamingResponse
 from mlxq.engine.admission import AdmissionError, max_tokens_within
 from mlxq.engine.types import FinishReason, Request
 from mlxq.models.adapters import AdapterInfo
-from mlxq.server.bridge import stream_event_batches, stream_events
+from mlxq.server.bridge import EventStream
 from mlxq.server.choices import choice_params, collect, merged
 from mlxq.server.errors import APIError
-from mlxq.server.json_body import read_json
+from mlxq.server.json_body import parse_json_body, read_body
 from mlxq.server.model_routing import resolve_model
-from mlxq.server.offload import off_loop
+from mlxq.server.offload import off_loop_unless_small
 from mlxq.server.protocol import GenerationSpec
 from mlxq.server.state import ServerState
 
@@ -40,9 +40,13 @@ async def read_and_parse(http: HTTPRequest, parse) -> tuple[ServerState, dict, o
     mark_received(http)
     state: ServerState = http.app.state.mlxq
     state.require_ready()
-    body = await read_json(http, state.config.max_request_bytes)
-    return state, body, await off_loop(parse, body, state.loaded, state.config.token_limits,
-                                       state.config.request_defaults)
+    raw = await read_body(http, state.config.max_request_bytes)
+
+    def body_and_parse() -> tuple[dict, object]:
+        body = parse_json_body(raw)
+        return body, parse(body, state.loaded, state.config.token_limits, state.config.request_defaults)
+
+    return state, *await off_loop_unless_small(len(raw), body_and_parse)
 
 
 def check_limits(spec: GenerationSpec, config) -> None:
@@ -100,31 +104,53 @@ def _new_request(spec: GenerationSpec, prefix: str, adapter: AdapterInfo | None,
     )
 
 
-def sse_response(lines) -> StreamingResponse:
-    return StreamingResponse(lines, media_type="text/event-stream", headers=SSE_HEADERS)
+def submit(state: ServerState, requests: list[Request]) -> list[EventStream]:
+    """A streamed reply's engine requests, submitted now: the engine takes them while the response
+    starts (the SSE response closes them: ``sse_response``)."""
+    return [EventStream(state.engine, request) for request in requests]
+
+
+class _EngineSSE(StreamingResponse):
+    """Server-sent events whose engine requests are cancelled when the response ends, however it ends:
+    finished, the client gone, or before its first chunk (the generator never started)."""
+
+    def __init__(self, lines, streams: list[EventStream]):
+        super().__init__(lines, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.close()
+
+
+def sse_response(lines, streams: list[EventStream]) -> StreamingResponse:
+    return _EngineSSE(lines, streams)
 
 
 # MLXQ_SSE_COALESCE=0 sends one chunk per token even when a stream is behind (an A/B lever).
 _COALESCE = os.environ.get("MLXQ_SSE_COALESCE", "1") != "0"
 
 
-async def event_batches(state: ServerState, request: Request):
+async def event_batches(stream: EventStream):
     """One request's events, several at a time when the stream is behind (see bridge.py)."""
-    if _COALESCE:
-        async for batch in stream_event_batches(state.engine, request):
+    async for batch in stream.batches():
+        if _COALESCE:
             yield batch
-    else:
-        async for event in stream_events(state.engine, request):
-            yield [event]
+        else:
+            for event in batch:
+                yield [event]
 
 
-async def choice_batches(state: ServerState, requests: list[Request]):
+async def choice_batches(streams: list[EventStream]):
     """(choice index, events) of one request's n choices (one: its own stream, no merging)."""
-    if len(requests) == 1:
-        async for batch in event_batches(state, requests[0]):
+    if len(streams) == 1:
+        async for batch in event_batches(streams[0]):
             yield 0, batch
     else:
-        async for item in merged([event_batches(state, r) for r in requests]):
+        async for item in merged([event_batches(s) for s in streams]):
             yield item
 
 
@@ -136,10 +162,10 @@ async def collect_all(state: ServerState, http: HTTPRequest, requests: list[Requ
         raise APIError(503, "the request was cancelled before it finished (server shutting down?)")
 
 
-async def stream_one(state: ServerState, request: Request, renderer):
+async def stream_one(stream: EventStream, renderer):
     """Streamed, one choice: ``renderer`` (its ``acc``, ``start``, ``step``, ``error``) frames each event."""
     yield renderer.start()
-    async for batch in event_batches(state, request):
+    async for batch in event_batches(stream):
         for event in batch:
             if event.finish_reason is FinishReason.ERROR:
                 yield renderer.error(APIError(500, event.error or "generation failed", code="engine_error"))

@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse
 from mlxq.server.accumulator import Accumulator
 from mlxq.server.anthropic_format import MessageStream, message_json, new_message_id
 from mlxq.server.anthropic_request import parse_count_tokens, parse_messages
-from mlxq.server.generation import admit, collect_all, read_and_parse, sse_response, stream_one
+from mlxq.server.generation import admit, collect_all, read_and_parse, sse_response, stream_one, submit
 from mlxq.server.json_body import read_json
 from mlxq.server.offload import off_loop
 from mlxq.server.state import ServerState
@@ -21,7 +21,9 @@ async def create_message(http: HTTPRequest):
     message_id = new_message_id()
     model = spec.model if isinstance(body.get("model"), str) else state.model_name
     if spec.stream:
-        return sse_response(stream_one(state, request, MessageStream(acc, message_id, model, len(spec.prompt_ids))))
+        streams = submit(state, [request])
+        return sse_response(stream_one(streams[0], MessageStream(acc, message_id, model, len(spec.prompt_ids))),
+                            streams)
     await collect_all(state, http, [request], [acc])
     return JSONResponse(message_json(acc, message_id, model, len(spec.prompt_ids)))
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from mlxq.server.errors import APIError, invalid
 from mlxq.server.head_split import encode, encode_chat
+from mlxq.server.offload import parsing_inline
 from mlxq.server.system_heads import system_head
 from mlxq.server.token_bound import token_lower_bound
 
@@ -14,6 +16,9 @@ from mlxq.server.token_bound import token_lower_bound
 # in a worker thread: a render that outlives it is refused, and the caller stops waiting for it.
 RENDER_TIMEOUT_S = 10.0
 MAX_RENDERED_CHARS = 64 * 2**20
+# A small body's chat of at most this many messages renders on the event loop, without the budget (server/
+# offload.py): a template whose work grows with the square of the turns stays in the budgeted thread.
+MAX_INLINE_MESSAGES = 64
 _renderers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxq-template")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -98,11 +103,13 @@ def _head_text(tokenizer, system: list, tools, template_kwargs: dict) -> str | N
 
 
 def render_chat(tokenizer, messages, tools, template_kwargs: dict, *, add_generation_prompt: bool) -> str:
-    """The chat template's text, within ``RENDER_TIMEOUT_S`` and ``MAX_RENDERED_CHARS``; else a 400."""
-    future = _renderers.submit(tokenizer.apply_chat_template, messages, tools=tools,
+    """The chat template's text, within ``RENDER_TIMEOUT_S`` and ``MAX_RENDERED_CHARS``; else a 400.
+    A short chat in a small body (parsed on the event loop: server/offload.py) renders on the calling thread."""
+    render = functools.partial(tokenizer.apply_chat_template, messages, tools=tools,
                                add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs)
+    inline = parsing_inline.get() and len(messages) <= MAX_INLINE_MESSAGES
     try:
-        text = future.result(timeout=RENDER_TIMEOUT_S)
+        text = render() if inline else _renderers.submit(render).result(timeout=RENDER_TIMEOUT_S)
     except FutureTimeout:
         raise invalid(f"the chat template took longer than {RENDER_TIMEOUT_S:g} s on these messages",
                       "messages", "template_timeout") from None

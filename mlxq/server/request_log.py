@@ -61,6 +61,9 @@ class RequestLogger:
             "cached_tokens": usage.cached_tokens if usage else 0,
             "generated_tokens": usage.completion_tokens if usage else 0,
             "parse_ms": round(usage.parse_s * 1000, 1) if usage and usage.parse_s is not None else None,
+            # When the route began reading it, on CLOCK_MONOTONIC (time.monotonic): a client on the same
+            # host lines its own times up with it (its send = this - when it sent).
+            "received_monotonic_s": None if done.request.received_at is None else round(done.request.received_at, 4),
             "queue_ms": round(usage.queue_s * 1000, 1) if usage else None,  # submit -> the engine picked it up
             "ttft_ms": round(usage.ttft_s * 1000, 1) if usage else None,
             "decode_tok_s": round(usage.decode_tok_s, 1) if usage else None,

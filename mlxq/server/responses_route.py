@@ -6,7 +6,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from mlxq.server.accumulator import Accumulator
-from mlxq.server.generation import admit, collect_all, read_and_parse, sse_response, stream_one
+from mlxq.server.generation import admit, collect_all, read_and_parse, sse_response, stream_one, submit
 from mlxq.server.responses_format import ResponseRenderer
 from mlxq.server.responses_request import parse_responses
 
@@ -19,6 +19,7 @@ async def create_response(http: HTTPRequest):
     model = body["model"] if isinstance(body.get("model"), str) else state.model_name
     renderer = ResponseRenderer(acc, parsed, model)
     if spec.stream:
-        return sse_response(stream_one(state, request, renderer))
+        streams = submit(state, [request])
+        return sse_response(stream_one(streams[0], renderer), streams)
     await collect_all(state, http, [request], [acc])
     return JSONResponse(renderer.final())

@@ -8,9 +8,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from mlxq.engine.types import FinishReason, Request
+from mlxq.engine.types import FinishReason
+from mlxq.server.bridge import EventStream
 from mlxq.server.errors import APIError
-from mlxq.server.generation import admit, choice_batches, collect_all, mark_received, sse_response
+from mlxq.server.generation import admit, choice_batches, collect_all, mark_received, sse_response, submit
 from mlxq.server.model_routing import model_cards
 from mlxq.server.offload import parse_request
 from mlxq.server.openai_format import ChoiceBuilder, merged_final, merged_usage_chunk, sse_line
@@ -38,19 +39,20 @@ async def _generate(http: HTTPRequest, kind):
     builders = [ChoiceBuilder(spec, state.loaded.tokenizer, response_id, model, index=i)
                 for i in range(spec.n)]
     if spec.stream:
-        return sse_response(_sse(state, requests, builders))
+        streams = submit(state, requests)
+        return sse_response(_sse(streams, builders), streams)
     await collect_all(state, http, requests, [b.acc for b in builders])
     return JSONResponse(merged_final(builders))
 
 
-async def _sse(state: ServerState, requests: list[Request], builders: list[ChoiceBuilder]):
-    # Starlette cancels this generator when the client disconnects; leaving
-    # stream_event_batches cancels the engine request(s). Plain text tokens that
+async def _sse(streams: list[EventStream], builders: list[ChoiceBuilder]):
+    # The response cancels the engine request(s) when it ends (the client gone, an
+    # error: generation.sse_response). Plain text tokens that
     # arrived together are sent as one chunk (one JSON encode, one write);
     # tokens with logprobs or tool calls keep a chunk each, aligned with their text.
     # With n choices, each chunk carries its choice's index.
     failed = False
-    async for index, batch in choice_batches(state, requests):
+    async for index, batch in choice_batches(streams):
         builder = builders[index]
         pending = ""
         for event in batch:
