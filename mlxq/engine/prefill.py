@@ -235,3 +235,6 @@ class Prefilling:
         boundary = boundary_snapshot(len(joiner.prompt), joiner.trimmable, shared)
         if boundary is not None:
             self.prompt_cache.put(joiner.row.request.namespace, joiner.prompt[:boundary], joiner.caches)
+            if joiner.followers > 0:  # they lease this chain: so does it (one group, no copy per follower)
+                self._hold(joiner.row, self.prompt_cache.lease_stored(joiner.row.request.namespace,
+                                                                      joiner.prompt[:boundary], joiner.caches))
