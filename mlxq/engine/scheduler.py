@@ -191,7 +191,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         if held is not None:
             nodes, cached = held
             leases.append(Lease(cached, None, nodes[-1]) if nodes else None)  # unpinned: a view to compare
-        return credited(load, extent, credits(leases, len(self.batch.rows), self.batch.groups, self.sharing))
+        on_copy = [False] * len(self.batch.rows) + [not self._tail_terms(j).by_reference for j in self.joiners]
+        return credited(load, extent, credits(leases, len(self.batch.rows), self.batch.groups, self.sharing, on_copy))
 
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes
