@@ -42,3 +42,22 @@ def test_a_cold_burst_follows_one_leader_and_joins_its_group_by_reference(load_t
     for r in cold:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
     assert not scheduler._leases  # every lease, the leader's too, let go at finish
+
+
+def test_agents_arriving_after_a_lone_agent_stored_the_prompt_group_with_it_by_reference(load_tiny):
+    """The first agent computed the system prompt itself and stored it at its end (its snapshot point);
+    a burst arriving while it still decodes starts from that entry and groups with it, no copies."""
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    first, burst = wave(tokenizer, shared, "first", 1, "Agent"), wave(tokenizer, shared, "burst", 6, "Please")
+    scheduler.add(first[0], lambda e: None)
+    while not scheduler.num_rows:
+        scheduler.step()  # its prefill: nobody follows it
+    assert scheduler.shared_prefills == 0 and not scheduler.batch.groups
+    run_wave(scheduler, burst)
+    change = counters(scheduler)
+    assert change["referenced"] == 6 and change["broadcast"] == 0 and change["groups"] == 1, change
+    expected = serial_with_cache(model, tokenizer, first + burst)
+    for r in first + burst:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
