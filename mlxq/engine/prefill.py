@@ -258,7 +258,7 @@ class Prefilling:
             joiner.row.output.phases.mark("prefilled")  # after the chunk's evaluation
         if split is not None and joiner.done == split:
             # The end of a shared system prompt: other agents start from this entry.
-            self.prompt_cache.put(joiner.row.request.namespace, prompt[:split], joiner.caches)
+            self._store_and_hold(joiner, split)
         if n == self.config.prefill_step_size:
             # A long prompt: release the chunk's transient buffers (the serial lane does
             # the same). Short prompts skip it, so a burst of joiners does not make the
@@ -277,4 +277,14 @@ class Prefilling:
         shared = joiner.followers > 0 or (system is not None and joiner.row.output.cached_tokens < system)
         boundary = boundary_snapshot(len(joiner.prompt), joiner.trimmable, shared)
         if boundary is not None:
-            self.prompt_cache.put(joiner.row.request.namespace, joiner.prompt[:boundary], joiner.caches)
+            self._store_and_hold(joiner, boundary)
+
+    def _store_and_hold(self, joiner: Joiner, tokens: int) -> None:
+        """Store its first ``tokens`` prompt tokens for others, and lease that chain itself: agents that
+        start from it then find this row on their prefix, and their tails group with it by reference
+        (engine/shared_tails.py) instead of each on a copy."""
+        prefix, namespace = joiner.prompt[:tokens], joiner.row.request.namespace
+        self.prompt_cache.put(namespace, prefix, joiner.caches)
+        lease = self.prompt_cache.lease_stored(namespace, prefix, joiner.caches)
+        if lease.held:  # else the tree did not keep it: the lease it has stays
+            self._hold(joiner.row, lease)

@@ -46,7 +46,7 @@ from mlxq.engine.prefill import Prefilling
 from mlxq.engine.prefix_sharing import SharingPolicy, SharingStats
 from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending, RunningBatch
-from mlxq.engine.shared_accounting import credited, credits, shares_layers
+from mlxq.engine.shared_accounting import TailTerms, credited, credits, shares_layers
 from mlxq.engine.shared_tails import TailSharing
 from mlxq.engine.shedding import MemoryShedding, resumed_size
 from mlxq.engine.step_plan import (
@@ -191,7 +191,11 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         if held is not None:
             nodes, cached = held
             leases.append(Lease(cached, None, nodes[-1]) if nodes else None)  # unpinned: a view to compare
-        return credited(load, extent, credits(leases, len(self.batch.rows), self.batch.groups, self.sharing))
+        on_copy = [False] * len(self.batch.rows) + [not self._tail_terms(j).by_reference for j in self.joiners]
+        if held is not None:  # a request asking in: a fresh lease, nothing of its own computed yet
+            on_copy.append(not TailTerms(self.config.token0_in_decode, all(self.sharing.plan.shared), True,
+                                         False).by_reference)
+        return credited(load, extent, credits(leases, len(self.batch.rows), self.batch.groups, self.sharing, on_copy))
 
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes
@@ -254,6 +258,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
             self._start_decoding(ready)
             for joiner in ready:
                 joiner.row.output.phases.mark("joined")
+                self._leases.get(joiner.row.request.request_id, Lease(0, None)).joined()
             self.phases.add_join(time.perf_counter() - start)
         self._prefilled_together = None  # joined with, or not needed: never held past its step
 

@@ -17,23 +17,43 @@ is about to be, and per row otherwise (conservative):
 
 A joiner with a short tail prefills it on the prefix by reference
 (engine/shared_tails.py: the tail from its lease's spans, the prefix from
-the chain's), so it never holds a copy. One with more of its own prefills
-on its solo caches (the lease's copy of the prefix) until it joins: the KV
-budget leaves that out, the memory room counts it
-(``step_plan.fits_memory``), so such a burst joins in waves.
+the chain's), so it never holds a copy, where ``TailTerms.by_reference``
+says so; both that path and the accounting read this one decision. One
+that it declines (token 0 not in the decode step, caches that cannot be
+cut, a prefix it must store itself, caches that hold more than its lease
+lent), or with more of its own, prefills on its solo caches (the lease's
+copy of the prefix) until it joins: the KV budget leaves that out, the
+memory room counts it (``Extent.on_copy``, ``step_plan.fits_memory``), so
+such a burst joins in waves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from mlxq.engine.prefix_sharing import Group, SharingPolicy, choose_groups
 from mlxq.engine.step_plan import Extent, Load
 from mlxq.store.lease import Lease
 
-Credit = tuple[int, int | None]  # (leading tokens read by reference, which prefix; None: its own copy)
-NO_CREDIT: Credit = (0, None)
+# (leading tokens read by reference, which prefix (None: its own copy), prefilled on a copy until it joins)
+Credit = tuple[int, int | None, bool]
+NO_CREDIT: Credit = (0, None, False)
+
+
+@dataclass(frozen=True)
+class TailTerms:
+    """What decides whether a joiner's last chunk runs on its leased prefix by reference
+    (engine/shared_tails.py) or on its own copy of it: that path and the memory room read it alike."""
+
+    token0_in_decode: bool  # its token 0 comes from the batch's decode step (the tails' forward keeps no logits)
+    trimmable: bool  # every layer full attention: the prefix and its tail can be cut apart
+    holds_lease_only: bool  # its caches are what its lease lent, nothing computed on them yet
+    stores_boundary: bool  # it stores its own caches when its prefill ends (followers wait, a new system prompt)
+
+    @property
+    def by_reference(self) -> bool:
+        return self.token0_in_decode and self.trimmable and self.holds_lease_only and not self.stores_boundary
 
 
 def shares_layers(policy: SharingPolicy | None) -> bool:
@@ -46,15 +66,24 @@ def running_credits(groups: tuple[Group, ...], rows: int) -> list[Credit]:
     for g, group in enumerate(groups):
         for row, member in enumerate(group.shares[:rows]):
             if member:
-                out[row] = (group.prefix_length, g)
+                out[row] = (group.prefix_length, g, False)
     return out
 
 
 def credits(leases: Sequence[Lease | None], running: int, groups: tuple[Group, ...],
-            policy: SharingPolicy | None) -> list[Credit]:
-    """Per row (``running`` rows first, then joiners, then requests asking in): what it reads by reference."""
+            policy: SharingPolicy | None, on_copy: Sequence[bool] = ()) -> list[Credit]:
+    """Per row (``running`` rows first, then joiners, then requests asking in): what it reads by reference.
+
+    ``on_copy``: per row (missing ones False), its tail would be prefilled on its own copy
+    (``TailTerms.by_reference`` declines it): a joiner credited so holds that copy until it joins."""
     if not shares_layers(policy):
         return [NO_CREDIT] * len(leases)
+    return [(shared, prefix, prefix is not None and row < len(on_copy) and on_copy[row])
+            for row, (shared, prefix, _) in enumerate(_credits(leases, running, groups, policy))]
+
+
+def _credits(leases: Sequence[Lease | None], running: int, groups: tuple[Group, ...],
+             policy: SharingPolicy) -> list[Credit]:
     if not groups:
         predicted = choose_groups(list(leases), policy)
         return running_credits(predicted, len(leases))
@@ -65,7 +94,7 @@ def credits(leases: Sequence[Lease | None], running: int, groups: tuple[Group, .
             continue
         for row in range(running, len(leases)):
             if out[row][1] is None and group.holds_prefix(leases[row], anchor):
-                out[row] = (group.prefix_length, g)
+                out[row] = (group.prefix_length, g, False)
     return out
 
 

@@ -39,6 +39,7 @@ from mlxq.engine.joiners import Joiner
 from mlxq.engine.prefix_gather import RowPrefix
 from mlxq.engine.prefix_sharing import Group, tails_group
 from mlxq.engine.running_batch import Pending
+from mlxq.engine.shared_accounting import TailTerms
 from mlxq.engine.tail_placement import TailLayout, place_rows
 from mlxq.kv import attention_route
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
@@ -69,9 +70,7 @@ class TailSharing:
         a copy per row). Joiners must hold exactly what their leases lent, on full attention, and
         store nothing of their own when their prefill ends."""
         policy = self.sharing
-        if not self.config.token0_in_decode or policy is None or policy.plan is None:
-            return None
-        if not all(self._holds_lease_only(j) and j.trimmable and not self._stores_boundary(j) for j in group):
+        if policy is None or policy.plan is None or not all(self._tail_terms(j).by_reference for j in group):
             return None
         running = [self._leases.get(row.request.request_id) for row in self.batch.rows]
         waiting = [self._leases.get(j.row.request.request_id) for j in self.joiners
@@ -126,6 +125,11 @@ class TailSharing:
             return None
         return [None if layer is None or type(cache) is not KVCache else tail_from_spans(layer, length)
                 for layer, cache in zip(spans, joiner.caches, strict=True)]
+
+    def _tail_terms(self, joiner: Joiner) -> TailTerms:
+        """Whether its tail can run on its leased prefix by reference (the KV accounting asks too)."""
+        return TailTerms(self.config.token0_in_decode, joiner.trimmable, self._holds_lease_only(joiner),
+                         self._stores_boundary(joiner))
 
     def _holds_lease_only(self, joiner: Joiner) -> bool:
         """Its caches are what its lease lent, nothing computed on them yet."""

@@ -52,13 +52,23 @@ class Extent:
     max_tokens: int  # tokens
     shared: int = 0  # leading prompt tokens it reads by reference from a shared prefix (counted once)
     prefix: int | None = None  # which shared prefix (any key equal for the rows of one group)
+    on_copy: bool = False  # a joiner that prefills on its own copy of that prefix until it joins
 
     @property
     def total(self) -> int:
         return self.prompt + self.max_tokens
 
-    def sharing(self, shared: int, prefix: int | None) -> Extent:
-        return Extent(self.prompt, self.max_tokens, shared, prefix)
+    def sharing(self, shared: int, prefix: int | None, on_copy: bool = False) -> Extent:
+        return Extent(self.prompt, self.max_tokens, shared, prefix, on_copy)
+
+    @property
+    def attended(self) -> int:
+        """Tokens its prefill attends through a score matrix: a short tail read on a shared prefix by
+        reference attends that prefix through the shared path (tensor cores, or bounded blocks of
+        scores: engine/shared_tails.py), so only its tail counts; anything else its whole prompt."""
+        if self.prefix is not None and not self.on_copy and self.prompt - self.shared <= SHORT_PREFILL:
+            return self.prompt - self.shared
+        return self.prompt
 
 
 @dataclass(frozen=True)
@@ -123,17 +133,18 @@ def fits_memory(load: Load, extent: Extent, limits: Limits, sizing: Sizing) -> b
     """While anything runs, a newcomer's whole KV and its prefill step must fit the memory left.
 
     Joiners that the KV budget counts as reading a shared prefix by reference (``Extent.prefix``)
-    and prefill more than a short tail of their own do it on a copy of the prefix and hold that
-    copy until they join: the copies of those not yet joined count here, so such a burst joins in
-    waves that fit. A short tail on it is prefilled on the prefix by reference (engine/shared_tails.py:
-    its lease's spans, never their concatenation), so a burst of agents joins at once. Checked
-    only while busy, so a request is never refused for it: it waits."""
+    and prefill more than a short tail of their own, or whose tail the shared path declines
+    (``Extent.on_copy``: engine/shared_accounting.py ``TailTerms``), do it on a copy of the prefix
+    and hold that copy until they join: the copies of those not yet joined count here, so such a
+    burst joins in waves that fit. A short tail on it is prefilled on the prefix by reference
+    (engine/shared_tails.py: its lease's spans, never their concatenation), so a burst of agents
+    joins at once. Checked only while busy, so a request is never refused for it: it waits."""
     if limits.memory_room is None or not (load.running or load.prefilling):
         return True
-    prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
+    prompts = [e.attended for e in load.prefilling] + [extent.attended]
     transient = sizing.transient_bytes(prompts, limits.prefill_budget, limits.group_cap)
     copies = sum(sizing.footprint.batch_bytes([e.prompt]) for e in load.prefilling
-                 if e.prefix is not None and e.prompt - e.shared > SHORT_PREFILL)
+                 if e.prefix is not None and (e.on_copy or e.prompt - e.shared > SHORT_PREFILL))
     need = sizing.footprint.row_bytes(extent.total, extent.prompt) + transient + copies
     return need <= limits.memory_room
 
@@ -154,7 +165,7 @@ def can_admit(load: Load, extent: Extent, limits: Limits, sizing: Sizing, own_to
     if load.preempted or not has_slot(load, limits, is_short(own_tokens)):
         return False
     if load.prefilling and limits.transient_budget:  # 0: nothing was set aside (engine/memory.py): no cap
-        prompts = [e.prompt for e in load.prefilling] + [extent.prompt]
+        prompts = [e.attended for e in load.prefilling] + [extent.attended]
         if sizing.transient_bytes(prompts, limits.prefill_budget, limits.group_cap) > limits.transient_budget:
             return False  # a lone joiner always runs: only joiners together are held to the reserve
     if not fits_memory(load, extent, limits, sizing):

@@ -57,6 +57,11 @@ class Lease:
             out.append(spans[:-1] + [tree_map(lambda a, k=keep: a[..., :k, :], spans[-1])])
         return out
 
+    def joined(self) -> None:
+        """The row left its own caches for the batch's: keep the pin, drop the caches (a lent prefix's
+        concatenation, once evaluated, is a copy of it that nothing reads any more)."""
+        self.caches = None
+
     @property
     def held(self) -> bool:
         return self.node is not None

@@ -125,6 +125,13 @@ class PromptCache:
             node = self.pin(namespace, prompt[:n])
         return Lease(n, caches, node, self.unpin)
 
+    def lease_stored(self, namespace: str, tokens: list[int], caches: list) -> Lease:
+        """A lease on what the caller just stored (``put`` of ``tokens`` from ``caches``), lending its own
+        ``caches``: a row that prefilled a prefix others follow holds the chain they lease, so grouping
+        sees them on one prefix (nothing pinned, an empty lease, when the tree did not keep it)."""
+        node = self.pin(namespace, tokens)
+        return Lease(len(tokens) if node is not None else 0, caches, node, self.unpin)
+
     def lease_restored(self, namespace: str, entry: CacheEntry, n: int, previous: int) -> Lease:
         """``adopt_restored``, with the stored prefix pinned (when it fit the tier)."""
         caches = self.adopt_restored(namespace, entry, n, previous)

@@ -111,10 +111,13 @@ def test_a_row_outside_the_group_is_counted_whole(load_tiny):
     assert extent.prefix is None and extent.shared == 0
 
 
-def test_a_burst_on_a_cached_prefix_joins_at_once_in_a_memory_room_without_its_copies(load_tiny):
+@pytest.mark.parametrize("token0_in_decode", [True, False])
+def test_a_burst_on_a_cached_prefix_joins_at_once_in_a_memory_room_without_its_copies(load_tiny, token0_in_decode):
     """Agents whose own part is a short tail prefill it on the stored prefix by reference
     (engine/shared_tails.py), so the memory room does not hold them back for copies they never make:
-    a room with space for one newcomer but not for another agent's copy admits them all at once."""
+    a room with space for one newcomer but not for another agent's copy admits them all at once.
+    Where that path declines them (token 0 from a forward of their own: ``TailTerms``), each
+    prefills on a copy, and the same room holds fewer of them."""
     import dataclasses
 
     import mlx.core as mx
@@ -125,7 +128,7 @@ def test_a_burst_on_a_cached_prefix_joins_at_once_in_a_memory_room_without_its_c
     model, tokenizer = load_tiny("llama")
     shared, reqs = agents(tokenizer)
     footprint = measure_footprint(model)
-    config = SchedulerConfig(8, 8, 2048, None, shape=ModelShape.of(model))
+    config = SchedulerConfig(8, 8, 2048, None, shape=ModelShape.of(model), token0_in_decode=token0_in_decode)
     finished: dict[str, list[int]] = {}
     scheduler = BatchScheduler(model, tokenizer, footprint, config, prompt_cache=PromptCache(1 << 30),
                                sharing=SharingPolicy("on", plan_sharing(model)),
@@ -142,8 +145,14 @@ def test_a_burst_on_a_cached_prefix_joins_at_once_in_a_memory_room_without_its_c
     while admitted < AGENTS and scheduler.can_admit(reqs[admitted + 1]):
         scheduler.add(reqs[admitted + 1], lambda e: None)
         admitted += 1
-    assert admitted == AGENTS
+    assert [e.on_copy for e in scheduler._kv_load()[0].prefilling] == [not token0_in_decode] * admitted
+    assert admitted == AGENTS if token0_in_decode else admitted < AGENTS  # the copies fill the room
+    for r in reqs[admitted + 1 :]:
+        while not scheduler.can_admit(r):
+            scheduler.step()
+        scheduler.add(r, lambda e: None)
     while not scheduler.is_idle:
         scheduler.step()
+    assert (scheduler.batch.copies.referenced > 0) == token0_in_decode
     want = {rid: tokens for rid, (tokens, _) in serial_with_cache(model, tokenizer, reqs).items()}
     assert finished == want
