@@ -98,12 +98,25 @@ class RowCheckpoints:
         if not due or self.checkpoints.store.queued_bytes() >= IN_FLIGHT_BYTES:
             return
         due = due[:publishes_per_step(len(rows))]
-        with mx.stream(generation_stream):  # right behind this step's forward, before the next one's
-            arrays = span_arrays(self.batch.caches) if self.batch.batched else None
-            aligned = arrays is not None and self._rows_end_together(due)
-            links = self._stage_spans(due, arrays) if aligned else self._stage_views(due)
-            self.checkpoints.batch_staged.stage([LinkInFlight(rows[i].checkpoint, link, next_tokens, i, rows[i].key)
-                                                 for i, link in links])
+        try:
+            with mx.stream(generation_stream):  # right behind this step's forward, before the next one's
+                items = self._staged_links(due, next_tokens)
+                self.faults.injector.check("checkpoint")
+                self.checkpoints.batch_staged.stage(items)
+        except Exception:  # a checkpoint that cannot be copied is dropped, never the rows: they stay due
+            log.warning("checkpoint links of %d rows not staged; they stay due", len(due), exc_info=True)
+            self.checkpoints.store.note_dropped()
+            return
+        for item in items:
+            item.checkpoint.taken(item.link.output)
+
+    def _staged_links(self, due: list[int], next_tokens: mx.array) -> list[LinkInFlight]:
+        """Due rows' links described (copies not evaluated), up to ``STAGE_BYTES_PER_STEP``."""
+        rows = self.batch.rows
+        arrays = span_arrays(self.batch.caches) if self.batch.batched else None
+        aligned = arrays is not None and self._rows_end_together(due)
+        links = self._stage_spans(due, arrays) if aligned else self._stage_views(due)
+        return [LinkInFlight(rows[i].checkpoint, link, next_tokens, i, rows[i].key) for i, link in links]
 
     def _rows_end_together(self, due: list[int]) -> bool:
         """Every layer pads rows alike and each due row's tokens end where the batch's do: what the one-pass
@@ -124,7 +137,7 @@ class RowCheckpoints:
         for i in due:
             if nbytes >= STAGE_BYTES_PER_STEP:
                 break
-            generated, start = rows[i].checkpoint.begin(rows[i].output)
+            generated, start = rows[i].checkpoint.plan(rows[i].output)
             length = len(rows[i].output.request.prompt_ids) + len(generated) - start  # the prompt as submitted
             taken.append((i, generated, start, RowSpan(i, padding[i] + start, length)))
             nbytes += length * per_token

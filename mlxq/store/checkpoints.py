@@ -139,6 +139,11 @@ class CheckpointStore:
             self._cond.notify_all()
         return True
 
+    def note_dropped(self) -> None:
+        """A link the engine could not copy (its staging failed): dropped, and the next flush says so."""
+        with self._cond:
+            self._drop()
+
     def queued_bytes(self) -> int:
         """Bytes of links queued or being written: copied off the device, not yet on disk."""
         with self._cond:
