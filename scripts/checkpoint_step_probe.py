@@ -12,11 +12,11 @@ A run is named by ``off`` (no checkpoints: the scheduler's ``checkpoints``
 unset for the run) or ``on`` (as shipped), or by changes joined with
 ``+``:
 
+- ``nohold``: a written link's host-read buffers go back to MLX's buffer
+  cache at once (store/spent_buffers.py holds them until the engine
+  clears the cache), where a later device allocation can take them;
 - ``keep``: the writer keeps every link's buffers alive to the end of the
-  run (none goes back to MLX's buffer cache, where a later device
-  allocation could take a buffer the host has read);
-- ``hold``: as ``keep``, the buffers let go right before the scheduler's
-  periodic ``mx.clear_cache()`` (every 256 steps), which frees them;
+  run;
 - ``nowrite``: the writer registers each link without reading or writing its
   bytes (no disk, no host reads);
 - ``nohost``: no move of the Packs to host memory (with ``nowrite``);
@@ -81,13 +81,6 @@ def _keeping(original, kept: list):
     return run
 
 
-def _releasing(clear_cache, kept: list):
-    def clear() -> None:
-        kept.clear()
-        clear_cache()
-    return clear
-
-
 def _no_host(flat, host_side):
     return Pack(flat)
 
@@ -99,13 +92,13 @@ def _sync_stage(original):
     return stage
 
 
-def variant_patches(changes: set[str], kept: list):
+def variant_patches(changes: set[str], kept: list, store):
     """The context managers that make a run with ``changes`` (see the module's doc)."""
     rows = []
-    if "keep" in changes or "hold" in changes:
+    if "keep" in changes:
         rows.append(patched(CheckpointStore, "_run", _keeping(CheckpointStore._run, kept)))
-    if "hold" in changes:
-        rows.append(patched(mx, "clear_cache", _releasing(mx.clear_cache, kept)))
+    if "nohold" in changes and store is not None:
+        rows.append(patched(store.spent, "hold", False))
     if "nowrite" in changes:
         rows.append(patched(CheckpointStore, "_run", _no_write))
     if "nohost" in changes:
@@ -174,7 +167,7 @@ def run_once(engine, name: str, rows: int, tokens: int, tag: str, offset: int, v
     spy = _pyspy(out / f"pyspy-{tag}.txt", pyspy_seconds) if "pyspy" in changes else None
     kept: list = []
     with ExitStack() as stack:
-        for patch in variant_patches(changes, kept):
+        for patch in variant_patches(changes, kept, None if checkpoints is None else checkpoints.store):
             stack.enter_context(patch)
         if "off" in changes:
             stack.enter_context(patched(sched, "checkpoints", None))
@@ -213,22 +206,24 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=576)
     ap.add_argument("--interval", type=int, default=256, help="--checkpoint-interval")
-    ap.add_argument("--variants", default="off,on,keep,hold,nowrite,nowrite+nohost,sync,ops,off,on+pyspy")
+    ap.add_argument("--variants", default="off,on,nohold,keep,nowrite,nowrite+nohost,sync,ops,off,on+pyspy")
     ap.add_argument("--pyspy-seconds", type=int, default=8)
+    ap.add_argument("--warmup", default="auto", help="the engine's warm-up: auto (the server's), on, off")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    lm = load_model(args.model)
     with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
         ssd = SsdConfig(str(Path(tmp) / "ssd"), max_bytes=100 * 10**9, checkpoint_interval=args.interval)
-        engine = Engine(lambda: lm, EngineConfig(max_rows=args.rows, kv_budget_auto=True, warmup="auto", ssd=ssd))
+        # The model loads on the engine thread, as the server's does (MLX's GPU streams belong to a thread).
+        engine = Engine(lambda: load_model(args.model),
+                        EngineConfig(max_rows=args.rows, kv_budget_auto=True, warmup=args.warmup, ssd=ssd))
         engine.start()
         while not engine.ready.wait(1):
             if engine.fatal_error:
                 raise SystemExit(f"the engine failed to start: {engine.fatal_error}")
         results = []
         for n, name in enumerate(args.variants.split(",")):
-            result = run_once(engine, name, args.rows, args.tokens, f"run{n}", n, lm.vocab_size, args.out,
+            result = run_once(engine, name, args.rows, args.tokens, f"run{n}", n, engine.loaded.vocab_size, args.out,
                               args.pyspy_seconds)
             results.append(result)
             print(json.dumps(result), flush=True)

@@ -186,11 +186,11 @@ def test_bench_checkpoints(small_model, tmp_path):
 
 def test_checkpoint_step_probe(small_model, tmp_path):
     run("checkpoint_step_probe.py", "--model", str(small_model), "--rows", "2", "--tokens", "20", "--interval", "8",
-        "--variants", "off,on,keep,hold,nowrite+nohost,sync,ops", "--out", str(tmp_path))
+        "--variants", "off,on,nohold,keep,nowrite+nohost,sync,ops", "--warmup", "off", "--out", str(tmp_path))
     runs = {entry["variant"]: entry for entry in json.loads((tmp_path / "probe.json").read_text())}
-    assert set(runs) == {"off", "on", "keep", "hold", "nowrite+nohost", "sync", "ops"}
+    assert set(runs) == {"off", "on", "nohold", "keep", "nowrite+nohost", "sync", "ops"}
     assert runs["off"]["staging_steps"] == 0 and runs["off"]["links"] == {}
-    for name in ("on", "keep", "hold", "nowrite+nohost", "sync", "ops"):
+    for name in ("on", "nohold", "keep", "nowrite+nohost", "sync", "ops"):
         assert runs[name]["links"]["written"] >= 2 and runs[name]["links"]["dropped"] == 0, runs[name]
         assert runs[name]["staging_steps"] >= 2 and runs[name]["steps"] >= 18
 

@@ -69,6 +69,17 @@ class RowCheckpoints:
         except Exception:
             log.warning("checkpoint links staged in the last step not published", exc_info=True)
 
+    def _clear_cache(self, due: bool) -> None:
+        """MLX's cache cleared when ``due`` (the periodic clear); checkpoint buffers the host read are let go
+        right before it, so it frees them (store/spent_buffers.py), also when too many wait or the batch
+        ran dry."""
+        spent = None if self.checkpoints is None else self.checkpoints.store.spent
+        if spent is not None and spent.nbytes and (due or spent.over_cap() or not self.batch.rows):
+            spent.release()
+            mx.clear_cache()
+        elif due:
+            mx.clear_cache()
+
     def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array,
                              fed: list[int], fed_emitted: list[bool]) -> None:
         """Links staged in the last step publish (engine/checkpoint_staging.py); rows going on whose

@@ -5,6 +5,8 @@ staging that fails drops its links, never the rows, and the rows stay due."""
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from mlxq.engine.checkpointing import Checkpointing
 from mlxq.engine.faults import Evaluator, FaultInjector, parse_fault_spec
 from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
@@ -13,6 +15,7 @@ from mlxq.kv.projection import measure_footprint
 from mlxq.kv.scheme import NATIVE
 from mlxq.store.checkpoints import CheckpointStore
 from mlxq.store.mlxkv import Identity
+from mlxq.store.spent_buffers import SpentBuffers
 
 INTERVAL = 8
 
@@ -101,3 +104,20 @@ def test_a_staging_that_fails_drops_its_links_and_the_rows_stay_due(load_tiny, t
     tokens, _ = finished[first.request.request_id]
     assert len(record.emitted) == at + 1
     assert list(record.emitted) == tokens[: len(record.emitted)] and record.pending == tokens[len(record.emitted)]
+
+
+def test_held_checkpoint_buffers_go_when_the_batch_runs_dry(load_tiny, tmp_path):
+    """Written links' host-read buffers (store/spent_buffers.py) are let go, with MLX's cache cleared, at the
+    latest when the batch runs dry: an idle server holds none."""
+    model, tokenizer = load_tiny("llama")
+    store = CheckpointStore(tmp_path, Identity("f" * 16, NATIVE.key, ""))
+    store.spent = SpentBuffers(hold=True)
+    scheduler, finished = scheduler_for(model, tokenizer, Checkpointing(store, INTERVAL, NATIVE.key))
+    for request in requests():
+        scheduler.add(request, lambda event: None)
+    scheduler.step()
+    store.spent.add([mx.zeros((4,))], 16)  # as the writer adds a written link's moved Packs
+    while len(finished) < 2:
+        assert store.spent.nbytes == 16  # held while the batch decodes
+        scheduler.step()
+    assert store.spent.nbytes == 0
