@@ -184,6 +184,17 @@ def test_bench_checkpoints(small_model, tmp_path):
     assert set(mode["decode_tok_s_median"]) == {"on", "off"} and mode["checkpoints_written"] >= 1
 
 
+def test_checkpoint_step_probe(small_model, tmp_path):
+    run("checkpoint_step_probe.py", "--model", str(small_model), "--rows", "2", "--tokens", "20", "--interval", "8",
+        "--variants", "off,on,nohold,keep,nowrite+nohost,sync,ops", "--warmup", "off", "--out", str(tmp_path))
+    runs = {entry["variant"]: entry for entry in json.loads((tmp_path / "probe.json").read_text())}
+    assert set(runs) == {"off", "on", "nohold", "keep", "nowrite+nohost", "sync", "ops"}
+    assert runs["off"]["staging_steps"] == 0 and runs["off"]["links"] == {}
+    for name in ("on", "nohold", "keep", "nowrite+nohost", "sync", "ops"):
+        assert runs[name]["links"]["written"] >= 2 and runs[name]["links"]["dropped"] == 0, runs[name]
+        assert runs[name]["staging_steps"] >= 2 and runs[name]["steps"] >= 18
+
+
 def test_profile_adapter_step():
     """One decode step per routing (base, one adapter, mixed, mixed with base) on the embedded model."""
     out = output_of("profile_adapter_step.py", "--rows", "2", "--steps", "2", "--rank", "4", "--context", "16")

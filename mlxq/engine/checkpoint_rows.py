@@ -69,6 +69,17 @@ class RowCheckpoints:
         except Exception:
             log.warning("checkpoint links staged in the last step not published", exc_info=True)
 
+    def _clear_cache(self, due: bool) -> None:
+        """MLX's cache cleared when ``due`` (the periodic clear); checkpoint buffers the host read are let go
+        right before it, so it frees them (store/spent_buffers.py), also when too many wait or the batch
+        ran dry."""
+        spent = None if self.checkpoints is None else self.checkpoints.store.spent
+        if spent is not None and spent.nbytes and (due or spent.over_cap() or not self.batch.rows):
+            spent.release()
+            mx.clear_cache()
+        elif due:
+            mx.clear_cache()
+
     def _publish_checkpoints(self, keep: list[int], handed_out: list[bool], next_tokens: mx.array,
                              fed: list[int], fed_emitted: list[bool]) -> None:
         """Links staged in the last step publish (engine/checkpoint_staging.py); rows going on whose
@@ -98,12 +109,25 @@ class RowCheckpoints:
         if not due or self.checkpoints.store.queued_bytes() >= IN_FLIGHT_BYTES:
             return
         due = due[:publishes_per_step(len(rows))]
-        with mx.stream(generation_stream):  # right behind this step's forward, before the next one's
-            arrays = span_arrays(self.batch.caches) if self.batch.batched else None
-            aligned = arrays is not None and self._rows_end_together(due)
-            links = self._stage_spans(due, arrays) if aligned else self._stage_views(due)
-            self.checkpoints.batch_staged.stage([LinkInFlight(rows[i].checkpoint, link, next_tokens, i, rows[i].key)
-                                                 for i, link in links])
+        try:
+            with mx.stream(generation_stream):  # right behind this step's forward, before the next one's
+                items = self._staged_links(due, next_tokens)
+                self.faults.injector.check("checkpoint")
+                self.checkpoints.batch_staged.stage(items)
+        except Exception:  # a checkpoint that cannot be copied is dropped, never the rows: they stay due
+            log.warning("checkpoint links of %d rows not staged; they stay due", len(due), exc_info=True)
+            self.checkpoints.store.note_dropped()
+            return
+        for item in items:
+            item.checkpoint.taken(item.link.output)
+
+    def _staged_links(self, due: list[int], next_tokens: mx.array) -> list[LinkInFlight]:
+        """Due rows' links described (copies not evaluated), up to ``STAGE_BYTES_PER_STEP``."""
+        rows = self.batch.rows
+        arrays = span_arrays(self.batch.caches) if self.batch.batched else None
+        aligned = arrays is not None and self._rows_end_together(due)
+        links = self._stage_spans(due, arrays) if aligned else self._stage_views(due)
+        return [LinkInFlight(rows[i].checkpoint, link, next_tokens, i, rows[i].key) for i, link in links]
 
     def _rows_end_together(self, due: list[int]) -> bool:
         """Every layer pads rows alike and each due row's tokens end where the batch's do: what the one-pass
@@ -124,7 +148,7 @@ class RowCheckpoints:
         for i in due:
             if nbytes >= STAGE_BYTES_PER_STEP:
                 break
-            generated, start = rows[i].checkpoint.begin(rows[i].output)
+            generated, start = rows[i].checkpoint.plan(rows[i].output)
             length = len(rows[i].output.request.prompt_ids) + len(generated) - start  # the prompt as submitted
             taken.append((i, generated, start, RowSpan(i, padding[i] + start, length)))
             nbytes += length * per_token

@@ -122,19 +122,24 @@ class RowCheckpoint:
               drawn: tuple[int, ...] = ()) -> StagedLink:
         """Describe the link after ``output``'s tokens and ``drawn`` (generated, not handed out yet):
         ``caches`` hold the prompt and every one of them. Its copies are not evaluated here
-        (store/checkpoint_pack.stage_packs)."""
-        generated, start = self.begin(output, drawn)
+        (store/checkpoint_pack.stage_packs), and the row does not count it as taken until ``taken``."""
+        generated, start = self.plan(output, drawn)
         layers, packs = stage_packs(link_layers(caches, start), max_pack_bytes, host_side)
         return StagedLink(output, generated, start, layers, packs, is_trimmable(caches))
 
-    def begin(self, output, drawn: tuple[int, ...] = ()) -> tuple[tuple[int, ...], int]:
-        """A link is taken now, after ``output``'s tokens and ``drawn``: the tokens it holds after the prompt,
-        and the token its span starts at (the newest link's end when it can chain onto it, else 0)."""
-        self.last = output.num_generated
+    def plan(self, output, drawn: tuple[int, ...] = ()) -> tuple[tuple[int, ...], int]:
+        """A link taken now, after ``output``'s tokens and ``drawn``: the tokens it holds after the prompt,
+        and the token its span starts at (the newest link's end when it can chain onto it, else 0).
+        Nothing changes here: a copy that fails after this leaves the row as it was, still due."""
         generated = (*output.tokens, *drawn)
         end = len(output.request.prompt_ids) + len(generated)
         start = self.tip if 0 < self.tip <= end and self.checkpointing.store.is_link(self.key, self.tip) else 0
         return generated, start
+
+    def taken(self, output) -> None:
+        """The link planned after ``output``'s tokens is staged (its copies queued): the next is due an
+        interval later."""
+        self.last = output.num_generated
 
     def commit(self, link: StagedLink, pending: int, rng_key: tuple[int, ...] | None) -> int:
         """Queue ``link`` for the writer, ``pending`` drawn after its tokens. The bytes copied."""
@@ -149,9 +154,15 @@ class RowCheckpoint:
                 drawn: tuple[int, ...] = ()) -> int:
         """Queue the state after ``output``'s tokens and ``drawn`` (generated, not handed out yet) at once:
         ``caches`` hold the prompt and every one of them; ``pending`` was drawn after them. The bytes
-        copied."""
-        link = self.stage(output, caches, drawn=drawn)
-        settle(link.packs)
+        copied: 0 when the copy failed (the link is dropped, the request goes on, still due)."""
+        try:
+            link = self.stage(output, caches, drawn=drawn)
+            settle(link.packs)
+        except Exception:
+            log.warning("request %s: checkpoint not copied; dropped", output.request.request_id, exc_info=True)
+            self.checkpointing.store.note_dropped()
+            return 0
+        self.taken(output)
         return self.commit(link, pending, rng_key)
 
     def after_serial_token(self, run, caches: list) -> None:

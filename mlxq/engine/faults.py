@@ -19,7 +19,9 @@ rebuilt, and no sampler state moves twice.
 so the recovery path runs on any machine: ``decode:3`` fails the 3rd decode
 evaluation, ``decode:3-4`` the 3rd and the 4th (its retry, which forces a
 preemption), ``prefill:2`` the 2nd prefill evaluation; sites are ``decode``,
-``prefill`` and ``token0``; entries are comma-separated. The serial lane,
+``prefill``, ``token0`` and ``checkpoint`` (the batch lane's staging of
+checkpoint copies: the link is dropped, the rows go on); entries are
+comma-separated. The serial lane,
 whose evaluations run inside mlx-lm's loop, checks the same sites at each
 prefill chunk, the first draw of each loop and every later draw.
 """
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger("mlxq.faults")
 
 FAULT_ENV = "MLXQ_FAULT_INJECT"
-SITES = ("decode", "prefill", "token0")
+SITES = ("decode", "prefill", "token0", "checkpoint")
 _MEMORY_MARKERS = ("out of memory", "[malloc]", "[metal::malloc]", "unable to allocate", "alloc_failed")
 
 

@@ -310,8 +310,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         if len(keep) < len(batch.rows):
             self._evict(keep)
         self.timing.record(start, built, submitted, waited)
-        if self.timing.steps % CLEAR_CACHE_EVERY == 0:
-            mx.clear_cache()
+        self._clear_cache(self.timing.steps % CLEAR_CACHE_EVERY == 0)
         if not batch.rows:
             self.timing.interrupt()  # the batch ran dry: the next step starts after an idle gap
 

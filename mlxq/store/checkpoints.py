@@ -43,6 +43,7 @@ from mlxq.store.checkpoint_state import CheckpointCounters, CheckpointFlush, Lin
 from mlxq.store.layout import check_layout
 from mlxq.store.mlxkv import Identity, MlxkvError, read_arrays_steps, read_header, run_steps
 from mlxq.store.mlxkv import write_steps as mlxkv_write_steps
+from mlxq.store.spent_buffers import SpentBuffers
 
 __all__ = ["CheckpointFlush", "CheckpointRecord", "CheckpointStore"]
 
@@ -68,6 +69,7 @@ class CheckpointStore:
         self._dropped_since_flush = 0
         self._cond = threading.Condition()
         self._writer: threading.Thread | None = None
+        self.spent = SpentBuffers()  # host-read buffers of links written, until the engine clears MLX's cache
 
     def _path(self, key: str, end: int) -> Path:
         return self.directory / f"{link_name(key, end)}.mlxkv"
@@ -139,6 +141,11 @@ class CheckpointStore:
             self._cond.notify_all()
         return True
 
+    def note_dropped(self) -> None:
+        """A link the engine could not copy (its staging failed): dropped, and the next flush says so."""
+        with self._cond:
+            self._drop()
+
     def queued_bytes(self) -> int:
         """Bytes of links queued or being written: copied off the device, not yet on disk."""
         with self._cond:
@@ -160,6 +167,7 @@ class CheckpointStore:
             self._retired.add(key)
             for job in [j for j in self._queue if j.key == key]:
                 self._queue.remove(job)
+                self._let_go(job)
             self._queue.append(LinkJob(key, None))
             self._start_writer()
             self._cond.notify_all()
@@ -273,7 +281,18 @@ class CheckpointStore:
                 with self._cond:
                     self._writing = None
                     self._cond.notify_all()
+                self._let_go(job)
                 del job  # the arrays are released here, as soon as they are on disk
+
+    def _let_go(self, job: LinkJob) -> None:
+        """A job done with: its Packs that the host read on MLX's CPU stream wait in ``spent`` (see
+        store/spent_buffers.py); the others go with the job."""
+        if job.layers is None:
+            return
+        packs = {id(t.pack): t.pack for _, _, named in job.layers for _, t in named if isinstance(t, PackedTensor)}
+        moved = [pack for pack in packs.values() if pack.moved is not None]
+        if moved:
+            self.spent.add(moved, sum(pack.nbytes for pack in moved))
 
     def _remove_chain(self, key: str) -> None:
         with self._cond:

@@ -43,8 +43,10 @@ def test_staged_links_publish_with_their_pending_token_and_key(load_tiny, tmp_pa
         layer_bytes = 2 * HEADS * 7 * DIM * 4  # keys and values of one layer, float32
         link = checkpoint.stage(output, caches, layer_bytes, host_side=True)
         assert len(link.packs) == LAYERS and not any(p.on_host for p in link.packs)
-        assert checkpoint.last == 4 and not checkpoint.is_due(output)  # staged: not due again
+        assert checkpoint.last == 0 and checkpoint.is_due(output)  # described only: the row still due
         staged.stage([LinkInFlight(checkpoint, link, next_tokens, i, keys[i])])
+        checkpoint.taken(output)
+        assert checkpoint.last == 4 and not checkpoint.is_due(output)  # staged: not due again
         rows.append((output, caches))
     rows[1][0].finish(FinishReason.CANCELLED)  # it ended before its link was published: never published
 

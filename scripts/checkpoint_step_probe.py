@@ -1,0 +1,235 @@
+"""Where checkpoints cost a batch's decode steps: one Engine, variants of the publish path side by side.
+
+    python scripts/checkpoint_step_probe.py --model DIR --rows 32 --tokens 576 --out OUT
+
+The server's Engine in-process (its warm-up, memory limits, SSD tier and
+``--checkpoint-interval``, 256 unless ``--interval``), ``--rows`` greedy rows of ``--tokens``
+tokens (``ignore_eos``) submitted at once per run, runs one after the other
+with the publish path changed between them (each change undone after its
+run):
+
+A run is named by ``off`` (no checkpoints: the scheduler's ``checkpoints``
+unset for the run) or ``on`` (as shipped), or by changes joined with
+``+``:
+
+- ``nohold``: a written link's host-read buffers go back to MLX's buffer
+  cache at once (store/spent_buffers.py holds them until the engine
+  clears the cache), where a later device allocation can take them;
+- ``keep``: the writer keeps every link's buffers alive to the end of the
+  run;
+- ``nowrite``: the writer registers each link without reading or writing its
+  bytes (no disk, no host reads);
+- ``nohost``: no move of the Packs to host memory (with ``nowrite``);
+- ``sync``: the staged copies evaluated at once (the engine thread waits for
+  them before building the next step);
+- ``ops``: the copy by MLX operations instead of the kernel;
+- ``pyspy``: under ``py-spy record --native --threads --idle`` for
+  ``--pyspy-seconds`` (raw stacks in ``OUT/pyspy-<run>.txt``).
+
+Per run: decode tok/s per request (the engine's usage), the decode step in
+its parts (``/stats batch.decode_timing``), and each step's wall time
+grouped by its distance from the last step that staged a link (0: the
+staging step itself; 1, 2, 3: the steps after; ``far``: the others), which
+says whether the cost sits at the publishes or on every step. Writes
+``probe.json``; prints a line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxq.engine import checkpoint_spans, checkpoint_staging
+from mlxq.engine.engine import Engine, EngineConfig
+from mlxq.engine.types import Request, SamplingParams
+from mlxq.models.loader import load_model
+from mlxq.store.checkpoint_pack import Pack
+from mlxq.store.checkpoints import CheckpointStore
+from mlxq.store.ssd_config import SsdConfig
+
+
+@contextmanager
+def patched(owner, name: str, value):
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def _no_write(store, job) -> None:
+    store._register(job)  # durable as far as the chain goes: the next link chains on
+
+
+def _keeping(original, kept: list):
+    def run(store, job):
+        original(store, job)
+        kept.append(job.layers)
+    return run
+
+
+def _no_host(flat, host_side):
+    return Pack(flat)
+
+
+def _sync_stage(original):
+    def stage(self, items):
+        original(self, items)
+        mx.eval(*(p.flat for item in items for p in item.link.packs))  # the device copy, not the host move
+    return stage
+
+
+def variant_patches(changes: set[str], kept: list, store):
+    """The context managers that make a run with ``changes`` (see the module's doc)."""
+    rows = []
+    if "keep" in changes:
+        rows.append(patched(CheckpointStore, "_run", _keeping(CheckpointStore._run, kept)))
+    if "nohold" in changes and store is not None:
+        rows.append(patched(store.spent, "hold", False))
+    if "nowrite" in changes:
+        rows.append(patched(CheckpointStore, "_run", _no_write))
+    if "nohost" in changes:
+        rows.append(patched(checkpoint_spans, "host_side_pack", _no_host))
+    if "sync" in changes:
+        rows.append(patched(checkpoint_staging.StagedLinks, "stage",
+                            _sync_stage(checkpoint_staging.StagedLinks.stage)))
+    if "ops" in changes:
+        rows.append(patched(checkpoint_spans, "_kernel_checked", lambda count, dtype: False))
+    return rows
+
+
+class StepLog:
+    """Each decode step's wall time and whether it staged links (wraps the scheduler's decode step)."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.steps: list[tuple[float, bool]] = []
+        self._inner = scheduler._decode_step
+
+    def __call__(self) -> None:
+        start = time.perf_counter()
+        self._inner()
+        took = time.perf_counter() - start
+        checkpoints = self.scheduler.checkpoints  # a step publishes the last one's links, then stages its own
+        self.steps.append((took, checkpoints is not None and len(checkpoints.batch_staged) > 0))
+
+    def by_distance(self) -> dict:
+        groups: dict[str, list[float]] = {}
+        last = None
+        for i, (took, staged) in enumerate(self.steps):
+            if staged:
+                last = i
+            distance = None if last is None else i - last
+            key = str(distance) if distance is not None and distance <= 3 else "far"
+            groups.setdefault(key, []).append(took)
+        return {k: {"steps": len(v), "mean_ms": round(1000 * statistics.fmean(v), 3),
+                    "median_ms": round(1000 * statistics.median(v), 3)} for k, v in sorted(groups.items())}
+
+
+def _pyspy(path: Path, seconds: int):
+    """py-spy on this process (native frames, every thread, idle ones too), or None without py-spy."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("py-spy not found: the run goes on without it", flush=True)
+        return None
+    try:  # Yama's ptrace scope 1 lets only ancestors attach: let py-spy, a child, attach to its parent
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(2**64 - 1), 0, 0, 0)  # PR_SET_PTRACER, ANY
+    except (OSError, AttributeError):
+        pass
+    return subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--native", "--threads", "--idle",
+                             "--rate", "25", "--format", "raw", "--duration", str(seconds), "-o", str(path)])
+
+
+def run_once(engine, name: str, rows: int, tokens: int, tag: str, offset: int, vocab: int, out: Path,
+             pyspy_seconds: int) -> dict:
+    sched = engine.scheduler
+    checkpoints = sched.checkpoints
+    log = StepLog(sched)
+    sched._decode_step = log
+    before = dict(sched.timing.as_dict()["totals"], steps=sched.timing.steps)
+    written = dict(vars(checkpoints.store.counters)) if checkpoints is not None else {}
+    rates: list[float] = []
+    done = threading.Semaphore(0)
+    changes = set(name.split("+"))
+    spy = _pyspy(out / f"pyspy-{tag}.txt", pyspy_seconds) if "pyspy" in changes else None
+    kept: list = []
+    with ExitStack() as stack:
+        for patch in variant_patches(changes, kept, None if checkpoints is None else checkpoints.store):
+            stack.enter_context(patch)
+        if "off" in changes:
+            stack.enter_context(patched(sched, "checkpoints", None))
+        mx.reset_peak_memory()
+        for i in range(rows):
+            def emit(event):
+                if event.finish_reason is not None:
+                    rates.append(event.usage.decode_tok_s)
+                    done.release()
+            prompt = [(1000 + 37 * offset + 7 * i + j) % vocab for j in range(24)]
+            engine.submit(Request(f"{tag}-{i}", prompt, SamplingParams(), tokens, ignore_eos=True), emit)
+        for _ in range(rows):
+            done.acquire()
+        if checkpoints is not None:
+            checkpoints.store.flush(60)
+    if spy is not None:
+        spy.wait(timeout=60)
+    kept.clear()
+    del sched._decode_step
+    after = dict(sched.timing.as_dict()["totals"], steps=sched.timing.steps)
+    steps = after["steps"] - before["steps"]
+    split = {k[:-2] + "_ms": round(1000 * (after[k] - before[k]) / max(steps, 1), 3)
+             for k in ("step_s", "build_s", "submit_s", "device_wait_s")}
+    split["output_ms"] = round(split["step_ms"] - split["build_ms"] - split["submit_ms"] - split["device_wait_ms"], 3)
+    counters = vars(checkpoints.store.counters) if checkpoints is not None else {}
+    return {"variant": name, "tok_s_median": round(statistics.median(rates), 2), "steps": steps, "split": split,
+            "by_distance": log.by_distance(), "staging_steps": sum(s for _, s in log.steps),
+            "links": {k: counters[k] - written.get(k, 0) for k in ("written", "dropped", "kernel_links")
+                      if k in counters} if name != "off" else {},
+            "peak_gb": round(mx.get_peak_memory() / 1e9, 2), "cache_gb": round(mx.get_cache_memory() / 1e9, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=576)
+    ap.add_argument("--interval", type=int, default=256, help="--checkpoint-interval")
+    ap.add_argument("--variants", default="off,on,nohold,keep,nowrite,nowrite+nohost,sync,ops,off,on+pyspy")
+    ap.add_argument("--pyspy-seconds", type=int, default=8)
+    ap.add_argument("--warmup", default="auto", help="the engine's warm-up: auto (the server's), on, off")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
+        ssd = SsdConfig(str(Path(tmp) / "ssd"), max_bytes=100 * 10**9, checkpoint_interval=args.interval)
+        # The model loads on the engine thread, as the server's does (MLX's GPU streams belong to a thread).
+        engine = Engine(lambda: load_model(args.model),
+                        EngineConfig(max_rows=args.rows, kv_budget_auto=True, warmup=args.warmup, ssd=ssd))
+        engine.start()
+        while not engine.ready.wait(1):
+            if engine.fatal_error:
+                raise SystemExit(f"the engine failed to start: {engine.fatal_error}")
+        results = []
+        for n, name in enumerate(args.variants.split(",")):
+            result = run_once(engine, name, args.rows, args.tokens, f"run{n}", n, engine.loaded.vocab_size, args.out,
+                              args.pyspy_seconds)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+            (args.out / "probe.json").write_text(json.dumps(results, indent=1) + "\n")
+        engine.stop(30)
+
+
+if __name__ == "__main__":
+    main()
