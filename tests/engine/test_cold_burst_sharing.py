@@ -12,6 +12,7 @@ model cannot hold for 64 agents. Greedy tokens equal the serial lane's.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from mlxq.golden.cases import LONG
@@ -61,3 +62,28 @@ def test_agents_arriving_after_a_lone_agent_stored_the_prompt_group_with_it_by_r
     expected = serial_with_cache(model, tokenizer, first + burst)
     for r in first + burst:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_rows_leaving_a_group_together_are_stored_one_at_a_time(load_tiny):
+    """Each leaving row of a shared-prefix group is extracted whole (its prefix and tail joined) to
+    be stored; the scheduler lets go of each once stored, so the device's active memory does not
+    grow by one prefix copy per row while a group's rows finish in the same step."""
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, _ = sharing_scheduler(model, tokenizer)
+    active: list[int] = []
+    put = scheduler._put
+
+    def measured_put(row, caches):
+        put(row, caches)
+        active.append(mx.get_active_memory())
+
+    scheduler._put = measured_put
+    run_wave(scheduler, wave(tokenizer, shared, "leave", 8, "Agent"))
+    assert counters(scheduler)["referenced"] == 7
+    layers = model.layers
+    heads, dim = layers[0].self_attn.n_kv_heads, layers[0].self_attn.head_dim
+    row_copy = len(shared) * len(layers) * 2 * heads * dim * 4  # float32 keys and values
+    assert len(active) == 8
+    # The seven followers finish in one step: without letting go, each put adds a row copy.
+    assert max(active[1:]) - min(active[1:]) < 2 * row_copy, (active, row_copy)
