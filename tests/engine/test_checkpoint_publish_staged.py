@@ -34,16 +34,24 @@ def requests() -> list[Request]:
     return [Request(f"r{i}", [1, 5 + i, 9, 13 + 2 * i], SamplingParams(), 40, ignore_eos=True) for i in range(2)]
 
 
-def test_a_shutdown_publishes_the_links_its_last_step_staged(load_tiny, tmp_path):
-    model, tokenizer = load_tiny("llama")
+def reference_outputs(model, tokenizer) -> dict:
+    """What the requests generate with no checkpoints: request id -> (tokens, finish)."""
     reference, finished = scheduler_for(model, tokenizer)
     for request in requests():
         reference.add(request, lambda event: None)
     while not reference.is_idle:
         reference.step()
+    return finished
 
-    checkpointing = Checkpointing(CheckpointStore(tmp_path, Identity("f" * 16, NATIVE.key, "")), INTERVAL,
-                                  NATIVE.key)
+
+def checkpointing_in(directory) -> Checkpointing:
+    return Checkpointing(CheckpointStore(directory, Identity("f" * 16, NATIVE.key, "")), INTERVAL, NATIVE.key)
+
+
+def test_a_shutdown_publishes_the_links_its_last_step_staged(load_tiny, tmp_path):
+    model, tokenizer = load_tiny("llama")
+    finished = reference_outputs(model, tokenizer)
+    checkpointing = checkpointing_in(tmp_path)
     scheduler, _ = scheduler_for(model, tokenizer, checkpointing)
     for request in requests():
         scheduler.add(request, lambda event: None)
@@ -71,14 +79,8 @@ def test_a_staging_that_fails_drops_its_links_and_the_rows_stay_due(load_tiny, t
     allocation failure would): the rows decode on to the same tokens, they are still due, so the next
     step stages their link, and what a restart restores is that newest link, token for token."""
     model, tokenizer = load_tiny("llama")
-    reference, expected = scheduler_for(model, tokenizer)
-    for request in requests():
-        reference.add(request, lambda event: None)
-    while not reference.is_idle:
-        reference.step()
-
-    checkpointing = Checkpointing(CheckpointStore(tmp_path, Identity("f" * 16, NATIVE.key, "")), INTERVAL,
-                                  NATIVE.key)
+    expected = reference_outputs(model, tokenizer)
+    checkpointing = checkpointing_in(tmp_path)
     scheduler, finished = scheduler_for(model, tokenizer, checkpointing, faults="checkpoint:1")
     for request in requests():
         scheduler.add(request, lambda event: None)

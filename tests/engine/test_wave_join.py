@@ -34,6 +34,21 @@ def run_wave(scheduler, requests: list[Request]) -> None:
         scheduler.step()
 
 
+def cached_prompt_on_a_clock(load_tiny, rows: int, burst):
+    """A scheduler holding bursts by ``burst`` whose system prompt one agent already stored, on a clock
+    the test moves (``now[0]``)."""
+    import time
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    config = SchedulerConfig(rows, 4, 2048, None, token0_in_decode=True, burst=burst)
+    scheduler, finished = recording_scheduler(model, tokenizer, config)
+    run_wave(scheduler, wave(tokenizer, shared, "cold", 1, "Agent"))
+    now = [time.monotonic() + 100.0]
+    scheduler.clock = lambda: now[0]
+    return scheduler, finished, tokenizer, shared, now
+
+
 @pytest.mark.parametrize("token0_in_decode", [True, False])
 def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_tiny, token0_in_decode, monkeypatch):
     model, tokenizer = load_tiny("llama")
@@ -150,18 +165,12 @@ def test_a_request_cancelled_while_its_burst_is_held_ends_at_the_next_step_and_t
     """A client that goes away while its tail is held for the rest of the burst is not kept for the
     hold's window: the next step (at most ``gap_s`` after the last arrival, when the engine thread
     wakes) ends it, cancelled, without a prefill; the others wait for the burst as before."""
-    import time
 
     from mlxq.engine.burst_hold import BurstHold
     from mlxq.engine.types import FinishReason
 
-    model, tokenizer = load_tiny("llama")
-    shared = tokenizer.encode(LONG + " " + LONG)
-    config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=True, burst=BurstHold(window_s=0.15, gap_s=0.02))
-    scheduler, finished = recording_scheduler(model, tokenizer, config)
-    run_wave(scheduler, wave(tokenizer, shared, "cold", 1, "Agent"))
-    now = [time.monotonic() + 100.0]
-    scheduler.clock = lambda: now[0]
+    burst = BurstHold(window_s=0.15, gap_s=0.02)
+    scheduler, finished, tokenizer, shared, now = cached_prompt_on_a_clock(load_tiny, 8, burst)
     cached = [replace(r) for r in wave(tokenizer, shared, "cached", 4, "Please")]
     events: dict[str, list] = {r.request_id: [] for r in cached}
     steps = scheduler.phases.prefill_iterations
@@ -189,17 +198,10 @@ def test_a_held_burst_works_out_each_joiners_chunk_once_not_at_every_arrival(loa
     """While a burst is held, the engine thread plans a step at every arrival; each joiner's next chunk
     (snapshot points, cache kinds) is worked out once, and a step whose intake changes nobody takes the
     joiners' views once: the engine's work per arrival does not grow with the burst already there."""
-    import time
 
     from mlxq.engine.burst_hold import BurstHold
 
-    model, tokenizer = load_tiny("llama")
-    shared = tokenizer.encode(LONG + " " + LONG)
-    config = SchedulerConfig(32, 4, 2048, None, token0_in_decode=True, burst=BurstHold(window_s=10.0, gap_s=1.0))
-    scheduler, _ = recording_scheduler(model, tokenizer, config)
-    run_wave(scheduler, wave(tokenizer, shared, "cold", 1, "Agent"))
-    now = [time.monotonic() + 100.0]
-    scheduler.clock = lambda: now[0]
+    scheduler, _, tokenizer, shared, now = cached_prompt_on_a_clock(load_tiny, 32, BurstHold(window_s=10.0, gap_s=1.0))
     worked_out, views = [], []
     split_at, take_views = scheduler._split_at, scheduler.joiners.views
     monkeypatch.setattr(scheduler, "_split_at", lambda joiner: worked_out.append(joiner) or split_at(joiner))
