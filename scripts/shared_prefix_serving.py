@@ -12,11 +12,16 @@ keeps what it measured.
 
 A part is DATASET:WORDS:CONCURRENCY[:REQUESTS[:ROUNDS]] (``shared``: one
 group of agents on a system prompt of WORDS words, each with
---question-len own words; ``fresh``: unrelated prompts of WORDS words); it
+--question-len own words, a new system prompt every round; ``cached``: the
+same, keeping the system prompt every round, so from round 2 on the prefix
+is in the prompt cache and only the questions are new; ``fresh``: unrelated
+prompts of WORDS words); it
 sends REQUESTS requests (default --per-level x CONCURRENCY) per server and
 round (default --rounds). With the 8B preset's tokenizer 2,000 words are
 ~2,200 tokens. Per part it records both servers' throughput, TTFT
-and ITL (medians over --rounds) and the `on` server's shared-prefix
+and ITL (medians over --rounds), per round the `on` server's TTFT
+from its request log in phases (queue, then admission -> token 0:
+engine/ttft_phases.py; p50/p95 ms), and the `on` server's shared-prefix
 counters (/stats.batch.shared_prefix) before and after, and per server
 what the part left (RAM prompt cache entries, faults, memory peak).
 ``--modes on`` starts the `on` server alone (an absolute target, no
@@ -35,9 +40,10 @@ from pathlib import Path
 
 import httpx
 
+from mlxq.bench.request_phases import logged_requests, round_summary, split_rounds, summary_line
 from mlxq.bench.servers import ServeProcess
 
-DATASETS = {"shared": "shared-prefix", "fresh": "random"}
+DATASETS = {"shared": "shared-prefix", "cached": "shared-prefix", "fresh": "random"}
 DEFAULT_PARTS = "shared:2000:16,shared:2000:32,shared:2000:64,fresh:300:64,shared:14500:64:64:1"
 
 
@@ -75,7 +81,7 @@ def server_snapshot(url: str) -> dict:
             "requests_failed": stats.get("engine", {}).get("requests_failed")}
 
 
-def run_part(part: str, on: str, off: str | None, args, scratch: Path) -> dict:
+def run_part(part: str, on: str, off: str | None, args, scratch: Path, on_log: Path) -> dict:
     dataset, words, level, *rest = part.split(":")
     requests = rest[0] if rest else str(args.per_level * int(level))
     rounds = rest[1] if len(rest) > 1 else str(args.rounds)
@@ -85,8 +91,9 @@ def run_part(part: str, on: str, off: str | None, args, scratch: Path) -> dict:
            "--label", "on", "--dataset", DATASETS[dataset], "--num-groups", "1",
            "--prompt-len", words, "--question-len", str(args.question_len), "--concurrency", level,
            "--num-requests", requests, "--max-tokens", str(args.max_tokens),
-           "--ignore-eos", "--rounds", rounds, "--quiet", "--json", str(path)]
-    before = sharing_counters(on)
+           "--ignore-eos", "--rounds", rounds, "--quiet", "--json", str(path),
+           *(["--keep-systems"] if dataset == "cached" else [])]
+    before, log_from = sharing_counters(on), on_log.stat().st_size if on_log.exists() else 0
     t = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout)
@@ -96,6 +103,9 @@ def run_part(part: str, on: str, off: str | None, args, scratch: Path) -> dict:
     result = {"part": part, "wall_s": round(time.perf_counter() - t, 1), "sharing_before": before,
               "sharing_after": sharing_counters(on), "on_server": server_snapshot(on),
               "off_server": server_snapshot(off) if off else {}}
+    time.sleep(0.3)  # the request log's last lines
+    logged = split_rounds(logged_requests(on_log, log_from), int(requests), warmup=1)
+    result["on_phases_ms"] = [round_summary(records) for records in logged if records]
     if error:
         return result | {"error": error}
     doc = json.loads(path.read_text())
@@ -155,7 +165,8 @@ def main() -> None:
     began = time.monotonic()
     model = args.model or build_model(args.preset)
     log(f"model {model} ready after {time.monotonic() - began:.0f}s")
-    common = ("--model", str(model), "--batch", str(args.batch), "--memory-limit", args.memory_limit)
+    common = ("--model", str(model), "--batch", str(args.batch), "--memory-limit", args.memory_limit,
+              "--log-level", "info", "--log-format", "json")  # the request log: TTFT phases per round
     results = {"date": time.strftime("%Y-%m-%d"), "preset": args.preset, "args": vars(args) | {
         "out": str(args.out), "scratch": str(args.scratch), "model": str(model)}, "parts": []}
     # Both start at once (loading and warm-up overlap); each waits for /health on entry.
@@ -173,12 +184,15 @@ def main() -> None:
             if time.monotonic() - began > args.deadline_s:
                 results["parts"].append({"part": part, "skipped": "deadline"})
                 continue
-            result = run_part(part, on, off, args, args.scratch)
+            result = run_part(part, on, off, args, args.scratch, args.scratch / "on.log")
             results["parts"].append(result)
             log(line(result))
+            for r, phases in enumerate(result["on_phases_ms"]):
+                log(f"  on round {r + 1} server ms p50/p95: {summary_line(phases)}")
             (args.out / "serving.json").write_text(json.dumps(results, indent=1))
     for name in modes:
-        tail = (args.scratch / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
+        lines = (args.scratch / f"{name}.log").read_text(errors="replace").splitlines()
+        tail = [text for text in lines if '"queue_ms"' not in text][-15:]  # not the request log
         results[f"{name}_log_tail"] = tail
     (args.out / "serving.json").write_text(json.dumps(results, indent=1))
     log("done")

@@ -122,14 +122,20 @@ def test_shared_prefix_step(small_model, tmp_path):
 
 
 def test_shared_prefix_serving(small_model, tmp_path):
-    run("shared_prefix_serving.py", "--model", str(small_model), "--parts", "shared:120:2:2:1",
+    run("shared_prefix_serving.py", "--model", str(small_model), "--parts", "cached:120:2:2:2",
         "--max-tokens", "4", "--batch", "4", "--memory-limit", "2GB", "--out", str(tmp_path),
         "--scratch", str(tmp_path / "scratch"))
     doc = json.loads((tmp_path / "serving.json").read_text())
     for part in doc["parts"]:
         assert "error" not in part, part
-        assert [r["completed"] for r in part["on"] + part["off"]] == [2, 2], part
+        assert [r["completed"] for r in part["on"] + part["off"]] == [2, 2, 2, 2], part
         assert part["sharing_after"]["mode"] == "on"
+        # The system prompt is kept: the second round finds it in the prompt cache (both servers).
+        for side in ("on", "off"):
+            first, second = (r["cached_token_ratio"] for r in part[side])
+            assert second > first, part[side]
+        # The on server's request log, per round: the first token's time in phases.
+        assert len(part["on_phases_ms"]) == 2 and all(r["server_ttft"]["p95"] > 0 for r in part["on_phases_ms"])
 
 
 def test_ssd_restore_measurements(tmp_path):

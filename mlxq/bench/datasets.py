@@ -39,13 +39,17 @@ def make_workload(
     num_groups: int = 4,
     question_len: int = 16,
     turns: int = 3,
+    system_seed: int | None = None,
 ) -> list[Conversation]:
+    """``system_seed``: draw the shared system prompts (shared-prefix, agents) from this seed instead
+    of ``seed``, so workloads of different seeds share their prefixes and differ in their own text."""
     rng = random.Random(seed)
+    system_rng = rng if system_seed is None else random.Random(system_seed)
     words = corpus_words()
     if dataset == "random":
         return [Conversation(None, [_text(rng, words, prompt_len)], "random") for _ in range(num_requests)]
     if dataset == "shared-prefix":
-        systems = [f"Agent group {g}. " + _text(rng, words, prompt_len) for g in range(num_groups)]
+        systems = [f"Agent group {g}. " + _text(system_rng, words, prompt_len) for g in range(num_groups)]
         return [
             Conversation(systems[i % num_groups], [_text(rng, words, question_len)], f"group-{i % num_groups}")
             for i in range(num_requests)
@@ -59,7 +63,7 @@ def make_workload(
         ]
     if dataset == "agents":
         # One person's agents: one long shared system prompt, many conversations of short turns.
-        system = "You are one of several agents. " + _text(rng, words, prompt_len)
+        system = "You are one of several agents. " + _text(system_rng, words, prompt_len)
         return [
             Conversation(system, [_text(rng, words, question_len) for _ in range(turns)], f"agent-{c}")
             for c in range(max(1, num_requests // turns))

@@ -25,6 +25,7 @@ class Workload:
     warmup: int = 1  # unrecorded requests before each measurement
     fresh_prompts: bool = True  # a new prompt set for every level and round (else repeats hit prompt caches)
     question_len: int = 16  # words of each request's own text after a shared prefix
+    keep_systems: bool = False  # fresh prompts keep the shared system prompts: a new round finds its prefix cached
 
 
 def _progress(quiet: bool) -> Progress:
@@ -43,7 +44,8 @@ async def measure(cfg: LoadConfig, work: Workload, concurrency: int, label: str,
         warm = make_workload("random", work.warmup, 8, seed=cfg.seed + 999)
         await run_load(dataclasses.replace(cfg, request_rate=float("inf")), warm, 1)
     conversations = make_workload(work.dataset, work.num_requests, work.prompt_len, seed=cfg.seed + 7919 * prompt_set,
-                                  num_groups=work.num_groups, turns=work.turns, question_len=work.question_len)
+                                  num_groups=work.num_groups, turns=work.turns, question_len=work.question_len,
+                                  system_seed=cfg.seed if work.keep_systems else None)
     total = sum(len(c.turns) for c in conversations)
     before = await server_timing.read_totals(cfg.url, cfg.api_key)
     with _progress(quiet) as progress:

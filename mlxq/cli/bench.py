@@ -66,6 +66,10 @@ def serving_load(
                                                      "of a round get the same one), or the same set every time "
                                                      "(a prompt-cache workload: repeats hit after the first).")]
     = True,
+    keep_systems: Annotated[bool, typer.Option(help="With fresh prompts: shared-prefix and agents keep their "
+                                                    "system prompts every round and change only their own text "
+                                                    "(after the first round the shared prefix is cached).")]
+    = False,
     compare: Annotated[str | None, typer.Option(help="Second server URL: run both, alternating.")] = None,
     compare_model: Annotated[str | None, typer.Option(help="Model name for --compare.")] = None,
     label: Annotated[str | None, typer.Option(help="Name of the first server in tables and plots.")] = None,
@@ -88,7 +92,8 @@ def serving_load(
                          request_rate=request_rate, burstiness=burstiness, seed=seed, api_key=api_key)
         other = None if compare is None else LoadConfig(**{**cfg.__dict__, "url": compare,
                                                             "model": compare_model or model})
-        work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup, fresh_prompts, question_len)
+        work = Workload(dataset, num_requests, prompt_len, num_groups, turns, warmup, fresh_prompts, question_len,
+                        keep_systems)
         if dataset not in ("random", "shared-prefix", "multi-turn", "agents"):
             raise ValueError(f"unknown dataset {dataset!r}; choose random, shared-prefix, multi-turn or agents")
     except ValueError as exc:

@@ -137,6 +137,16 @@ def test_datasets_shapes():
     assert len(agents) == 2 and len({c.system for c in agents}) == 1 and all(len(c.turns) == 5 for c in agents)
 
 
+def test_kept_systems_change_only_the_questions():
+    # Two rounds' seeds with the systems drawn from one seed: the prefix repeats, the questions do not.
+    one, two = (make_workload("shared-prefix", 4, 50, seed=s, num_groups=1, system_seed=7) for s in (1, 2))
+    assert one[0].system == two[0].system and one[0].turns != two[0].turns
+    fresh = make_workload("shared-prefix", 4, 50, seed=2, num_groups=1)
+    assert fresh[0].system != one[0].system
+    agents = [make_workload("agents", 3, 30, seed=s, turns=3, system_seed=7)[0] for s in (1, 2)]
+    assert agents[0].system == agents[1].system and agents[0].turns != agents[1].turns
+
+
 def test_cli_against_real_mlxq(llama_server, tmp_path):
     out, png, rec = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.jsonl.gz"
     result = CliRunner().invoke(app, [
