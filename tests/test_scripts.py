@@ -135,7 +135,7 @@ def test_shared_prefix_serving(small_model, tmp_path):
             first, second = (r["cached_token_ratio"] for r in part[side])
             assert second > first, part[side]
         # The on server's request log, per round: the first token's time in phases.
-        assert len(part["on_phases_ms"]) == 2 and all(r["server_ttft"]["p95"] > 0 for r in part["on_phases_ms"])
+        assert len(part["on_phases_ms"]) == 2 and all(r["ttft"]["p95"] > 0 for r in part["on_phases_ms"])
 
 
 def test_ssd_restore_measurements(tmp_path):

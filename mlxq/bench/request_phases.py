@@ -49,10 +49,11 @@ def split_rounds(records: list[dict], per_round: int, warmup: int) -> list[list[
 
 
 def round_summary(records: list[dict]) -> dict[str, dict[str, float]]:
-    """p50 / p95 of the server's TTFT, the queue and each phase over one round's requests."""
+    """p50 / p95 over one round's requests: the parse (received -> submitted), the server's TTFT
+    (submitted -> token 0), the queue and each phase after it."""
     names = list(dict.fromkeys(name for r in records for name in phases_of(r)))  # the server's order
-    out = {"server_ttft": spread([r["ttft_ms"] for r in records if r.get("ttft_ms") is not None]),
-           "queue": spread([r["queue_ms"] for r in records if r.get("queue_ms") is not None])}
+    out = {key: spread([r[f"{key}_ms"] for r in records if r.get(f"{key}_ms") is not None])
+           for key in ("parse", "ttft", "queue")}
     for name in names:
         out[name] = spread([phases_of(r)[name] for r in records if name in phases_of(r)])
     return out
