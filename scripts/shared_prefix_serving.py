@@ -115,7 +115,8 @@ def run_part(part: str, on: str, off: str | None, args, scratch: Path, on_log: P
 def summarize(runs: list[dict]) -> list[dict]:
     keys = ("completed", "failed", "output_throughput_tok_s", "duration_s", "total_prompt_tokens",
             "cached_token_ratio")
-    return [{k: r.get(k) for k in keys} | {"ttft_ms": _pick(r["ttft_ms"]), "itl_ms": _pick(r["itl_ms"])}
+    return [{k: r.get(k) for k in keys} | {"ttft_ms": _pick(r["ttft_ms"]), "itl_ms": _pick(r["itl_ms"]),
+                                           "server_timing": r.get("server_timing")}  # decode step split, busy shares
             for r in runs]
 
 
@@ -189,6 +190,8 @@ def main() -> None:
             log(line(result))
             for r, phases in enumerate(result["on_phases_ms"]):
                 log(f"  on round {r + 1} server ms p50/p95: {summary_line(phases)}")
+            for r, run in enumerate(result.get("on", [])):
+                log(f"  on round {r + 1} decode steps: {run['server_timing']}")
             (args.out / "serving.json").write_text(json.dumps(results, indent=1))
     for name in modes:
         lines = (args.scratch / f"{name}.log").read_text(errors="replace").splitlines()
