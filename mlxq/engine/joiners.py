@@ -72,8 +72,10 @@ class Joiner:
         """Continue from a cached prefix of ``cached`` tokens. Only before the joiner advanced:
         its own caches are then untouched and can simply be replaced."""
         prompt = self.row.request.prompt_ids
-        if cached > self.done:
-            self.row.feed_history(mx.array(prompt[self.done : cached]))  # processors see the whole prompt
+        if cached > self.done and self.row.processors:  # processors see the whole prompt
+            # Only for them: on CUDA building the array from the list waits for the decode step in
+            # flight, which spaced a cold burst's followers ~10 ms apart at admission on the H200.
+            self.row.feed_history(mx.array(prompt[self.done : cached]))
         self.caches, self.done = caches, cached
         if not self.resumed:
             self.row.output.cached_tokens = cached
