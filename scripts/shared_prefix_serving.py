@@ -17,7 +17,9 @@ same, keeping the system prompt every round, so from round 2 on the prefix
 is in the prompt cache and only the questions are new; ``fresh``: unrelated
 prompts of WORDS words); it
 sends REQUESTS requests (default --per-level x CONCURRENCY) per server and
-round (default --rounds). With the 8B preset's tokenizer 2,000 words are
+round (default --rounds); a part ending in ``@on`` runs on the `on` server
+alone (e.g. 64 agents on 14.5k, which the `off` server's per-row copies
+would not fit beside a side-by-side fresh part). With the 8B preset's tokenizer 2,000 words are
 ~2,200 tokens. Per part it records both servers' throughput, TTFT
 and ITL (medians over --rounds), per round the `on` server's TTFT
 from its request log in phases (queue, then admission -> token 0:
@@ -82,10 +84,12 @@ def server_snapshot(url: str) -> dict:
 
 
 def run_part(part: str, on: str, off: str | None, args, scratch: Path, on_log: Path) -> dict:
-    dataset, words, level, *rest = part.split(":")
+    spec, _, alone = part.partition("@")
+    off = None if alone == "on" else off
+    dataset, words, level, *rest = spec.split(":")
     requests = rest[0] if rest else str(args.per_level * int(level))
     rounds = rest[1] if len(rest) > 1 else str(args.rounds)
-    path = scratch / f"{part.replace(':', '-')}.json"
+    path = scratch / f"{spec.replace(':', '-')}.json"
     versus = ["--compare", off, "--compare-label", "off"] if off else []
     cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", on, *versus,
            "--label", "on", "--dataset", DATASETS[dataset], "--num-groups", "1",

@@ -122,11 +122,13 @@ def test_shared_prefix_step(small_model, tmp_path):
 
 
 def test_shared_prefix_serving(small_model, tmp_path):
-    run("shared_prefix_serving.py", "--model", str(small_model), "--parts", "cached:120:2:2:2",
+    run("shared_prefix_serving.py", "--model", str(small_model), "--parts", "cached:120:2:2:2,fresh:30:2:2:1@on",
         "--max-tokens", "4", "--batch", "4", "--memory-limit", "2GB", "--out", str(tmp_path),
         "--scratch", str(tmp_path / "scratch"))
     doc = json.loads((tmp_path / "serving.json").read_text())
-    for part in doc["parts"]:
+    cached, alone = doc["parts"]
+    assert "error" not in alone and [r["completed"] for r in alone["on"]] == [2] and alone["off"] == [], alone
+    for part in (cached,):
         assert "error" not in part, part
         assert [r["completed"] for r in part["on"] + part["off"]] == [2, 2, 2, 2], part
         assert part["sharing_after"]["mode"] == "on"
