@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -165,6 +166,8 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=500, help="start no part after this many seconds")
     ap.add_argument("--modes", default="on,off", help="servers to start: on,off side by side, or on alone")
     args = ap.parse_args()
+    # A timeout's SIGTERM unwinds like an error: the servers this run started are stopped, not left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
     args.scratch.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
