@@ -14,7 +14,14 @@ token time, and at least ``--outlier-min-ms``) are named with their cause
 (mlxq/bench/burst_causes.py).
 
     python scripts/agents_burst.py --model /tmp/m8 --agents 64 --prefix-words 1950 --question-words 40 \\
-        --max-tokens 128 --waves 6 --cold-waves 2 --batch 128 --out /tmp/burst
+        --max-tokens 128 --waves 6 --cold-waves 2 --batch 128 --client-procs 8 --out /tmp/burst
+
+``--client-procs N`` sends each wave from N client processes, as separate
+agents would (mlxq/bench/burst_clients.py); the default, 1, sends all of a
+wave from this process, whose own event loop then delays the later requests'
+sending (docs/benchmarks.md has both). Each request's time to the server is
+split in the client's part, the kernel and the server loop's read, and the
+loop's queue before its route (``client_ms``, ``wire_ms``, ``route_ms``).
 
 Writes ``summary.json`` (per wave: TTFT p50/p95/max, output tok/s, cached
 share, RAM tier entries and bytes, outliers with causes) and ``requests.json``

@@ -164,6 +164,8 @@ def system_prefix_length(tokenizer, messages, tools, template_kwargs: dict, prom
     head = system_head(tokenizer, messages[:leading], tools, template_kwargs, render_head)
     if head is None:
         return None
+    if prompt_ids[:len(head)] == head:  # the usual case, compared in C: the chat starts with its head
+        return len(head) or None
     n = 0
     for a, b in zip(head, prompt_ids, strict=False):
         if a != b:
