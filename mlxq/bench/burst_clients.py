@@ -115,6 +115,11 @@ class ClientProcs:
 
     def close(self) -> None:
         for conn in self._conns:
-            conn.send(None)
+            try:
+                conn.send(None)
+            except OSError:  # that process is gone already
+                pass
         for proc in self._procs:
             proc.join(10)
+            if proc.is_alive():
+                proc.kill()
