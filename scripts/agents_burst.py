@@ -14,7 +14,14 @@ token time, and at least ``--outlier-min-ms``) are named with their cause
 (mlxq/bench/burst_causes.py).
 
     python scripts/agents_burst.py --model /tmp/m8 --agents 64 --prefix-words 1950 --question-words 40 \\
-        --max-tokens 128 --waves 6 --cold-waves 2 --batch 128 --out /tmp/burst
+        --max-tokens 128 --waves 6 --cold-waves 2 --batch 128 --client-procs 8 --out /tmp/burst
+
+``--client-procs N`` sends each wave from N client processes, as separate
+agents would (mlxq/bench/burst_clients.py); the default, 1, sends all of a
+wave from this process, whose own event loop then delays the later requests'
+sending (docs/benchmarks.md has both). Each request's time to the server is
+split in the client's part, the kernel and the server loop's read, and the
+loop's queue before its route (``client_ms``, ``wire_ms``, ``route_ms``).
 
 Writes ``summary.json`` (per wave: TTFT p50/p95/max, output tok/s, cached
 share, RAM tier entries and bytes, outliers with causes) and ``requests.json``
@@ -36,31 +43,9 @@ from pathlib import Path
 import httpx
 
 from mlxq.bench.burst_causes import Record, Sample, mark_outliers, overall_summary, sample_of, wave_summary
+from mlxq.bench.burst_clients import ClientProcs, one_request
 from mlxq.bench.datasets import _text, corpus_words
 from mlxq.bench.servers import free_port, wait_healthy
-
-
-async def one_request(client: httpx.AsyncClient, url: str, system: str, question: str, max_tokens: int,
-                      wave: int, t0: float) -> Record:
-    body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-            "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
-            "stream_options": {"include_usage": True}}
-    sent = time.monotonic()  # CLOCK_MONOTONIC, as the server's request log (received_monotonic_s)
-    first, usage, rid = None, {}, ""
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            rid = chunk.get("id", rid)
-            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:
-                first = time.monotonic()
-            usage = chunk.get("usage") or usage
-    end = time.monotonic()
-    return Record(wave, rid, sent - t0, ((first or end) - sent) * 1000, end - sent, usage.get("prompt_tokens", 0),
-                  (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                  usage.get("completion_tokens", 0), sent_at=sent)
 
 
 async def read_stats(client: httpx.AsyncClient, url: str) -> dict:
@@ -80,16 +65,22 @@ async def poll(client: httpx.AsyncClient, url: str, t0: float, every_s: float, o
             pass
 
 
-async def run_wave(url: str, wave: int, system: str, questions: list[str], args) -> tuple[list[Record], list[Sample],
-                                                                                          float]:
+async def run_wave(url: str, wave: int, system: str, questions: list[str], args,
+                   procs: ClientProcs | None) -> tuple[list[Record], list[Sample], float]:
     samples: list[Sample] = []
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=len(questions) + 4)
     async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client:
-        t0 = time.monotonic()
-        poller = asyncio.create_task(poll(client, url, t0, args.poll_ms / 1000, samples, stop))
-        records = await asyncio.gather(*(one_request(client, url, system, q, args.max_tokens, wave, t0)
-                                         for q in questions))
+        if procs is None:  # every request from this process's event loop
+            t0 = time.monotonic()
+            poller = asyncio.create_task(poll(client, url, t0, args.poll_ms / 1000, samples, stop))
+            records = await asyncio.gather(*(one_request(client, url, system, q, args.max_tokens, wave, t0)
+                                             for q in questions))
+        else:  # each client process sends its share at one start time
+            parts = procs.parts(url, system, questions, args.max_tokens, wave, args.timeout_s)
+            t0 = parts[0].start_at
+            poller = asyncio.create_task(poll(client, url, t0, args.poll_ms / 1000, samples, stop))
+            records = await procs.send(parts)
         wall = time.monotonic() - t0
         stop.set()
         await poller
@@ -120,6 +111,15 @@ def phases_of(fields: dict) -> dict[str, float] | None:
 
 
 async def run(url: str, args, log_path: Path | None) -> None:
+    procs = ClientProcs(args.client_procs) if args.client_procs > 1 else None
+    try:
+        await run_waves(url, args, log_path, procs)
+    finally:
+        if procs is not None:
+            procs.close()
+
+
+async def run_waves(url: str, args, log_path: Path | None, procs: ClientProcs | None) -> None:
     words = corpus_words()
     rng = random.Random(args.seed)
     async with httpx.AsyncClient(timeout=args.timeout_s) as client:  # first-use costs: not part of any wave
@@ -129,7 +129,7 @@ async def run(url: str, args, log_path: Path | None) -> None:
         if wave < max(1, args.cold_waves):  # a burst on a prompt nobody sent before
             system = f"You are one of many agents working on task {wave}. " + _text(rng, words, args.prefix_words)
         questions = [_text(rng, words, args.question_words) for _ in range(args.agents)]
-        records, samples, wall = await run_wave(url, wave, system, questions, args)
+        records, samples, wall = await run_wave(url, wave, system, questions, args, procs)
         await asyncio.sleep(0.3)  # the request log's last lines
         logged = server_request_log(log_path)
         for r in records:
@@ -138,6 +138,7 @@ async def run(url: str, args, log_path: Path | None) -> None:
             r.parse_ms, r.server_ttft_ms = fields.get("parse_ms"), fields.get("ttft_ms")
             received = fields.get("received_monotonic_s")  # a log read here: the server runs on this host
             r.send_ms = None if received is None else round((received - r.sent_at) * 1000, 1)
+            r.read_at = fields.get("read_monotonic_s")
         mark_outliers(records, samples, args.outlier_factor, args.outlier_min_ms, args.batch, args.prompt_concurrency)
         async with httpx.AsyncClient(timeout=30) as client:
             stats = await read_stats(client, url)
@@ -145,7 +146,7 @@ async def run(url: str, args, log_path: Path | None) -> None:
         waves.append(summary)
         all_records += records
         print(f"wave {wave}: {json.dumps(summary)}", flush=True)
-        outside = ("send_ms", "parse_ms", "http_ms", "back_ms")
+        outside = ("send_ms", "client_ms", "wire_ms", "route_ms", "parse_ms", "http_ms", "back_ms")
         print(f"  outside the engine (ms p50/p95): {phase_line({k: summary[k] for k in outside})}; "
               f"queue {phase_line({'': summary['queue_ms']})}", flush=True)
         print(f"  admission -> token 0 by phase (ms p50/p95): {phase_line(summary['ttft_phases_ms'])}", flush=True)
@@ -179,6 +180,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=128, help="--batch of the server (also passed when started here)")
     ap.add_argument("--prompt-concurrency", type=int, default=4, help="--prompt-concurrency of the server")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="send each wave from this many client processes (1: all from this one)")
     ap.add_argument("--poll-ms", type=float, default=100)
     ap.add_argument("--outlier-factor", type=float, default=3.0)
     ap.add_argument("--outlier-min-ms", type=float, default=1000)

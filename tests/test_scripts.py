@@ -222,7 +222,7 @@ def test_agents_burst_times_every_request_and_names_each_outliers_cause(small_mo
     # Every request counts as an outlier here (factor 0), so every cause path runs on real readings.
     run("agents_burst.py", "--model", str(small_model), "--agents", "3", "--waves", "2", "--prefix-words", "80",
         "--question-words", "8", "--max-tokens", "24", "--batch", "2", "--outlier-factor", "0",
-        "--outlier-min-ms", "0", "--poll-ms", "20", "--out", str(tmp_path))
+        "--outlier-min-ms", "0", "--poll-ms", "20", "--client-procs", "2", "--out", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(summary["waves"]) == 2 and summary["overall"]["cached_ttft_ms"]["p95"] > 0
     for wave in summary["waves"]:
@@ -236,6 +236,8 @@ def test_agents_burst_times_every_request_and_names_each_outliers_cause(small_mo
     assert outside["parse_ms"]["p50"] > 0 and outside["http_ms"]["p50"] >= 0
     # ... the HTTP rest split on this host's monotonic clock: the request's way in, and token 0's way out.
     assert outside["send_ms"]["p50"] > 0 and outside["back_ms"]["p50"] >= 0
+    # ... and the way in split: the client's part, the kernel to the server's loop, the loop to the route.
+    assert outside["client_ms"]["p50"] >= 0 and outside["wire_ms"]["p50"] >= 0 and outside["route_ms"]["p50"] >= 0
     assert all(r["phases_ms"]["join"] >= 0 and "lease" in r["phases_ms"] for r in records)  # the request log's
     for phase in ("lease", "join"):
         assert summary["waves"][1]["ttft_phases_ms"][phase]["p95"] >= 0

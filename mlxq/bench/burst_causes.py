@@ -49,6 +49,8 @@ class Record:
     server_ttft_ms: float | None = None  # the server's: submitted -> token 0
     sent_at: float | None = None  # the client's time.monotonic() when it sent the request
     send_ms: float | None = None  # sent -> the server's route began reading it (one host's monotonic clock)
+    written_at: float | None = None  # the client's time.monotonic() as it wrote the request's headers
+    read_at: float | None = None  # the server's time.monotonic() when its event loop read the headers
     outlier: str | None = None  # the cause, for an outlier
 
 
@@ -140,12 +142,20 @@ def outside_engine(records: list[Record]) -> dict:
     """The client's first-token time outside the engine: ``parse_ms`` (received -> submitted, the server's)
     and ``http_ms`` (the rest: sending, reading the SSE chunk, the client's own work), p50 / p95; with a
     client on the server's host, ``http_ms`` split in ``send_ms`` (sent -> the route began reading it) and
-    ``back_ms`` (token 0 -> the client read its chunk)."""
+    ``back_ms`` (token 0 -> the client read its chunk), and ``send_ms`` in the client's part ``client_ms``
+    (sent -> it writes its headers: connecting, building, writing, waiting for the client's own loop),
+    ``wire_ms`` (written -> the server's event loop read the headers: the kernel, and the loop's turn
+    to read that socket) and ``route_ms`` (read -> the route began: the loop's queue of ready tasks)."""
     timed = [r for r in records if r.parse_ms is not None and r.server_ttft_ms is not None]
     sent = [r for r in timed if r.send_ms is not None]
+    written = [r for r in sent if r.written_at is not None]
+    read = [r for r in written if r.read_at is not None]
     return {"parse_ms": spread([r.parse_ms for r in timed]),
             "http_ms": spread([r.ttft_ms - r.parse_ms - r.server_ttft_ms for r in timed]),
             "send_ms": spread([r.send_ms for r in sent]),
+            "client_ms": spread([(r.written_at - r.sent_at) * 1000 for r in written]),
+            "wire_ms": spread([(r.read_at - r.written_at) * 1000 for r in read]),
+            "route_ms": spread([r.sent_at * 1000 + r.send_ms - r.read_at * 1000 for r in read]),
             "back_ms": spread([r.ttft_ms - r.parse_ms - r.server_ttft_ms - r.send_ms for r in sent])}
 
 

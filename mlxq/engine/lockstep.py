@@ -53,7 +53,7 @@ log = logging.getLogger("mlxq.engine")
 
 DIGEST_NAMES = ("waiting", "rows", "prefilling", "generated_tokens", "token checksum")
 _CHECKSUM_MOD = (1 << 61) - 1  # a prime: every token id and its position move the checksum
-_NOT_SHARED = ("cancelled", "submitted_at", "received_at")  # a flag set here, and times on this rank's clock
+_NOT_SHARED = ("cancelled", "submitted_at", "received_at", "read_at")  # a flag set here, and times on this rank's clock
 # A gathered row ends with: whether the rank is quiet, its SSD flush state, its MLX active and peak bytes.
 _QUIET, _SSD, _ACTIVE, _PEAK = -4, -3, -2, -1
 

@@ -72,6 +72,7 @@ class Request:
     num_choices: int = 1  # the client's n: this request is one of n choices (n > 1 is not checkpointed)
     submitted_at: float = field(default_factory=time.monotonic)
     received_at: float | None = None  # when the server began reading it (time.monotonic): parse = submitted - this
+    read_at: float | None = None  # when the server's event loop read its headers off the socket (time.monotonic)
     # Set from any thread; the engine checks it between steps and stops the row.
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -5,13 +5,17 @@ time to send its headers and body, so a few thousand half-sent requests
 hold as many sockets forever. ``deadline_protocol`` is uvicorn's h11
 protocol with one timer per request: from the connection's first byte (or
 the end of the previous response) until the request's last body byte has
-arrived; a client that has not finished by then is disconnected.
+arrived; a client that has not finished by then is disconnected. It also
+stamps each request's scope with the time the event loop read its headers
+(``READ_AT``): the request log's ``read_monotonic_s``, the start of the
+server's part of a request's way in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -19,6 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("mlxq.server")
 
 FD_HEADROOM = 256  # descriptors kept for model files, the SSD tier, logs
+READ_AT = "mlxq.read_at"  # the scope key: when the event loop read the request's headers (time.monotonic)
 
 
 def deadline_protocol(read_timeout_s: float) -> type[H11Protocol]:
@@ -32,7 +37,10 @@ def deadline_protocol(read_timeout_s: float) -> type[H11Protocol]:
             self._arm_read_deadline()
 
         def data_received(self, data: bytes) -> None:
+            read_at = time.monotonic()
             super().data_received(data)
+            if self.scope is not None:  # a request's headers are in: its route task runs later, on the loop
+                self.scope.setdefault(READ_AT, read_at)
             if self.conn.their_state is not h11.SEND_BODY and self.conn.their_state is not h11.IDLE:
                 self._disarm_read_deadline()  # the whole request is in (or the connection is ending)
 

@@ -19,6 +19,7 @@ from mlxq.engine.types import FinishReason, Request
 from mlxq.models.adapters import AdapterInfo
 from mlxq.server.bridge import EventStream
 from mlxq.server.choices import choice_params, collect, merged
+from mlxq.server.connections import READ_AT
 from mlxq.server.errors import APIError
 from mlxq.server.json_body import parse_json_body, read_body
 from mlxq.server.model_routing import resolve_model
@@ -74,7 +75,7 @@ def admit(state: ServerState, spec: GenerationSpec, prefix: str, http: HTTPReque
         if fits < 1:
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
         spec = replace(spec, max_tokens=fits)
-    received = None if http is None else http.scope.get(_RECEIVED)
+    received = None if http is None else (http.scope.get(_RECEIVED), http.scope.get(READ_AT))
     return [_new_request(spec, prefix, adapter, received, i) for i in range(spec.n)]
 
 
@@ -83,8 +84,10 @@ def _kv_room(state: ServerState, num_prompt: int) -> int:
     return max_tokens_within(engine.footprint, engine.kv_budget_bytes, num_prompt)
 
 
-def _new_request(spec: GenerationSpec, prefix: str, adapter: AdapterInfo | None, received: float | None,
-                 index: int = 0) -> Request:
+def _new_request(spec: GenerationSpec, prefix: str, adapter: AdapterInfo | None,
+                 received: tuple[float | None, float | None] | None, index: int = 0) -> Request:
+    """``received``: (the route began reading it, the event loop read its headers), time.monotonic."""
+    received_at, read_at = received or (None, None)
     return Request(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_ids=spec.prompt_ids,
@@ -100,7 +103,8 @@ def _new_request(spec: GenerationSpec, prefix: str, adapter: AdapterInfo | None,
         num_choices=spec.n,
         adapter=adapter.name if adapter else "",
         namespace=adapter.identity if adapter else "",  # a prompt cached under one adapter serves no other
-        received_at=received,
+        received_at=received_at,
+        read_at=read_at,
     )
 
 

@@ -164,9 +164,17 @@ def system_prefix_length(tokenizer, messages, tools, template_kwargs: dict, prom
     head = system_head(tokenizer, messages[:leading], tools, template_kwargs, render_head)
     if head is None:
         return None
-    n = 0
-    for a, b in zip(head, prompt_ids, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n or None
+    return _common_length(head, prompt_ids) or None
+
+
+def _common_length(head: list[int], prompt_ids: list[int], near_end: int = 32) -> int:
+    """How many leading ids ``head`` and ``prompt_ids`` share. The head ends with an empty user turn, so a
+    chat parts from it within its last few tokens: one list comparison in C up to there, then a short walk
+    (0.06 ms on a 6.7k-token head, where a walk from the start took 0.15 ms, on the event loop)."""
+    n = min(len(head), len(prompt_ids))
+    at = max(0, n - near_end)
+    if head[:at] != prompt_ids[:at]:
+        at = 0  # they part earlier: walk from the start
+    while at < n and head[at] == prompt_ids[at]:
+        at += 1
+    return at

@@ -64,6 +64,8 @@ class RequestLogger:
             # When the route began reading it, on CLOCK_MONOTONIC (time.monotonic): a client on the same
             # host lines its own times up with it (its send = this - when it sent).
             "received_monotonic_s": None if done.request.received_at is None else round(done.request.received_at, 4),
+            # When the event loop read its headers off the socket: the route began reading it this much later.
+            "read_monotonic_s": None if done.request.read_at is None else round(done.request.read_at, 4),
             "queue_ms": round(usage.queue_s * 1000, 1) if usage else None,  # submit -> the engine picked it up
             "ttft_ms": round(usage.ttft_s * 1000, 1) if usage else None,
             "decode_tok_s": round(usage.decode_tok_s, 1) if usage else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 
@@ -38,3 +39,22 @@ def test_json_lines_escape_what_a_terminal_would_act_on():
     line = json_line({"prompt": "é\n\x1b\x85\u2028\ud800"})
     assert line == '{"prompt": "é\\n\\u001b\\u0085\\u2028\\ud800"}'
     assert json.loads(line)["prompt"] == "é\n\x1b\x85\u2028\ud800"
+
+
+def test_json_log_times_each_request_from_its_headers_read_to_its_route(tiny_model_dirs):
+    """Two requests on one kept-alive connection: each is stamped when the event loop read its own headers,
+    before its route began, on the client's monotonic clock."""
+    windows = []
+    with ServerProcess("--model", str(tiny_model_dirs["llama"]), "--log-format", "json") as server:
+        with httpx.Client() as client:
+            for _ in range(2):
+                sent = time.monotonic()
+                r = client.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+                assert r.status_code == 200
+                windows.append((sent, time.monotonic()))
+        server.stop()
+        logs = server.proc.stdout.read()
+    lines = [json.loads(line[line.index("{"):]) for line in logs.splitlines() if '"parse_ms"' in line]
+    assert len(lines) == 2
+    for fields, (sent, answered) in zip(lines, windows, strict=True):
+        assert sent <= fields["read_monotonic_s"] <= fields["received_monotonic_s"] <= answered

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from mlxq.server import system_heads
-from mlxq.server.prompts import system_prefix_length, tokenize_chat
+from mlxq.server.prompts import _common_length, system_prefix_length, tokenize_chat
 
 SYSTEM = "You are a careful agent. Follow the rules of the shop. " * 20
 
@@ -63,3 +63,18 @@ def test_another_system_prompt_or_tools_get_their_own_head_and_old_ones_expire(l
     monkeypatch.setattr(system_heads, "KEPT", 2)
     snapshot_at(tokenizer, messages("A third shop. " + SYSTEM, "a?"))
     assert len(entries) == 2
+
+
+@pytest.mark.parametrize("parts_at", [0, 1, 100, 460, 479, 480])
+def test_a_head_and_a_prompt_share_exactly_their_common_ids_wherever_they_part(parts_at):
+    head = list(range(1000, 1480))  # 480 ids; the prompt follows it up to ``parts_at``, then differs
+    prompt = head[:parts_at] + [7] * 50
+    assert _common_length(head, prompt) == parts_at == _walked(head, prompt)
+    assert _common_length(head, head[:parts_at]) == parts_at  # a prompt shorter than the head
+
+
+def _walked(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
