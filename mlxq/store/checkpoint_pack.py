@@ -23,6 +23,7 @@ place.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ class Pack:
     flat: mx.array
     host_side: bool = False  # CUDA: the host reads it through MLX's CPU stream (see above)
     _host: memoryview | None = field(default=None, repr=False)
+    _moving: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -51,12 +53,14 @@ class Pack:
         return [self.flat]
 
     def host(self) -> memoryview:
-        """The whole buffer on the host (the first call waits for its copy and its move there)."""
-        if self._host is None:
-            if self.host_side:
-                mx.eval(_read_on_cpu_stream(self.flat))  # without the GIL: MLX's CPU worker moves the buffer
-            self._host = memoryview(self.flat).cast("B")
-        return self._host
+        """The whole buffer on the host (the first call waits for its copy and its move there). Any
+        thread; one moves it (two CPU workers moving one buffer at once would each free the other's)."""
+        with self._moving:
+            if self._host is None:
+                if self.host_side:
+                    mx.eval(_read_on_cpu_stream(self.flat))  # no GIL held: MLX's CPU worker moves the buffer
+                self._host = memoryview(self.flat).cast("B")
+            return self._host
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,7 +77,11 @@ class PackedTensor:
         return self.pack.host()[self.offset : self.offset + self.nbytes]
 
     def array(self) -> mx.array:
-        """An array of its own holding the tensor (a copy: the caller may update it in place)."""
+        """An array of its own holding the tensor (a copy: the caller may update it in place). A host-side
+        Pack is moved first: the writer may move it at any time, and a device read of its old buffer then
+        would read freed memory."""
+        if self.pack.host_side:
+            self.pack.host()
         part = self.pack.flat[self.offset : self.offset + self.nbytes]
         return mx.array(part.view(self.dtype).reshape(self.shape))
 

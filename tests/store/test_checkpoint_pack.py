@@ -7,7 +7,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from mlxq.store.checkpoint_pack import Pack, pack_layers, stage_packs
+from mlxq.store.checkpoint_pack import Pack, PackedTensor, pack_layers, stage_packs
 
 
 def test_packed_tensors_keep_their_bytes_shapes_and_dtypes():
@@ -52,6 +52,23 @@ def test_a_pack_moved_by_the_cpu_stream_reads_every_byte():
     writer.start()
     writer.join()
     assert read == [bytes(range(256)) * 3] and pack.on_host
+
+
+def test_a_host_side_pack_read_by_two_threads_and_restored_gives_its_bytes():
+    """The writer reads a Pack while the engine thread restores from it (a client that came back while its
+    link was still queued): one of them moves it, both see every byte."""
+    values = mx.arange(4 * 64, dtype=mx.float32).reshape(1, 4, 64)
+    flat = mx.contiguous(values).reshape(-1).view(mx.uint8) + 0
+    pack = Pack(flat, host_side=True)
+    mx.async_eval(*pack.arrays)
+    reads: list = []
+    threads = [threading.Thread(target=lambda: reads.append(bytes(pack.host()))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    restored = PackedTensor(pack, 0, values.nbytes, tuple(values.shape), mx.float32).array()
+    for t in threads:
+        t.join()
+    assert reads == [np.asarray(values).tobytes()] * 2 and mx.array_equal(restored, values).item()
 
 
 def test_spans_of_one_shape_pack_to_the_same_bytes():
