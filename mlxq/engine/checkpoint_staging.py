@@ -8,13 +8,15 @@ idles; and moving the copy to the host on the engine thread holds the
 engine (which is what bounds a batch's decode speed) for the copy. So a
 due row's link is only *staged* in the step that drew its pending token
 (engine/checkpoint_rows.py): its copies are queued on the generation
-stream right behind that step's forward, on CUDA each followed by a read
-on MLX's CPU stream that moves it to host memory (store/checkpoint_pack.py), evaluated
-asynchronously with the row's key, and nothing is read. In the next step,
-once that step's tokens were read (the step that drew the pending tokens
-is done), each staged link reads its pending token and key (already
-computed: no wait) and is handed to the writer, whose reads of the bytes
-wait for the copies, holding no GIL. A row that ended meanwhile publishes
+stream right behind that step's forward, evaluated asynchronously with the
+row's key, and nothing is read. Only device work is queued here: a read of
+a copy by MLX's CPU stream in the same evaluation would make the engine
+thread wait on the host for the device to finish the step in flight
+(store/checkpoint_pack.py). In the next step, once that step's tokens were
+read (the step that drew the pending tokens is done), each staged link
+reads its pending token and key (already computed: no wait) and is handed
+to the writer, which moves the bytes to the host and reads them, holding
+no GIL while it waits. A row that ended meanwhile publishes
 nothing: it completed (its checkpoint goes anyway) or was cancelled (its
 last checkpoint, taken at the cancel, is newer).
 

@@ -7,18 +7,23 @@ writer thread, it held the engine thread (which needs the GIL to build its
 next step) once per tensor; made by the engine thread, it stalled decoding
 for the copy. Packed, a link's tensors are copied on the device into a few
 byte buffers of bounded size (the copy the writer needs anyway: the live
-caches go on being updated in place). The batch lane only describes that
-copy and, on CUDA, a one-byte read of each buffer by MLX's CPU stream
-(``stage_packs(host_side=True)``): to make it, MLX's CPU worker thread
-waits for the device copy and moves the whole buffer to host memory,
-holding no GIL, and the writer waits for that read without the GIL, then
-reads the buffer in place. The serial lane evaluates
-and moves at once (``pack_layers``). On the CPU and Metal a buffer is read
-in place.
+caches go on being updated in place). The batch lane only queues that copy
+(``stage_packs(host_side=True)``); the writer, when it reads a Pack, first
+has MLX's CPU stream read one byte of it (``Pack.host``): MLX's CPU worker
+thread waits for the device copy and moves the whole buffer to host memory
+holding no GIL, while the writer waits for it without the GIL; then the
+writer reads the buffer in place. The engine thread never takes part in the
+move: had it queued the CPU stream's read itself, in the same evaluation as
+the copy, MLX would have made it wait on the host, in that evaluation, for
+the device to finish everything queued before the copy (a cross-device
+fence), the decode step in flight included. The serial lane evaluates and
+moves at once (``pack_layers``). On the CPU and Metal a buffer is read in
+place.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -30,8 +35,9 @@ class Pack:
     once ``host`` was called)."""
 
     flat: mx.array
-    moved: mx.array | None = None  # CUDA, host side: a read of ``flat`` by MLX's CPU stream (see above)
+    host_side: bool = False  # CUDA: the host reads it through MLX's CPU stream (see above)
     _host: memoryview | None = field(default=None, repr=False)
+    _moving: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -43,16 +49,18 @@ class Pack:
 
     @property
     def arrays(self) -> list[mx.array]:
-        """What evaluating the Pack takes: its bytes, and their move to host memory where one is made."""
-        return [self.flat] if self.moved is None else [self.flat, self.moved]
+        """What evaluating the Pack on the device takes: its bytes (the move to the host comes later)."""
+        return [self.flat]
 
     def host(self) -> memoryview:
-        """The whole buffer on the host (the first call waits for its copy and its move there)."""
-        if self._host is None:
-            if self.moved is not None:
-                mx.eval(self.moved)  # without the GIL: MLX's CPU worker moves the buffer meanwhile
-            self._host = memoryview(self.flat).cast("B")
-        return self._host
+        """The whole buffer on the host (the first call waits for its copy and its move there). Any
+        thread; one moves it (two CPU workers moving one buffer at once would each free the other's)."""
+        with self._moving:
+            if self._host is None:
+                if self.host_side:
+                    mx.eval(_read_on_cpu_stream(self.flat))  # no GIL held: MLX's CPU worker moves the buffer
+                self._host = memoryview(self.flat).cast("B")
+            return self._host
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,7 +77,11 @@ class PackedTensor:
         return self.pack.host()[self.offset : self.offset + self.nbytes]
 
     def array(self) -> mx.array:
-        """An array of its own holding the tensor (a copy: the caller may update it in place)."""
+        """An array of its own holding the tensor (a copy: the caller may update it in place). A host-side
+        Pack is moved first: the writer may move it at any time, and a device read of its old buffer then
+        would read freed memory."""
+        if self.pack.host_side:
+            self.pack.host()
         part = self.pack.flat[self.offset : self.offset + self.nbytes]
         return mx.array(part.view(self.dtype).reshape(self.shape))
 
@@ -119,18 +131,19 @@ def _flat(arrays: list[mx.array]) -> mx.array:
 
 
 def host_side_pack(flat: mx.array, host_side: bool) -> Pack:
-    """A Pack of ``flat``; when ``host_side`` and on CUDA, with its move to host memory made by MLX's CPU
-    stream (see above)."""
-    moved = _read_on_cpu_stream(flat) if host_side and flat.nbytes and mx.cuda.is_available() else None
-    return Pack(flat, moved)
+    """A Pack of ``flat``; when ``host_side`` and on CUDA, moved to host memory by MLX's CPU stream when
+    the host first reads it (see above)."""
+    return Pack(flat, bool(host_side and flat.nbytes and mx.cuda.is_available()))
 
 
 def _read_on_cpu_stream(flat: mx.array) -> mx.array:
-    """One byte of ``flat`` read by the CPU stream: to read it, MLX's CPU worker thread moves the whole
-    buffer to host memory (after a fence on the device copy), in place. A gather, which reads its
-    source's data: a view (a slice, or ``take`` with an int index) would read nothing. The
-    writer then reads ``flat`` itself: no second copy, and no second buffer of host memory (each one
-    MLX's CUDA allocator later frees with a device-wide synchronizing ``cudaFree``)."""
+    """One byte of ``flat`` read by this thread's CPU stream: to read it, MLX's CPU worker thread waits
+    for the device copy (an event, already signalled when the copy is done) and moves the whole buffer
+    to host memory, in place. A gather, which reads its source's data: a view (a slice, or ``take``
+    with an int index) would read nothing. The caller then reads ``flat`` itself: no second copy, and
+    no second buffer of host memory (each one MLX's CUDA allocator later frees with a device-wide
+    synchronizing ``cudaFree``). Call it after ``flat`` was scheduled (``mx.async_eval``): a thread
+    can wait for another's scheduled arrays, never evaluate them."""
     return mx.take(flat, mx.array([0], dtype=mx.uint32), axis=0, stream=mx.cpu)
 
 

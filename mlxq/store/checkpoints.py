@@ -290,7 +290,7 @@ class CheckpointStore:
         if job.layers is None:
             return
         packs = {id(t.pack): t.pack for _, _, named in job.layers for _, t in named if isinstance(t, PackedTensor)}
-        moved = [pack for pack in packs.values() if pack.moved is not None]
+        moved = [pack for pack in packs.values() if pack.host_side and pack.on_host]
         if moved:
             self.spent.add(moved, sum(pack.nbytes for pack in moved))
 

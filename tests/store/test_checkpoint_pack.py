@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 
-from mlxq.store.checkpoint_pack import Pack, _read_on_cpu_stream, pack_layers, stage_packs
+from mlxq.store.checkpoint_pack import Pack, PackedTensor, pack_layers, stage_packs
 
 
 def test_packed_tensors_keep_their_bytes_shapes_and_dtypes():
@@ -39,12 +41,34 @@ def test_staged_packs_stay_under_their_size_and_move_to_the_host_only_when_asked
 
 
 def test_a_pack_moved_by_the_cpu_stream_reads_every_byte():
-    """What CUDA's host-side Packs go through (store/checkpoint_pack._read_on_cpu_stream): a read of one
-    byte by the CPU stream, then the buffer itself."""
-    flat = mx.arange(256 * 3).astype(mx.uint8)
-    pack = Pack(flat, _read_on_cpu_stream(flat))
+    """What CUDA's host-side Packs go through: scheduled on one thread (the engine's), read on another (the
+    writer's) through a read of one byte by that thread's CPU stream, then the buffer itself."""
+    flat = (mx.arange(256 * 3) % 256).astype(mx.uint8)
+    pack = Pack(flat, host_side=True)
     mx.async_eval(*pack.arrays)
-    assert pack.moved.tolist() == [0] and bytes(pack.host()) == bytes(range(256)) * 3
+    assert pack.arrays == [flat] and not pack.on_host
+    read: list = []
+    writer = threading.Thread(target=lambda: read.append(bytes(pack.host())))
+    writer.start()
+    writer.join()
+    assert read == [bytes(range(256)) * 3] and pack.on_host
+
+
+def test_a_host_side_pack_read_by_two_threads_and_restored_gives_its_bytes():
+    """The writer reads a Pack while the engine thread restores from it (a client that came back while its
+    link was still queued): one of them moves it, both see every byte."""
+    values = mx.arange(4 * 64, dtype=mx.float32).reshape(1, 4, 64)
+    flat = mx.contiguous(values).reshape(-1).view(mx.uint8) + 0
+    pack = Pack(flat, host_side=True)
+    mx.async_eval(*pack.arrays)
+    reads: list = []
+    threads = [threading.Thread(target=lambda: reads.append(bytes(pack.host()))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    restored = PackedTensor(pack, 0, values.nbytes, tuple(values.shape), mx.float32).array()
+    for t in threads:
+        t.join()
+    assert reads == [np.asarray(values).tobytes()] * 2 and mx.array_equal(restored, values).item()
 
 
 def test_spans_of_one_shape_pack_to_the_same_bytes():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
@@ -152,3 +155,10 @@ def test_a_link_removed_under_a_running_store_is_a_miss_not_an_error(tmp_path):
     (tmp_path / ("n" * 32 + "-5.mlxkv")).unlink()
     assert store.load("n" * 32) is None and store.counters.corrupt_removed == 0
     assert (tmp_path / ("n" * 32 + "-6.mlxkv")).exists()  # a vanished file condemns nothing else by itself
+
+
+def test_a_record_header_holds_every_field_and_reads_back_equal():
+    rec = CheckpointRecord("r" * 32, 5, (4, 5, 6), 7, (11, 12), 123.5)
+    header = rec.as_header()
+    assert set(header) == {f.name for f in dataclasses.fields(CheckpointRecord)} | {"version"}
+    assert CheckpointRecord.from_header(json.loads(json.dumps(header))) == rec

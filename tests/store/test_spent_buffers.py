@@ -9,18 +9,18 @@ import mlx.core as mx
 
 from mlxq.store import spent_buffers
 from mlxq.store.checkpoint_links import CheckpointRecord
-from mlxq.store.checkpoint_pack import Pack, PackedTensor, _read_on_cpu_stream
+from mlxq.store.checkpoint_pack import Pack, PackedTensor
 from mlxq.store.checkpoints import CheckpointStore
 from mlxq.store.mlxkv import Identity
 from mlxq.store.spent_buffers import SpentBuffers
 
 
 def link(moved: bool, fill: float) -> tuple[list, Pack]:
-    """One layer's keys and values of 3 tokens in one Pack; ``moved``: read by the CPU stream, as the batch
-    lane's Packs are on CUDA."""
+    """One layer's keys and values of 3 tokens in one Pack; ``moved``: read through the CPU stream (by the
+    writer thread), as the batch lane's Packs are on CUDA."""
     keys, values = mx.full((1, 2, 3, 4), fill), mx.full((1, 2, 3, 4), -fill)
     flat = mx.concatenate([keys.reshape(-1), values.reshape(-1)]).view(mx.uint8)
-    pack = Pack(flat, _read_on_cpu_stream(flat) if moved else None)
+    pack = Pack(flat, host_side=moved)
     mx.async_eval(*pack.arrays)  # scheduled by this thread, as the engine thread stages them
     tensors = [PackedTensor(pack, at * keys.nbytes, keys.nbytes, tuple(keys.shape), keys.dtype) for at in (0, 1)]
     return [("kv", {"offset": 3}, [("keys", tensors[0]), ("values", tensors[1])])], pack
