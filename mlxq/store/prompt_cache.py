@@ -30,7 +30,9 @@ it restores into RAM before lending.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 
@@ -68,6 +70,15 @@ class _Tree:
 
 
 Key = tuple[str, tuple[int, ...]]  # (namespace, exact tokens)
+
+
+def _assemble_to(layout: tuple, end: Node, snapshot: list | None, n: int) -> list:
+    """A row's caches for the ``n`` tokens the chain ending at ``end`` serves (``snapshot`` for the
+    layers kept as snapshots: the one found at the lookup, which a demotion may since have dropped
+    from the node). The chain is walked when called: a split since the lookup made the *new* node
+    the upper half, so the nodes named then may hold fewer tokens now."""
+    chain = [node for node in end.chain() if node.depth < n]
+    return assemble(layout, chain, snapshot, n)
 
 
 class PromptCache:
@@ -113,17 +124,19 @@ class PromptCache:
 
         ``cold=False`` looks in RAM only (the batch lane restores from disk step by step,
         then calls ``lease_restored``)."""
-        caches, n, _ = self._take(namespace, prompt, cold)
-        return caches, n
+        build, n, _ = self._take(namespace, prompt, cold)
+        return (None if build is None else build()), n
 
     def lease(self, namespace: str, prompt: list[int], cold: bool = True) -> Lease:
-        """``take``, with the node chain the prefix came from pinned until ``Lease.release``."""
-        caches, n, node = self._take(namespace, prompt, cold)
+        """``take``, with the node chain the prefix came from pinned until ``Lease.release``; from RAM,
+        the caches are built when the lease's are first read (``Lease.deferred``)."""
+        build, n, node = self._take(namespace, prompt, cold)
         if node is not None:
             node.pins += 1
-        elif n:  # read back from disk into the tree: pinned if it fit
-            node = self.pin(namespace, prompt[:n])
-        return Lease(n, caches, node, self.unpin)
+            return Lease.deferred(n, build, self._trees[namespace].trimmable, node, self.unpin)
+        if n:  # read back from disk into the tree: pinned if it fit
+            return Lease(n, build(), self.pin(namespace, prompt[:n]), self.unpin)
+        return Lease(0, None, None, self.unpin)
 
     def lease_stored(self, namespace: str, tokens: list[int], caches: list) -> Lease:
         """A lease on what the caller just stored (``put`` of ``tokens`` from ``caches``), lending its own
@@ -137,23 +150,27 @@ class PromptCache:
         caches = self.adopt_restored(namespace, entry, n, previous)
         return Lease(n, caches, self.pin(namespace, list(entry.tokens[:n])), self.unpin)
 
-    def _take(self, namespace: str, prompt: list[int], cold: bool) -> tuple[list | None, int, Node | None]:
-        """(caches, cached tokens, the node the prefix ends at or inside of; None when it came from disk)."""
+    def _take(self, namespace: str, prompt: list[int], cold: bool
+              ) -> tuple[Callable[[], list] | None, int, Node | None]:
+        """(what builds the caches, cached tokens, the node the prefix ends at or inside of; None when
+        it came from disk)."""
         self.stats.queries += 1
         nodes, holder, n = self._lookup(namespace, prompt)
         if self.cold is not None and cold:
             restored = self.cold.restore(namespace, prompt, better_than=n)
             if restored is not None:
                 entry, m = restored
-                return self.adopt_restored(namespace, entry, m, previous=0), m, None
+                caches = self.adopt_restored(namespace, entry, m, previous=0)
+                return (lambda: caches), m, None
         if not n:
             return None, 0, None
         for node in nodes:
             node.touch()
         self.stats.hits += 1
         self.stats.hit_tokens += n
-        tree = self._trees[namespace]
-        return assemble(tree.layout, nodes, holder.snapshot if holder else None, n), n, holder or nodes[-1]
+        end = holder or nodes[-1]
+        snapshot = holder.snapshot if holder else None
+        return partial(_assemble_to, self._trees[namespace].layout, end, snapshot, n), n, end
 
     def adopt_restored(self, namespace: str, entry: CacheEntry, n: int, previous: int) -> list:
         """Hold an entry read from disk (already durable; kept only if it fits the tier) and lend its

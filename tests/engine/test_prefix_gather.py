@@ -4,8 +4,8 @@ The merged batch a cached burst's tails run on must hold, for each row, exactly
 its prefix (the concatenation of its pieces, cut to its length) at its left
 padding and zeros elsewhere; in the scheduler, rows that lease different
 chains of the prompt cache's tree are read from the chains' spans (the lease's
-own concatenation never built into the batch), and every row's greedy tokens
-are still the serial lane's.
+own caches never built), and every row's greedy tokens are still the serial
+lane's.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from mlxq.engine import tail_placement
 from mlxq.engine.prefix_gather import Piece, RowPrefix, gather_prefixes, own_piece
 from mlxq.engine.scheduler import SchedulerConfig
 from mlxq.golden.cases import LONG
+from mlxq.store import prompt_cache
 from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
 from tests.engine.test_wave_join import run_wave, wave
 
@@ -69,8 +70,12 @@ def test_rows_leasing_different_stored_chains_are_read_from_their_spans_and_matc
     gathered = []
     real = tail_placement.gather_prefixes
     monkeypatch.setattr(tail_placement, "gather_prefixes", lambda *args: gathered.append(args[0]) or real(*args))
+    built = []
+    assemble = prompt_cache.assemble
+    monkeypatch.setattr(prompt_cache, "assemble", lambda *args: built.append(args[3]) or assemble(*args))
     run_wave(scheduler, cached)
     assert len(gathered) == 1  # one merge for the wave's tails
+    assert built == []  # no lease's caches were built: the gather read the stored spans
     prefixes = gathered[0]
     cached_tokens = [finished[r.request_id][1] for r in cached]
     assert [p.length for p in prefixes] == cached_tokens
