@@ -72,6 +72,12 @@ class _Tree:
 Key = tuple[str, tuple[int, ...]]  # (namespace, exact tokens)
 
 
+@dataclass
+class _Deferred:
+    arrays: list = field(default_factory=list)  # spans cut or split since ``defer_evaluation``
+    grown: list[Node] = field(default_factory=list)  # the leaves those puts added
+
+
 def _assemble_to(layout: tuple, end: Node, snapshot: list | None, n: int) -> list:
     """A row's caches for the ``n`` tokens the chain ending at ``end`` serves (``snapshot`` for the
     layers kept as snapshots: the one found at the lookup, which a demotion may since have dropped
@@ -93,6 +99,7 @@ class PromptCache:
         self.entry_bytes = 0  # what the entries would hold as separate copies
         self.stats = PromptCacheStats()
         self.cold = None  # store.cold_tier.ColdTier, when an SSD tier is configured
+        self._deferred: _Deferred | None = None  # after ``defer_evaluation``: the spans waiting
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -213,6 +220,35 @@ class PromptCache:
             self._remove_leaf(node, "evicted")  # pinned entries leave no room for it
         return True
 
+    def defer_evaluation(self) -> None:
+        """Puts from here on leave the spans they cut (and split) unevaluated until ``evaluate_deferred``:
+        a step's finishing rows' puts then cost one device sync, not one or more each. The caller's
+        caches must stay as they are until then (views into a batch that nothing writes meanwhile)."""
+        if self._deferred is None:
+            self._deferred = _Deferred()
+
+    def evaluate_deferred(self) -> None:
+        """Evaluate what the puts since ``defer_evaluation`` cut, all at once, and put evaluation back
+        to each put's own. If that fails, the leaves they grew are removed again (the newest first),
+        and the error is raised."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        try:
+            mx.eval(deferred.arrays)
+        except Exception:
+            for node in reversed(deferred.grown):
+                if node.in_tree and not node.children and not node.pins:
+                    self._remove_leaf(node, "failed")
+            raise
+
+    def _evaluate(self, arrays: list) -> None:
+        """New spans evaluated in one call (one device sync), or with the deferred puts'."""
+        if self._deferred is not None:
+            self._deferred.arrays += arrays
+        else:
+            mx.eval(arrays)
+
     def _grow(self, tree: _Tree, found, tokens: tuple[int, ...], caches: list) -> Node:
         """The node ending exactly at len(tokens): an existing one, the upper half of a split, or a new leaf."""
         end = self._match_end(tree, found)
@@ -220,8 +256,10 @@ class PromptCache:
             return end
         spans = [kv_spans.cut_span(c, found.length, len(tokens)) if layer.spans else None
                  for layer, c in zip(tree.layout, caches, strict=True)]
-        mx.eval(kv_spans.arrays([s for s in spans if s is not None]))
+        self._evaluate(kv_spans.arrays([s for s in spans if s is not None]))  # a failure leaves the tree as it was
         child = add_child(end, tokens[found.length :], spans)
+        if self._deferred is not None:
+            self._deferred.grown.append(child)
         self._leaves.discard(end)
         self._leaves.add(child)
         self.nodes += 1
@@ -233,7 +271,7 @@ class PromptCache:
         of that node split there."""
         if found.partial is not None:
             self.nodes += 1
-            return split(found.partial, found.length - found.partial.depth)
+            return split(found.partial, found.length - found.partial.depth, self._evaluate)
         return found.path[-1] if found.path else tree.root
 
     def _mark(self, tree: _Tree, node: Node, key: Key, caches: list, durable: bool) -> None:
