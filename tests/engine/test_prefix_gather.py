@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine import tail_placement
-from mlxq.engine.prefix_gather import Piece, RowPrefix, gather_prefixes, own_piece
+from mlxq.engine.prefix_gather import Piece, RowPrefix, _distinct, gather_prefixes, own_piece
 from mlxq.engine.scheduler import SchedulerConfig
 from mlxq.golden.cases import LONG
 from mlxq.store import prompt_cache
@@ -43,6 +43,21 @@ def test_each_row_holds_its_pieces_cut_to_its_length_at_its_padding_and_zeros_el
                     whole = mx.concatenate(parts, axis=2)[..., : prefix.length, :]
                     want[..., pad : pad + prefix.length, :] = whole
                 assert mx.array_equal(got[row : row + 1], want).item(), (layer, row, name)
+
+
+def test_rows_past_a_prefix_they_skip_read_only_the_pieces_after_it():
+    system, a, b = _piece(11), _piece(4), _piece(6)
+    prefixes = [RowPrefix((system, a), 3, skip=12), RowPrefix((system, b), 6, skip=11),
+                RowPrefix((system, a), 5, skip=9)]
+    padding, capacity = [3, 0, 1], 8
+    assert [p.width for p in _distinct(prefixes)[0]] == [4, 6, 11]  # the system prompt pooled once, after a, b
+    assert [p.width for p in _distinct(prefixes[:2])[0]] == [4, 6]  # ... and not at all when no row reads it
+    for layer, (keys, _) in enumerate(gather_prefixes(prefixes, padding, capacity)):
+        for row, (prefix, pad) in enumerate(zip(prefixes, padding, strict=True)):
+            whole = mx.concatenate([p.spans[layer][0] for p in prefix.pieces], axis=2)
+            want = mx.zeros((1, 3, capacity, 8))
+            want[..., pad : pad + prefix.length, :] = whole[..., prefix.skip : prefix.skip + prefix.length, :]
+            assert mx.array_equal(keys[row : row + 1], want).item(), (layer, row)
 
 
 def test_a_rows_own_caches_are_a_piece_read_up_to_its_offset(load_tiny):
