@@ -20,7 +20,9 @@ and ITL (medians over --rounds) and the `on` server's shared-prefix
 counters (/stats.batch.shared_prefix) before and after, and per server
 what the part left (RAM prompt cache entries, faults, memory peak).
 ``--modes on`` starts the `on` server alone (an absolute target, no
-side-by-side ratio).
+side-by-side ratio); ``--modes auto,off`` (or ``auto``) starts the first
+server with ``--shared-prefix-attention auto`` instead (still labelled
+`on` in the output).
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ def main() -> None:
                     help="per server: both share one device, and MLX's limit is a soft cap (65GB each overran 141GB)")
     ap.add_argument("--part-timeout", type=float, default=120)
     ap.add_argument("--deadline-s", type=float, default=500, help="start no part after this many seconds")
-    ap.add_argument("--modes", default="on,off", help="servers to start: on,off side by side, or on alone")
+    ap.add_argument("--modes", default="on,off",
+                    help="servers to start: on,off (or auto,off) side by side, or on (auto) alone")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.scratch.mkdir(parents=True, exist_ok=True)
@@ -160,8 +163,8 @@ def main() -> None:
         "out": str(args.out), "scratch": str(args.scratch), "model": str(model)}, "parts": []}
     # Both start at once (loading and warm-up overlap); each waits for /health on entry.
     modes = args.modes.split(",")
-    if modes not in (["on", "off"], ["on"]):
-        ap.error("--modes is on,off or on")
+    if modes not in (["on", "off"], ["on"], ["auto", "off"], ["auto"]):
+        ap.error("--modes is on,off, auto,off, on or auto (the first server is labelled on)")
     servers = [ServeProcess(*common, "--shared-prefix-attention", mode, log_path=str(args.scratch / f"{mode}.log"),
                             timeout_s=600) for mode in modes]
     with contextlib.ExitStack() as stack:
