@@ -78,6 +78,10 @@ def gather_prefixes(prefixes: list[RowPrefix], padding: list[int], capacity: int
     """Per layer (keys, values) of [rows, heads, capacity, dim]: row b's prefix at columns
     [padding[b], padding[b] + length), zeros elsewhere. At least one row names a piece."""
     pieces, offsets = _distinct(prefixes)
+    if not pieces:  # every row skips all it names (tails with nothing past a shared prefix yet): zeros
+        named = next(p for prefix in prefixes for p in prefix.pieces)
+        return [tuple(mx.zeros((len(prefixes), a.shape[1], capacity, a.shape[3]), a.dtype) for a in span)
+                for span in named.spans]
     index = _Index(_column_index(prefixes, offsets, padding, capacity))
     out = []
     for layer in range(len(pieces[0].spans)):

@@ -52,6 +52,8 @@ def test_rows_past_a_prefix_they_skip_read_only_the_pieces_after_it():
     padding, capacity = [3, 0, 1], 8
     assert [p.width for p in _distinct(prefixes)[0]] == [4, 6, 11]  # the system prompt pooled once, after a, b
     assert [p.width for p in _distinct(prefixes[:2])[0]] == [4, 6]  # ... and not at all when no row reads it
+    nothing = gather_prefixes([RowPrefix((system,), 0, skip=11), RowPrefix((system, a), 0, skip=15)], [0, 0], 4)
+    assert [k.shape for k, _ in nothing] == [(2, 3, 4, 8)] * 2 and not any(mx.any(k).item() for k, _ in nothing)
     for layer, (keys, _) in enumerate(gather_prefixes(prefixes, padding, capacity)):
         for row, (prefix, pad) in enumerate(zip(prefixes, padding, strict=True)):
             whole = mx.concatenate([p.spans[layer][0] for p in prefix.pieces], axis=2)
