@@ -189,14 +189,13 @@ class Joining:
         self.sharing_stats.groups += len(self.batch.groups)
 
     @contextlib.contextmanager
-    def _puts_together(self, uncopied: bool) -> Iterator[None]:
-        """The finishing rows' puts inside it evaluated once, when it ends, if they store from what is
-        ``uncopied`` (views into the batch, group rows' own tails: ``RunningBatch.leaves_uncopied``;
-        ``PromptCache.defer_evaluation``: one device sync for a step's rows, where each put waited for
-        its own); rows copied out of the batch whole are evaluated one by one, so no two such copies
-        are held at once (MLX holds every input of one evaluation together). Short of memory, the
-        puts are skipped as one put is (``_put``)."""
-        if self.prompt_cache is None or not uncopied:
+    def _puts_together(self, views: bool) -> Iterator[None]:
+        """The finishing rows' puts inside it evaluated once, when it ends, if they store from ``views``
+        into the batch (``PromptCache.defer_evaluation``: one device sync for a step's rows, where each
+        put waited for its own); rows copied out of the batch (a shared-prefix group's, each its prefix
+        and tail joined) are evaluated one by one, so no two such copies are held at once. Short of
+        memory, the puts are skipped as one put is (``_put``)."""
+        if self.prompt_cache is None or not views:
             yield
             return
         self.prompt_cache.defer_evaluation()

@@ -103,6 +103,12 @@ class _Index:
             self._made[("device",)] = mx.array(self.columns)
         return self._made[("device",)]
 
+    def sizes(self, heads: int, width: int) -> mx.array:
+        """The kernel's (heads, pool width, capacity) as int32, once for every layer's keys and values."""
+        if ("sizes", heads, width) not in self._made:
+            self._made[("sizes", heads, width)] = mx.array([heads, width, self.columns.shape[1]], dtype=mx.int32)
+        return self._made[("sizes", heads, width)]
+
     def flat(self, heads: int, width: int) -> mx.array:
         """[rows x heads x capacity] int32: each output head vector's row in the pool flattened to
         [heads x (width + 1), dim], whose last column per head is zeros (for -1)."""
@@ -145,7 +151,7 @@ def _pool(parts: list[mx.array]) -> mx.array:
 
 def _gather(pool: mx.array, index: _Index) -> mx.array:
     if _kernel_applies(pool) and _kernel_checked(pool.dtype, pool.shape[3]):
-        return _by_kernel(pool, index.device())
+        return _by_kernel(pool, index)
     return _by_take(pool, index)
 
 
@@ -190,17 +196,16 @@ def _kernel_applies(pool: mx.array) -> bool:
     return mx.cuda.is_available() and pool.shape[3] * pool.dtype.size % 16 == 0 and pool.size < 2**31
 
 
-def _by_kernel(pool: mx.array, columns: mx.array) -> mx.array:
+def _by_kernel(pool: mx.array, index: _Index) -> mx.array:
     """The copy kernel: each thread moves one 16-byte word of one output head vector."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mlxq_prefix_gather", input_names=["pool", "columns", "sizes"],
                                       output_names=["out"], source=_SOURCE, ensure_row_contiguous=True)
     _, heads, width, dim = pool.shape
-    rows, capacity = columns.shape
+    rows, capacity = index.columns.shape
     words = dim * pool.dtype.size // 16
-    sizes = mx.array([heads, width, capacity], dtype=mx.int32)
-    return _kernel(inputs=[pool, columns, sizes], template=[("WORDS", words)],
+    return _kernel(inputs=[pool, index.device(), index.sizes(heads, width)], template=[("WORDS", words)],
                    grid=(-(-capacity * words // _THREADS) * _THREADS, rows * heads, 1),
                    threadgroup=(_THREADS, 1, 1), output_shapes=[(rows, heads, capacity, dim)],
                    output_dtypes=[pool.dtype])[0]
@@ -236,5 +241,5 @@ def kernel_agrees(dtype: mx.Dtype, dim: int = 64) -> bool:
     pieces, offsets = _distinct(prefixes)
     index = _Index(_column_index(prefixes, offsets, [0, 14, 40, 2], 64))
     pool = _pool([p.spans[0][0] for p in pieces])
-    kernel, ops = _by_kernel(pool, index.device()), _by_take(pool, index)
+    kernel, ops = _by_kernel(pool, index), _by_take(pool, index)
     return bool(mx.array_equal(kernel, ops).item())

@@ -30,7 +30,6 @@ from mlxq.kv import attention_route
 from mlxq.kv.batch_ops import check_extendable, extend_batch, extract_row, keep_rows, merge_solo_rows, view_rows
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import PrefixSpec, SharingPlan, prefix_from_spans, share_groups
-from mlxq.store.kv_spans import over_prefix
 
 
 @dataclass
@@ -127,27 +126,16 @@ class RunningBatch:
         """Rows leave as views into the batch (every layer plain full attention: ``leaving_caches``)."""
         return self.batched and all(type(c) is BatchKVCache for c in self.caches)
 
-    def leaves_uncopied(self, leaving: list[int]) -> bool:
-        """Storing the rows at ``leaving`` copies none of them whole: they leave as views, or each is in
-        a group of every layer (plain keys and values), its prefix referenced (``leaving_caches``)."""
-        if self.leaves_as_views:
-            return True
-        return self.batched and all(_over_prefix(c, i) for c in self.caches for i in leaving)
-
     def leaving_caches(self, leaving: list[int]) -> dict[int, list]:
         """Solo caches of the rows at ``leaving``, to store from before ``keep`` drops them: views into
         the batch when every layer is plain full attention (the prompt cache copies only the tokens it
-        lacks, not each row whole); a row of a shared-prefix group its prefix referenced and its tail
-        (``kv_spans.over_prefix``: a put cuts from the tail alone); else ``row_caches``."""
+        lacks, not each row whole), else ``row_caches``."""
         if leaving and self.leaves_as_views:
             views = view_rows(self.caches, len(self.rows))
             return {i: views[i] for i in leaving}
-        if not self.batched:
-            return {i: self.row_caches(i) for i in leaving}
-        self.copies.extracted += len(leaving)
-        paddings = {id(c): c.tail.left_padding.tolist() for c in self.caches if isinstance(c, SharedPrefixBatchCache)}
-        return {i: [over_prefix(c.prefixes[c.row_groups[i]], _own_tail(c, i, paddings[id(c)])) if _over_prefix(c, i)
-                    else extract_row([c], i)[0] for c in self.caches] for i in leaving}
+        if self.batched:
+            self.copies.extracted += len(leaving)
+        return {i: self.row_caches(i) for i in leaving}
 
     def keep(self, keep: list[int]) -> None:
         """Only the rows at ``keep`` (indices, in order) go on; back to solo caches at one row."""
@@ -219,15 +207,3 @@ def _grouped_caches(plan: SharingPlan, rows: list[list], groups: tuple[Group, ..
     """Batched caches for ``rows`` (solo cache lists or views) with ``groups`` reading their node chains' spans."""
     specs = [PrefixSpec(g.prefix_length, prefix_from_spans(g.prefix_lease().layer_spans())) for g in groups]
     return share_groups(plan, rows, specs, row_groups(groups, len(rows)))
-
-
-def _own_tail(cache: SharedPrefixBatchCache, row: int, padding: list[int]) -> tuple:
-    """Row ``row``'s own keys and values in a group's tail: views, past its left padding."""
-    tail = cache.tail
-    return tuple(a[row : row + 1, :, padding[row] : tail._idx, :] for a in (tail.keys, tail.values))
-
-
-def _over_prefix(cache, row: int) -> bool:
-    """Row ``row`` of ``cache`` is in a group on plain keys and values, with a tail of its own."""
-    return (isinstance(cache, SharedPrefixBatchCache) and cache.quant is None and cache.row_groups[row] >= 0
-            and cache.tail.keys is not None)

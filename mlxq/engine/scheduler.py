@@ -337,7 +337,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         leaving = [i for i in range(len(self.batch.rows)) if i not in keep]
         # Read before the filter drops them: views where the store copies only what it lacks.
         stored = self.batch.leaving_caches(leaving) if self.prompt_cache is not None else {}
-        with self._puts_together(self.batch.leaves_uncopied(leaving)):
+        with self._puts_together(self.batch.leaves_as_views):
             for i in leaving:
                 row = self.batch.rows[i]
                 if i in stored:

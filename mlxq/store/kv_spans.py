@@ -47,28 +47,8 @@ Span = tuple  # (keys, values), each an array or a quantized triple, [B, H, toke
 
 
 def cut_span(cache, start: int, end: int) -> Span:
-    """A compact copy of tokens [start, end) of a full-attention layer (read from its own tail when
-    it is ``over_prefix`` and the cut lies past the prefix: its joined arrays are never computed)."""
-    own = getattr(cache, "mlxq_own_tail", None)
-    if own is not None and start >= own[0]:
-        keys, values, start, end = own[1], own[2], start - own[0], end - own[0]
-    else:
-        keys, values = cache.keys, cache.values
-    return tree_map(lambda a: mx.contiguous(a[..., start:end, :]), (keys, values))
-
-
-def over_prefix(prefix: Span, own: Span) -> KVCache:
-    """A solo layer holding ``prefix`` (keys, values of P tokens, read by reference) then ``own``'s
-    (keys, values of its own tokens), joined lazily: a cut past P (``cut_span``, what a put of a row
-    that leaves a shared-prefix group stores) reads ``own`` alone, so nobody copies the prefix (at
-    14.5k tokens ~2 GB a row on an 8B model, per leaving row)."""
-    length = prefix[0].shape[2]
-    out = KVCache()
-    out.keys = mx.concatenate([prefix[0], own[0]], axis=2)
-    out.values = mx.concatenate([prefix[1], own[1]], axis=2)
-    out.offset = length + own[0].shape[2]
-    out.mlxq_own_tail = (length, own[0], own[1])  # read by cut_span
-    return out
+    """A compact copy of tokens [start, end) of a full-attention layer."""
+    return tree_map(lambda a: mx.contiguous(a[..., start:end, :]), (cache.keys, cache.values))
 
 
 def split_span(span: Span, at: int) -> tuple[Span, Span]:

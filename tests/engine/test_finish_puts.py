@@ -1,11 +1,10 @@
 """A step's finishing rows are stored with one evaluation for all their puts, and what is stored is right.
 
 When a burst's rows end in one step, each is stored in the prompt cache
-(what the tree lacks, cut from a view into the batch, or from a group row's
-own tail past the prefix it reads by reference). Evaluating each put alone
-made the step wait for the device once per row while the next wave queued;
-the puts of one step are evaluated together, and the stored chains still
-serve the next wave the serial lane's tokens.
+(what the tree lacks, cut from a view into the batch). Evaluating each put
+alone made the step wait for the device once per row while the next wave
+queued; the puts of one step are evaluated together, and the stored chains
+still serve the next wave the serial lane's tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from mlxq.engine.scheduler import SchedulerConfig
 from mlxq.golden.cases import LONG
 from mlxq.store.prompt_cache import PromptCache
 from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
-from tests.engine.test_shared_tails import routed, sharing_scheduler  # noqa: F401 (routed: a fixture)
 from tests.engine.test_wave_join import run_wave, wave
 
 
@@ -58,43 +56,6 @@ def test_rows_finishing_in_one_step_are_stored_with_one_evaluation(load_tiny, mo
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
     for r in again:
         assert finished[r.request_id][1] == expected[r.request_id][1] >= len(r.prompt_ids) - 2, r.request_id
-
-
-def test_rows_leaving_a_shared_prefix_group_are_stored_from_their_own_tails_in_one_evaluation(load_tiny,
-                                                                                             monkeypatch):
-    model, tokenizer = load_tiny("llama")
-    shared = tokenizer.encode(LONG + " " + LONG)
-    scheduler, finished = sharing_scheduler(model, tokenizer)
-    cold, cached = wave(tokenizer, shared, "cold", 1, "Agent"), wave(tokenizer, shared, "cached", 5, "Please")
-    run_wave(scheduler, cold)
-    evaluations, inside, stored = [], [False], []
-    real_eval, real_evict, real_put = mx.eval, scheduler._evict, scheduler.prompt_cache.put
-
-    def evict(keep):
-        inside[0] = True
-        try:
-            return real_evict(keep)
-        finally:
-            inside[0] = False
-
-    monkeypatch.setattr(mx, "eval", lambda *args: evaluations.append(inside[0]) or real_eval(*args))
-    monkeypatch.setattr(scheduler, "_evict", evict)
-    monkeypatch.setattr(scheduler.prompt_cache, "put", lambda ns, tokens, caches: stored.append(caches) or
-                        real_put(ns, tokens, caches))
-    run_wave(scheduler, cached)
-    monkeypatch.undo()
-    assert scheduler.sharing_stats.groups >= 1 and len(stored) == len(cached)
-    # Each leaving row: the group's prefix by reference and its own tail, which the put cuts from.
-    assert all(getattr(c, "mlxq_own_tail", None) is not None for caches in stored for c in caches)
-    assert evaluations.count(True) == 1
-    again = [r.__class__(r.request_id + "-again", r.prompt_ids + finished[r.request_id][0], r.params, 4,
-                         ignore_eos=True, snapshot_at=r.snapshot_at) for r in cached]
-    run_wave(scheduler, again)
-    expected = serial_with_cache(model, tokenizer, cold + cached + again)
-    for r in cold + cached + again:
-        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
-    for r in again:
-        assert finished[r.request_id][1] >= len(r.prompt_ids) - 2, r.request_id
 
 
 def test_a_failed_evaluation_of_deferred_puts_removes_what_they_grew(load_tiny, monkeypatch):
