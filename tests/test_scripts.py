@@ -252,3 +252,20 @@ def test_burst_tail_prefill_times_each_stage(small_model, tmp_path):
     probe = json.loads((tmp_path / "probe.json").read_text())
     for stage in ("merge_ms", "forward_ms", "rows_moved_by_gather_ms", "rows_moved_by_slices_ms"):
         assert len(probe[stage]) == 1 and probe[stage][0] >= 0
+
+
+def test_prefix_gather_bench(tmp_path):
+    out = tmp_path / "gather.json"
+    run("prefix_gather_bench.py", "--rows", "3", "--prefix", "40", "--layers", "2", "--heads", "2", "--dim", "16",
+        "--repeats", "2", "--take", "--out", str(out))
+    doc = json.loads(out.read_text())
+    assert set(doc["cases"]) == {"off/kernel", "off/take", "auto/kernel", "auto/take"}
+    assert all(case["best_ms"] > 0 for case in doc["cases"].values())
+
+
+def test_burst_admit_probe(small_model, tmp_path):
+    out = tmp_path / "admit.json"
+    run("burst_admit_probe.py", "--model", str(small_model), "--rows", "3", "--prefix", "40", "--layers", "2",
+        "--rounds", "2", "--out", str(out))
+    doc = json.loads(out.read_text())
+    assert [r["prefix"] for r in doc["results"]] == [40] and len(doc["results"][0]["admit_ms"]) == 2

@@ -40,7 +40,10 @@ class Intake:
         else:
             # RAM now; a longer prefix on disk is read a tensor per step (running rows keep decoding).
             lease = self._hold(joiner.row, self.prompt_cache.lease(request.namespace, request.prompt_ids, cold=False))
-            joiner.start_from(lease.caches or make_prompt_cache(self.model), lease.cached)
+            if lease.cached:
+                joiner.start_from_lease(lease)  # its caches built only if read (prefix_gather reads the spans)
+            else:
+                joiner.start_from(make_prompt_cache(self.model), 0)
             if self.prompt_cache.cold is not None:
                 joiner.restore = self.prompt_cache.cold.begin_restore(request.namespace, request.prompt_ids,
                                                                       lease.cached)
@@ -80,8 +83,8 @@ class Intake:
         joiner.leader = None
         request = joiner.row.request
         lease = self.prompt_cache.lease(request.namespace, request.prompt_ids, cold=False)
-        if lease.caches is not None and lease.cached > joiner.done:  # it never advanced while it waited
-            joiner.start_from(self._hold(joiner.row, lease).caches, lease.cached)
+        if lease.cached > joiner.done:  # it never advanced while it waited
+            joiner.start_from_lease(self._hold(joiner.row, lease))
         else:
             lease.release()
 

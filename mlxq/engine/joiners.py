@@ -22,6 +22,7 @@ from mlxq.kv.capabilities import is_trimmable
 
 if TYPE_CHECKING:
     from mlxq.store.cold_tier import PendingRestore
+    from mlxq.store.lease import Lease
 
 
 @dataclass(eq=False)
@@ -42,28 +43,44 @@ class Joiner:
     next_chunk: tuple[tuple[int, int], int] | None = field(default=None, repr=False)
     # (rows, index): its caches are that row of a kept plain full-attention batch, built when first read
     _row_of: tuple | None = field(default=None, repr=False)
+    # the lease whose caches it holds as lent (built when first read): the stored chain's spans hold them
+    _lent: Lease | None = field(default=None, repr=False)
 
     @property
     def caches(self) -> list:
         if self._row_of is not None:
             rows, index = self._row_of
             self._caches, self._row_of = rows.row(index), None
+        if self._caches is None and self._lent is not None:
+            self._caches = self._lent.caches
         return self._caches
 
     @caches.setter
     def caches(self, caches: list) -> None:
-        self._caches, self._row_of = caches, None
+        self._caches, self._row_of, self._lent = caches, None, None
+
+    @property
+    def caches_id(self) -> int:
+        """Names its caches without building them (changes whenever they are replaced)."""
+        return id(self._lent) if self._lent is not None else id(self._caches)
+
+    def holds_lent(self, lease: Lease) -> bool:
+        """Its caches are the ones ``lease`` lent (whether or not it computed on them since: ``done``
+        says), so the lease's stored spans hold what they hold."""
+        return self._lent is lease
 
     def read_row(self, rows, index: int) -> None:
         """Its caches become row ``index`` of ``rows`` (tail_placement.PlacedRows), built only if read: a
         burst whose rows join in the batch they prefilled in never builds them."""
-        self._row_of = (rows, index)
+        self._row_of, self._lent = (rows, index), None
 
     @property
     def trimmable(self) -> bool:
         """Every layer of its caches full attention (``is_trimmable``), computed once per caches list."""
         if self._row_of is not None:
             return True  # a row of a plain full-attention batch (the only ones kept as rows)
+        if self._caches is None and self._lent is not None:
+            return self._lent.trimmable  # known without building them
         if self._trimmable is None or self._trimmable[0] != id(self.caches):
             self._trimmable = (id(self.caches), is_trimmable(self.caches))
         return self._trimmable[1]
@@ -79,6 +96,15 @@ class Joiner:
         self.caches, self.done = caches, cached
         if not self.resumed:
             self.row.output.cached_tokens = cached
+
+    def start_from_lease(self, lease: Lease) -> None:
+        """``start_from`` the prefix ``lease`` lent, its caches built only if read."""
+        self.start_from(None, lease.cached)
+        self._lent = lease
+
+    def lent_by(self, lease: Lease) -> None:
+        """``lease`` lends the caches it holds (a lease on what it just stored from them)."""
+        self._lent = lease
 
     @property
     def prompt(self) -> list[int]:

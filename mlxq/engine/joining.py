@@ -16,7 +16,9 @@ joiners on a running group's prefix join it by reference, before any merge.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -185,6 +187,28 @@ class Joining:
             log.warning("shared-prefix groups of %d rows not built", sum(g.rows for g in groups), exc_info=True)
             return
         self.sharing_stats.groups += len(self.batch.groups)
+
+    @contextlib.contextmanager
+    def _puts_together(self, views: bool) -> Iterator[None]:
+        """The finishing rows' puts inside it evaluated once, when it ends, if they store from ``views``
+        into the batch (``PromptCache.defer_evaluation``: one device sync for a step's rows, where each
+        put waited for its own); rows copied out of the batch (a shared-prefix group's, each its prefix
+        and tail joined) are evaluated one by one, so no two such copies are held at once. Short of
+        memory, the puts are skipped as one put is (``_put``)."""
+        if self.prompt_cache is None or not views:
+            yield
+            return
+        self.prompt_cache.defer_evaluation()
+        try:
+            yield
+        finally:
+            try:
+                self.prompt_cache.evaluate_deferred()
+            except Exception as exc:
+                if not is_allocation_failure(exc):
+                    raise
+                log.warning("prompt cache puts skipped: %s", exc)
+                release_cached_memory()
 
     def _put(self, row: Row, caches: list) -> None:
         """Store a finished row's prefix as the prefix policy says (store/prefix.py)."""

@@ -102,13 +102,12 @@ class Prefilling:
         if pending.entry is None:
             return  # the file was bad (and is gone): prefill from what RAM gave
         lease = self.prompt_cache.lease_restored(joiner.row.request.namespace, pending.entry, pending.n, joiner.done)
-        self._hold(joiner.row, lease)
-        joiner.start_from(lease.caches, pending.n)  # it never advanced while it restored
+        joiner.start_from_lease(self._hold(joiner.row, lease))  # it never advanced while it restored
 
     def _chunk_len(self, joiner: Joiner) -> int:
         """The next chunk: the serial lane's boundaries (mlx-lm generate_step), cut at a snapshot point.
         Worked out once per ``done`` and caches (a held burst's joiners are planned at every arrival)."""
-        state = (joiner.done, id(joiner._caches))
+        state = (joiner.done, joiner.caches_id)
         if joiner.next_chunk is not None and joiner.next_chunk[0] == state:
             return joiner.next_chunk[1]
         n = min(self.config.prefill_step_size, len(joiner.prompt) - 1 - joiner.done)
@@ -211,27 +210,19 @@ class Prefilling:
         """(caches, layout) with each row placed for its tail (engine/tail_placement.py), or None where
         the placement does not apply (a layer that is not plain full attention: a ring, a recurrent
         state, quantized KV)."""
-        rows = [j.caches for j in group]
+        lent = [self._lease_prefix(j) for j in group]  # read from the stored spans: never built
+        rows = [None if p is not None else j.caches for j, p in zip(group, lent, strict=True)]
         if not can_place(rows):
             return None
-        return merge_for_tails(rows, lengths, BatchKVCache.step if last else 0, self._row_prefixes(group))
-
-    def _row_prefixes(self, group: list[Joiner]) -> list[RowPrefix]:
-        """Per joiner, what its caches hold as pieces (engine/prefix_gather.py): the stored chain's
-        spans while it holds exactly what its lease lent (``_lease_prefix``), else its own caches."""
-        out = []
-        for joiner in group:
-            lent = self._lease_prefix(joiner)
-            if lent is None:
-                lent = RowPrefix((own_piece(joiner.caches),) if joiner.done else (), joiner.done)
-            out.append(lent)
-        return out
+        prefixes = [p if p is not None else RowPrefix((own_piece(row),) if j.done else (), j.done)
+                    for j, p, row in zip(group, lent, rows, strict=True)]
+        return merge_for_tails(rows, lengths, BatchKVCache.step if last else 0, prefixes)
 
     def _lease_prefix(self, joiner: Joiner) -> RowPrefix | None:
         """The stored chain's spans a joiner holding exactly what its lease lent reads from (so the
         lease's own concatenation is never computed, and rows on one chain share its pieces), or None."""
         lease = self._leases.get(joiner.row.request.request_id)
-        if lease is None or lease.node is None or joiner.caches is not lease.caches or joiner.done != lease.cached:
+        if lease is None or lease.node is None or not joiner.holds_lent(lease) or joiner.done != lease.cached:
             return None
         nodes = [n for n in lease.chain() if n.depth < lease.cached]
         if not nodes or not all(_plain_spans(n) for n in nodes):
@@ -244,7 +235,7 @@ class Prefilling:
         out = []
         for joiner in group:
             lease = self._leases.get(joiner.row.request.request_id)
-            untouched = lease is not None and lease.node is not None and joiner.caches is lease.caches
+            untouched = lease is not None and lease.node is not None and joiner.holds_lent(lease)
             out.append((id(lease.node), lease.cached) if untouched and joiner.done == lease.cached else None)
         return out
 
@@ -288,3 +279,4 @@ class Prefilling:
         lease = self.prompt_cache.lease_stored(namespace, prefix, joiner.caches)
         if lease.held:  # else the tree did not keep it: the lease it has stays
             self._hold(joiner.row, lease)
+            joiner.lent_by(lease)

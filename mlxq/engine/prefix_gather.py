@@ -53,6 +53,21 @@ class RowPrefix:
     length: int
     skip: int = 0
 
+    def read(self) -> tuple[list[Piece], int]:
+        """The pieces the row reads and how many tokens of the first it skips: none wholly inside
+        ``skip`` (a tail past a shared prefix of ~2k tokens never copies that prefix into the pool)."""
+        if not self.length:
+            return [], 0
+        out, skip, end = [], self.skip, self.skip + self.length
+        at = 0
+        for piece in self.pieces:
+            if at + piece.width > self.skip and at < end:
+                out.append(piece)
+            elif at + piece.width <= self.skip:
+                skip -= piece.width
+            at += piece.width
+        return out, skip
+
 
 def own_piece(caches: list) -> Piece:
     """A row's own solo caches as a piece (past their offset the arrays hold nothing the index reads)."""
@@ -63,6 +78,10 @@ def gather_prefixes(prefixes: list[RowPrefix], padding: list[int], capacity: int
     """Per layer (keys, values) of [rows, heads, capacity, dim]: row b's prefix at columns
     [padding[b], padding[b] + length), zeros elsewhere. At least one row names a piece."""
     pieces, offsets = _distinct(prefixes)
+    if not pieces:  # every row skips all it names (tails with nothing past a shared prefix yet): zeros
+        named = next(p for prefix in prefixes for p in prefix.pieces)
+        return [tuple(mx.zeros((len(prefixes), a.shape[1], capacity, a.shape[3]), a.dtype) for a in span)
+                for span in named.spans]
     index = _Index(_column_index(prefixes, offsets, padding, capacity))
     out = []
     for layer in range(len(pieces[0].spans)):
@@ -84,6 +103,12 @@ class _Index:
             self._made[("device",)] = mx.array(self.columns)
         return self._made[("device",)]
 
+    def sizes(self, heads: int, width: int) -> mx.array:
+        """The kernel's (heads, pool width, capacity) as int32, once for every layer's keys and values."""
+        if ("sizes", heads, width) not in self._made:
+            self._made[("sizes", heads, width)] = mx.array([heads, width, self.columns.shape[1]], dtype=mx.int32)
+        return self._made[("sizes", heads, width)]
+
     def flat(self, heads: int, width: int) -> mx.array:
         """[rows x heads x capacity] int32: each output head vector's row in the pool flattened to
         [heads x (width + 1), dim], whose last column per head is zeros (for -1)."""
@@ -95,10 +120,10 @@ class _Index:
 
 
 def _distinct(prefixes: list[RowPrefix]) -> tuple[list[Piece], dict[int, int]]:
-    """The pieces in first-use order, and where each starts in the pool (by ``id`` of its spans)."""
+    """The pieces rows read in first-use order, and where each starts in the pool (by ``id`` of its spans)."""
     pieces, offsets, at = [], {}, 0
     for prefix in prefixes:
-        for piece in prefix.pieces:
+        for piece in prefix.read()[0]:
             if id(piece.spans) not in offsets:
                 offsets[id(piece.spans)] = at
                 pieces.append(piece)
@@ -111,10 +136,11 @@ def _column_index(prefixes: list[RowPrefix], offsets: dict[int, int], padding: l
     """[rows, capacity] int32: the pool column each output column copies, -1 for zeros."""
     index = np.full((len(prefixes), capacity), -1, dtype=np.int32)
     for row, (prefix, pad) in enumerate(zip(prefixes, padding, strict=True)):
-        if not prefix.length:
+        pieces, skip = prefix.read()
+        if not pieces:
             continue
         columns = np.concatenate([np.arange(offsets[id(p.spans)], offsets[id(p.spans)] + p.width, dtype=np.int32)
-                                  for p in prefix.pieces])[prefix.skip : prefix.skip + prefix.length]
+                                  for p in pieces])[skip : skip + prefix.length]
         index[row, pad : pad + prefix.length] = columns
     return index
 
@@ -124,8 +150,8 @@ def _pool(parts: list[mx.array]) -> mx.array:
 
 
 def _gather(pool: mx.array, index: _Index) -> mx.array:
-    if _kernel_applies(pool) and _kernel_checked(pool.dtype):
-        return _by_kernel(pool, index.device())
+    if _kernel_applies(pool) and _kernel_checked(pool.dtype, pool.shape[3]):
+        return _by_kernel(pool, index)
     return _by_take(pool, index)
 
 
@@ -138,76 +164,82 @@ def _by_take(pool: mx.array, index: _Index) -> mx.array:
     return taken.reshape(rows, heads, capacity, dim)
 
 
+# One thread per 16-byte word of an output head vector: blockIdx.y is the (row, head) plane, x runs over
+# its columns' words. 32-bit index arithmetic, and WORDS a compile-time constant (a shift, not a
+# division): the first form divided 64-bit indices four times per word and moved 300-400 GB/s.
 _SOURCE = """
-    const int64_t heads = sizes[0];
-    const int64_t width = sizes[1];
-    const int64_t capacity = sizes[2];
-    const int64_t words = sizes[3];
-    const int64_t n = sizes[4];
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) {
+    const int plane = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int heads = sizes[0];
+    const int width = sizes[1];
+    const int capacity = sizes[2];
+    if (i >= capacity * WORDS) {
         return;
     }
-    const int64_t w = i % words;
-    const int64_t c = (i / words) % capacity;
-    const int64_t h = (i / (words * capacity)) % heads;
-    const int64_t b = i / (words * capacity * heads);
+    const int c = i / WORDS;
+    const int w = i - c * WORDS;
+    const int b = plane / heads;
+    const int h = plane - b * heads;
     const int src = columns[b * capacity + c];
     uint4 value = make_uint4(0, 0, 0, 0);
     if (src >= 0) {
-        value = reinterpret_cast<const uint4*>(pool)[(h * width + src) * words + w];
+        value = reinterpret_cast<const uint4*>(pool)[((size_t)h * width + src) * WORDS + w];
     }
-    reinterpret_cast<uint4*>(out)[i] = value;
+    reinterpret_cast<uint4*>(out)[(size_t)plane * capacity * WORDS + i] = value;
 """
 
 _kernel = None
 
 
 def _kernel_applies(pool: mx.array) -> bool:
-    return mx.cuda.is_available() and pool.shape[3] * pool.dtype.size % 16 == 0
+    """CUDA, whole 16-byte words per head vector, and every index within 32 bits."""
+    return mx.cuda.is_available() and pool.shape[3] * pool.dtype.size % 16 == 0 and pool.size < 2**31
 
 
-def _by_kernel(pool: mx.array, columns: mx.array) -> mx.array:
+def _by_kernel(pool: mx.array, index: _Index) -> mx.array:
     """The copy kernel: each thread moves one 16-byte word of one output head vector."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mlxq_prefix_gather", input_names=["pool", "columns", "sizes"],
                                       output_names=["out"], source=_SOURCE, ensure_row_contiguous=True)
     _, heads, width, dim = pool.shape
-    rows, capacity = columns.shape
+    rows, capacity = index.columns.shape
     words = dim * pool.dtype.size // 16
-    n = rows * heads * capacity * words
-    sizes = mx.array([heads, width, capacity, words, n], dtype=mx.int64)
-    return _kernel(inputs=[pool, columns, sizes], grid=(-(-n // _THREADS) * _THREADS, 1, 1),
+    return _kernel(inputs=[pool, index.device(), index.sizes(heads, width)], template=[("WORDS", words)],
+                   grid=(-(-capacity * words // _THREADS) * _THREADS, rows * heads, 1),
                    threadgroup=(_THREADS, 1, 1), output_shapes=[(rows, heads, capacity, dim)],
                    output_dtypes=[pool.dtype])[0]
 
 
-_checked: dict[mx.Dtype, bool] = {}
+_checked: dict[tuple[mx.Dtype, int], bool] = {}
 
 
-def _kernel_checked(dtype: mx.Dtype) -> bool:
-    """Whether the kernel gathers ``dtype`` as ``take`` does, checked once per dtype."""
-    if dtype not in _checked:
+def _kernel_checked(dtype: mx.Dtype, dim: int) -> bool:
+    """Whether the kernel gathers ``dtype`` head vectors of ``dim`` as ``take`` does, checked once per
+    pair (each is its own compiled form)."""
+    key = (dtype, dim)
+    if key not in _checked:
         try:
-            _checked[dtype] = kernel_agrees(dtype)
+            _checked[key] = kernel_agrees(dtype, dim)
         except Exception:
             log.exception("the prefix gather kernel failed; gathering with MLX's take")
-            _checked[dtype] = False
-        if _checked[dtype]:
-            log.info("prefix gather kernel checked for %s: in use", dtype)
+            _checked[key] = False
+        if _checked[key]:
+            log.info("prefix gather kernel checked for %s x %d: in use", dtype, dim)
         else:
             log.error("the prefix gather kernel disagrees with MLX's take; using take")
-    return _checked[dtype]
+    return _checked[key]
 
 
-def kernel_agrees(dtype: mx.Dtype) -> bool:
-    """Kernel and ``take`` equal bit for bit: three rows from two pieces, one row shorter than its pieces."""
-    a, b = (mx.random.normal((1, 2, n, 64)).astype(dtype) for n in (37, 5))
+def kernel_agrees(dtype: mx.Dtype, dim: int = 64) -> bool:
+    """Kernel and ``take`` equal bit for bit: four rows from two pieces, one row shorter than its
+    pieces, one skipping the first piece whole."""
+    a, b = (mx.random.normal((1, 2, n, dim)).astype(dtype) for n in (37, 5))
     first, second = Piece([(a, a)]), Piece([(b, b)])
-    prefixes = [RowPrefix((first, second), 42), RowPrefix((first,), 30), RowPrefix((second,), 5)]
+    prefixes = [RowPrefix((first, second), 42), RowPrefix((first,), 30), RowPrefix((second,), 5),
+                RowPrefix((first, second), 3, skip=38)]
     pieces, offsets = _distinct(prefixes)
-    index = _Index(_column_index(prefixes, offsets, [0, 14, 40], 64))
+    index = _Index(_column_index(prefixes, offsets, [0, 14, 40, 2], 64))
     pool = _pool([p.spans[0][0] for p in pieces])
-    kernel, ops = _by_kernel(pool, index.device()), _by_take(pool, index)
+    kernel, ops = _by_kernel(pool, index), _by_take(pool, index)
     return bool(mx.array_equal(kernel, ops).item())

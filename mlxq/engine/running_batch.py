@@ -121,11 +121,16 @@ class RunningBatch:
         """Row ``index``'s caches as solo caches: a copy out of a batch, the caches themselves when alone."""
         return extract_row(self.caches, index) if self.batched else self.caches
 
+    @property
+    def leaves_as_views(self) -> bool:
+        """Rows leave as views into the batch (every layer plain full attention: ``leaving_caches``)."""
+        return self.batched and all(type(c) is BatchKVCache for c in self.caches)
+
     def leaving_caches(self, leaving: list[int]) -> dict[int, list]:
         """Solo caches of the rows at ``leaving``, to store from before ``keep`` drops them: views into
         the batch when every layer is plain full attention (the prompt cache copies only the tokens it
         lacks, not each row whole), else ``row_caches``."""
-        if self.batched and leaving and all(type(c) is BatchKVCache for c in self.caches):
+        if leaving and self.leaves_as_views:
             views = view_rows(self.caches, len(self.rows))
             return {i: views[i] for i in leaving}
         if self.batched:

@@ -337,12 +337,13 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         leaving = [i for i in range(len(self.batch.rows)) if i not in keep]
         # Read before the filter drops them: views where the store copies only what it lacks.
         stored = self.batch.leaving_caches(leaving) if self.prompt_cache is not None else {}
-        for i in leaving:
-            row = self.batch.rows[i]
-            if i in stored:
-                # Popped, so each row's caches go once stored: a row out of a shared-prefix group is
-                # its prefix and tail joined, evaluated by the put, and 64 of them at 14.5k tokens
-                # (~2 GB each on an 8B model) held together passed the device's memory.
-                self._put(row, stored.pop(i))
-            self._on_finish(row)
+        with self._puts_together(self.batch.leaves_as_views):
+            for i in leaving:
+                row = self.batch.rows[i]
+                if i in stored:
+                    # Popped, so each row's caches go once stored: a row out of a shared-prefix group is
+                    # its prefix and tail joined, evaluated by the put, and 64 of them at 14.5k tokens
+                    # (~2 GB each on an 8B model) held together passed the device's memory.
+                    self._put(row, stored.pop(i))
+                self._on_finish(row)
         self.batch.keep(keep)

@@ -134,7 +134,7 @@ class TailSharing:
     def _holds_lease_only(self, joiner: Joiner) -> bool:
         """Its caches are what its lease lent, nothing computed on them yet."""
         lease = self._leases.get(joiner.row.request.request_id)
-        return lease is not None and lease.held and joiner.caches is lease.caches and joiner.done == lease.cached
+        return lease is not None and lease.held and joiner.holds_lent(lease) and joiner.done == lease.cached
 
     def _stores_boundary(self, joiner: Joiner) -> bool:
         """It stores its caches when its prefill ends (followers wait for it, or its system prompt

@@ -58,17 +58,19 @@ def layout_for(sizes: list[int], tails: list[int], room: int) -> TailLayout:
                       end - width, width, capacity)
 
 
-def can_place(rows: list[list]) -> bool:
-    """Every layer of every row a plain full-attention cache: what the placement knows how to merge."""
-    return all(type(c) is KVCache for row in rows for c in row) and any(c.keys is not None for c in rows[0])
+def can_place(rows: list[list | None]) -> bool:
+    """Every layer of every row a plain full-attention cache, the first row holding tokens: what the
+    placement knows how to merge. None: a row read from its lease's plain stored spans (both hold)."""
+    first = rows[0] is None or any(c.keys is not None for c in rows[0])
+    return first and all(type(c) is KVCache for row in rows if row is not None for c in row)
 
 
-def merge_for_tails(rows: list[list], tails: list[int], room: int, prefixes: list[RowPrefix] | None = None
+def merge_for_tails(rows: list[list | None], tails: list[int], room: int, prefixes: list[RowPrefix] | None = None
                     ) -> tuple[list[BatchKVCache], TailLayout]:
     """Per layer one BatchKVCache of ``rows`` (solo cache lists, ``can_place``) laid out for ``tails``
     (``layout_for``), and that layout. ``prefixes``: per row, the pieces its caches hold
-    (engine/prefix_gather.py: a lease's stored spans, read without its concatenation); by default
-    each row's own caches."""
+    (engine/prefix_gather.py: a lease's stored spans, read without its concatenation; a row given
+    as None is read only so); by default each row's own caches."""
     if prefixes is None:
         sizes = [row[0].offset if row[0].keys is not None else 0 for row in rows]
         prefixes = [RowPrefix((own_piece(row),) if size else (), size) for row, size in zip(rows, sizes, strict=True)]

@@ -52,10 +52,10 @@ def cut_span(cache, start: int, end: int) -> Span:
 
 
 def split_span(span: Span, at: int) -> tuple[Span, Span]:
-    """Two compact spans: the first ``at`` tokens and the rest (so evicting either frees its bytes)."""
+    """Two compact spans: the first ``at`` tokens and the rest (so evicting either frees its bytes).
+    Unevaluated: the caller evaluates every layer's halves at once, and lets go of the whole then."""
     head = tree_map(lambda a: mx.contiguous(a[..., :at, :]), span)
     tail = tree_map(lambda a: mx.contiguous(a[..., at:, :]), span)
-    mx.eval(arrays([head, tail]))  # let go of the whole span now
     return head, tail
 
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mlxq.store.kv_spans import Span, nbytes, snapshot_nbytes, split_span
+from mlxq.store.kv_spans import Span, arrays, nbytes, snapshot_nbytes, split_span
 
 if TYPE_CHECKING:
     from mlxq.store.entries import TreeEntry
@@ -117,13 +118,15 @@ def match(root: Node, prompt: tuple[int, ...], limit: int) -> Match:
     return Match(path, None, depth)
 
 
-def split(node: Node, at: int) -> Node:
-    """Cut ``node`` after ``at`` of its tokens; the new upper node is returned, ``node`` keeps the rest."""
+def split(node: Node, at: int, evaluate: Callable[[list], None]) -> Node:
+    """Cut ``node`` after ``at`` of its tokens; the new upper node is returned, ``node`` keeps the rest.
+    ``evaluate(arrays)`` gets every layer's halves at once, before the tree changes."""
     heads, tails = [], []
     for span in node.spans:
         head, tail = (None, None) if span is None else split_span(span, at)
         heads.append(head)
         tails.append(tail)
+    evaluate(arrays([s for s in heads + tails if s is not None]))
     upper = Node(node.tokens[:at], node.parent, heads, node.depth, tick=node.tick, last_used=node.last_used)
     node.parent.children[node.tokens[0]] = upper
     upper.children[node.tokens[at]] = node

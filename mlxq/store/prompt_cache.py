@@ -30,7 +30,9 @@ it restores into RAM before lending.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 
@@ -70,6 +72,21 @@ class _Tree:
 Key = tuple[str, tuple[int, ...]]  # (namespace, exact tokens)
 
 
+@dataclass
+class _Deferred:
+    arrays: list = field(default_factory=list)  # spans cut or split since ``defer_evaluation``
+    grown: list[Node] = field(default_factory=list)  # the leaves those puts added
+
+
+def _assemble_to(layout: tuple, end: Node, snapshot: list | None, n: int) -> list:
+    """A row's caches for the ``n`` tokens the chain ending at ``end`` serves (``snapshot`` for the
+    layers kept as snapshots: the one found at the lookup, which a demotion may since have dropped
+    from the node). The chain is walked when called: a split since the lookup made the *new* node
+    the upper half, so the nodes named then may hold fewer tokens now."""
+    chain = [node for node in end.chain() if node.depth < n]
+    return assemble(layout, chain, snapshot, n)
+
+
 class PromptCache:
     def __init__(self, max_bytes: int, charge: Charge | None = None):
         self.max_bytes = max_bytes
@@ -82,6 +99,7 @@ class PromptCache:
         self.entry_bytes = 0  # what the entries would hold as separate copies
         self.stats = PromptCacheStats()
         self.cold = None  # store.cold_tier.ColdTier, when an SSD tier is configured
+        self._deferred: _Deferred | None = None  # after ``defer_evaluation``: the spans waiting
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -113,17 +131,19 @@ class PromptCache:
 
         ``cold=False`` looks in RAM only (the batch lane restores from disk step by step,
         then calls ``lease_restored``)."""
-        caches, n, _ = self._take(namespace, prompt, cold)
-        return caches, n
+        build, n, _ = self._take(namespace, prompt, cold)
+        return (None if build is None else build()), n
 
     def lease(self, namespace: str, prompt: list[int], cold: bool = True) -> Lease:
-        """``take``, with the node chain the prefix came from pinned until ``Lease.release``."""
-        caches, n, node = self._take(namespace, prompt, cold)
+        """``take``, with the node chain the prefix came from pinned until ``Lease.release``; from RAM,
+        the caches are built when the lease's are first read (``Lease.deferred``)."""
+        build, n, node = self._take(namespace, prompt, cold)
         if node is not None:
             node.pins += 1
-        elif n:  # read back from disk into the tree: pinned if it fit
-            node = self.pin(namespace, prompt[:n])
-        return Lease(n, caches, node, self.unpin)
+            return Lease.deferred(n, build, self._trees[namespace].trimmable, node, self.unpin)
+        if n:  # read back from disk into the tree: pinned if it fit
+            return Lease(n, build(), self.pin(namespace, prompt[:n]), self.unpin)
+        return Lease(0, None, None, self.unpin)
 
     def lease_stored(self, namespace: str, tokens: list[int], caches: list) -> Lease:
         """A lease on what the caller just stored (``put`` of ``tokens`` from ``caches``), lending its own
@@ -137,23 +157,27 @@ class PromptCache:
         caches = self.adopt_restored(namespace, entry, n, previous)
         return Lease(n, caches, self.pin(namespace, list(entry.tokens[:n])), self.unpin)
 
-    def _take(self, namespace: str, prompt: list[int], cold: bool) -> tuple[list | None, int, Node | None]:
-        """(caches, cached tokens, the node the prefix ends at or inside of; None when it came from disk)."""
+    def _take(self, namespace: str, prompt: list[int], cold: bool
+              ) -> tuple[Callable[[], list] | None, int, Node | None]:
+        """(what builds the caches, cached tokens, the node the prefix ends at or inside of; None when
+        it came from disk)."""
         self.stats.queries += 1
         nodes, holder, n = self._lookup(namespace, prompt)
         if self.cold is not None and cold:
             restored = self.cold.restore(namespace, prompt, better_than=n)
             if restored is not None:
                 entry, m = restored
-                return self.adopt_restored(namespace, entry, m, previous=0), m, None
+                caches = self.adopt_restored(namespace, entry, m, previous=0)
+                return (lambda: caches), m, None
         if not n:
             return None, 0, None
         for node in nodes:
             node.touch()
         self.stats.hits += 1
         self.stats.hit_tokens += n
-        tree = self._trees[namespace]
-        return assemble(tree.layout, nodes, holder.snapshot if holder else None, n), n, holder or nodes[-1]
+        end = holder or nodes[-1]
+        snapshot = holder.snapshot if holder else None
+        return partial(_assemble_to, self._trees[namespace].layout, end, snapshot, n), n, end
 
     def adopt_restored(self, namespace: str, entry: CacheEntry, n: int, previous: int) -> list:
         """Hold an entry read from disk (already durable; kept only if it fits the tier) and lend its
@@ -196,6 +220,35 @@ class PromptCache:
             self._remove_leaf(node, "evicted")  # pinned entries leave no room for it
         return True
 
+    def defer_evaluation(self) -> None:
+        """Puts from here on leave the spans they cut (and split) unevaluated until ``evaluate_deferred``:
+        a step's finishing rows' puts then cost one device sync, not one or more each. The caller's
+        caches must stay as they are until then (views into a batch that nothing writes meanwhile)."""
+        if self._deferred is None:
+            self._deferred = _Deferred()
+
+    def evaluate_deferred(self) -> None:
+        """Evaluate what the puts since ``defer_evaluation`` cut, all at once, and put evaluation back
+        to each put's own. If that fails, the leaves they grew are removed again (the newest first),
+        and the error is raised."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        try:
+            mx.eval(deferred.arrays)
+        except Exception:
+            for node in reversed(deferred.grown):
+                if node.in_tree and not node.children and not node.pins:
+                    self._remove_leaf(node, "failed")
+            raise
+
+    def _evaluate(self, arrays: list) -> None:
+        """New spans evaluated in one call (one device sync), or with the deferred puts'."""
+        if self._deferred is not None:
+            self._deferred.arrays += arrays
+        else:
+            mx.eval(arrays)
+
     def _grow(self, tree: _Tree, found, tokens: tuple[int, ...], caches: list) -> Node:
         """The node ending exactly at len(tokens): an existing one, the upper half of a split, or a new leaf."""
         end = self._match_end(tree, found)
@@ -203,8 +256,10 @@ class PromptCache:
             return end
         spans = [kv_spans.cut_span(c, found.length, len(tokens)) if layer.spans else None
                  for layer, c in zip(tree.layout, caches, strict=True)]
-        mx.eval(kv_spans.arrays([s for s in spans if s is not None]))
+        self._evaluate(kv_spans.arrays([s for s in spans if s is not None]))  # a failure leaves the tree as it was
         child = add_child(end, tokens[found.length :], spans)
+        if self._deferred is not None:
+            self._deferred.grown.append(child)
         self._leaves.discard(end)
         self._leaves.add(child)
         self.nodes += 1
@@ -216,7 +271,7 @@ class PromptCache:
         of that node split there."""
         if found.partial is not None:
             self.nodes += 1
-            return split(found.partial, found.length - found.partial.depth)
+            return split(found.partial, found.length - found.partial.depth, self._evaluate)
         return found.path[-1] if found.path else tree.root
 
     def _mark(self, tree: _Tree, node: Node, key: Key, caches: list, durable: bool) -> None:

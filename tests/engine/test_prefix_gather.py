@@ -4,8 +4,8 @@ The merged batch a cached burst's tails run on must hold, for each row, exactly
 its prefix (the concatenation of its pieces, cut to its length) at its left
 padding and zeros elsewhere; in the scheduler, rows that lease different
 chains of the prompt cache's tree are read from the chains' spans (the lease's
-own concatenation never built into the batch), and every row's greedy tokens
-are still the serial lane's.
+own caches never built), and every row's greedy tokens are still the serial
+lane's.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine import tail_placement
-from mlxq.engine.prefix_gather import Piece, RowPrefix, gather_prefixes, own_piece
+from mlxq.engine.prefix_gather import Piece, RowPrefix, _distinct, gather_prefixes, own_piece
 from mlxq.engine.scheduler import SchedulerConfig
 from mlxq.golden.cases import LONG
+from mlxq.store import prompt_cache
 from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
 from tests.engine.test_wave_join import run_wave, wave
 
@@ -44,6 +45,23 @@ def test_each_row_holds_its_pieces_cut_to_its_length_at_its_padding_and_zeros_el
                 assert mx.array_equal(got[row : row + 1], want).item(), (layer, row, name)
 
 
+def test_rows_past_a_prefix_they_skip_read_only_the_pieces_after_it():
+    system, a, b = _piece(11), _piece(4), _piece(6)
+    prefixes = [RowPrefix((system, a), 3, skip=12), RowPrefix((system, b), 6, skip=11),
+                RowPrefix((system, a), 5, skip=9)]
+    padding, capacity = [3, 0, 1], 8
+    assert [p.width for p in _distinct(prefixes)[0]] == [4, 6, 11]  # the system prompt pooled once, after a, b
+    assert [p.width for p in _distinct(prefixes[:2])[0]] == [4, 6]  # ... and not at all when no row reads it
+    nothing = gather_prefixes([RowPrefix((system,), 0, skip=11), RowPrefix((system, a), 0, skip=15)], [0, 0], 4)
+    assert [k.shape for k, _ in nothing] == [(2, 3, 4, 8)] * 2 and not any(mx.any(k).item() for k, _ in nothing)
+    for layer, (keys, _) in enumerate(gather_prefixes(prefixes, padding, capacity)):
+        for row, (prefix, pad) in enumerate(zip(prefixes, padding, strict=True)):
+            whole = mx.concatenate([p.spans[layer][0] for p in prefix.pieces], axis=2)
+            want = mx.zeros((1, 3, capacity, 8))
+            want[..., pad : pad + prefix.length, :] = whole[..., prefix.skip : prefix.skip + prefix.length, :]
+            assert mx.array_equal(keys[row : row + 1], want).item(), (layer, row)
+
+
 def test_a_rows_own_caches_are_a_piece_read_up_to_its_offset(load_tiny):
     model, _ = load_tiny("llama")
     caches = make_prompt_cache(model)
@@ -69,8 +87,12 @@ def test_rows_leasing_different_stored_chains_are_read_from_their_spans_and_matc
     gathered = []
     real = tail_placement.gather_prefixes
     monkeypatch.setattr(tail_placement, "gather_prefixes", lambda *args: gathered.append(args[0]) or real(*args))
+    built = []
+    assemble = prompt_cache.assemble
+    monkeypatch.setattr(prompt_cache, "assemble", lambda *args: built.append(args[3]) or assemble(*args))
     run_wave(scheduler, cached)
     assert len(gathered) == 1  # one merge for the wave's tails
+    assert built == []  # no lease's caches were built: the gather read the stored spans
     prefixes = gathered[0]
     cached_tokens = [finished[r.request_id][1] for r in cached]
     assert [p.length for p in prefixes] == cached_tokens

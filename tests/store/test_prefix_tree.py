@@ -195,3 +195,19 @@ def test_a_lease_pins_the_chain_it_was_served_from_until_released(load_tiny):
     assert pc.take("", PREFIX + tail(0) + [1])[1] == len(PREFIX)  # released: it ages out like the rest
     miss = pc.lease("", [9, 9, 9])
     assert miss.cached == 0 and miss.caches is None and not miss.held
+
+
+def test_a_lease_builds_its_caches_when_first_read_even_after_a_split_of_its_chain(load_tiny):
+    model, _ = load_tiny("llama")
+    pc = PromptCache(1 << 30)
+    pc.put("", PREFIX + tail(0), prefilled(model, PREFIX + tail(0)))
+    lease = pc.lease("", PREFIX + tail(0)[:7] + [1])  # ends inside the one node holding it all
+    node = lease.node
+    assert lease.trimmable and [n.end for n in lease.chain()] == [len(PREFIX) + 12]
+    # Another agent's put splits that node twice, at the prefix's end and inside the tail: the node
+    # named at the lookup keeps only the lower part.
+    pc.put("", PREFIX + tail(1), prefilled(model, PREFIX + tail(1)))
+    pc.put("", PREFIX + tail(0)[:3] + [1, 1], prefilled(model, PREFIX + tail(0)[:3] + [1, 1]))
+    assert node.depth == len(PREFIX) + 3 and len(lease.chain()) == 3
+    assert same_state(lease.caches, prefilled(model, PREFIX + tail(0)[:7]))
+    assert lease.caches is lease.caches  # built once

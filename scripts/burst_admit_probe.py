@@ -1,0 +1,87 @@
+"""The engine thread's host work to take in a cached burst, on prompt-cache spans of the 8B shape.
+
+    python scripts/burst_admit_probe.py --model DIR --prefix 2195,14500 --out admit.json
+
+A RAM prompt cache holds, per agent, a ``--prefix``-token system prompt and
+its previous question (a stored chain per agent, as in a server after one
+wave) in spans of ``--layers`` layers of 8 KV heads of 128 (bf16), whatever
+the small ``--model`` is: nothing runs a forward, only host work is timed.
+Per prefix: ``leases_ms``, 64 leases of the agents' next prompts (each the
+prefix, two stored tokens of its own chain, new ones), and
+``caches_ms``, building those leases' caches (what every lease did before
+the gather read the stored spans instead); ``admit_ms``, per round, the
+scheduler taking the burst one request at a time as a GPU server holds it
+(admission check, add, held step per arrival).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+from burst_step_probe import admit_one_by_one, scheduler_for, tail_of
+from mlx_lm.models.cache import KVCache
+
+from mlxq.engine.types import Request, SamplingParams
+from mlxq.models.loader import load_model
+
+
+def spans_of(tokens: int, layers: int) -> list:
+    out = []
+    for _ in range(layers):
+        cache = KVCache()
+        cache.keys, cache.values = (mx.zeros((1, 8, tokens, 128), mx.bfloat16) for _ in range(2))
+        cache.offset = tokens
+        out.append(cache)
+    mx.eval([(c.keys, c.values) for c in out])
+    return out
+
+
+def probe(sched, prefix: list[int], rows: int, layers: int, rounds: int) -> dict:
+    stored = spans_of(len(prefix) + 80, layers)
+    prompt = lambda row, round_no: prefix + [t % 500 for t in tail_of(row, round_no, 2)]  # noqa: E731
+    for row in range(rows):
+        sched.prompt_cache.put("", prompt(row, 0), stored)
+    start = time.perf_counter()
+    leases = [sched.prompt_cache.lease("", prompt(row, 1)) for row in range(rows)]
+    leased = time.perf_counter()
+    for lease in leases:
+        lease.caches  # noqa: B018 (built when first read)
+    built = time.perf_counter()
+    for lease in leases:
+        lease.release()
+    admit = []
+    for round_no in range(1, rounds + 1):
+        requests = [(Request(f"r{round_no}-{row}", prompt(row, round_no), SamplingParams(), 4, ignore_eos=True),
+                     lambda event: None) for row in range(rows)]
+        admit.append(admit_one_by_one(sched, requests))
+        for joiner in list(sched.joiners):  # dropped unprefilled: the stored layers are not the model's
+            sched.joiners.remove(joiner)
+            sched._let_go(joiner.row)
+    return {"prefix": len(prefix), "leases_ms": round(1000 * (leased - start), 1),
+            "caches_ms": round(1000 * (built - leased), 1), "admit_ms": admit}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--prefix", default="2195,14500", help="system prompt tokens; several comma-separated")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="burst-admit-probe.json")
+    args = ap.parse_args()
+    loaded = load_model(args.model)
+    results = []
+    for size in (int(p) for p in args.prefix.split(",")):
+        sched = scheduler_for(loaded.model, loaded.tokenizer, args.rows, "off")
+        results.append(probe(sched, [(7 * j) % 500 + 3 for j in range(size)], args.rows, args.layers, args.rounds))
+        print(json.dumps(results[-1]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"rows": args.rows, "layers": args.layers, "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()
