@@ -13,18 +13,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxq.engine.scheduler import SchedulerConfig
-from mlxq.golden.cases import LONG
 from mlxq.store.prompt_cache import PromptCache
-from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
-from tests.engine.test_wave_join import run_wave, wave
+from tests.engine.test_shared_prefill import serial_with_cache
+from tests.engine.test_wave_join import run_wave, token0_scheduler, wave
 
 
 def test_rows_finishing_in_one_step_are_stored_with_one_evaluation(load_tiny, monkeypatch):
-    model, tokenizer = load_tiny("llama")
-    shared = tokenizer.encode(LONG + " " + LONG)
-    scheduler, finished = recording_scheduler(model, tokenizer, SchedulerConfig(8, 4, 2048, None,
-                                                                                 token0_in_decode=True))
+    model, tokenizer, shared, scheduler, finished = token0_scheduler(load_tiny)
     cold, cached = wave(tokenizer, shared, "cold", 1, "Agent"), wave(tokenizer, shared, "cached", 5, "Please")
     run_wave(scheduler, cold)
     evaluations, inside = [], [False]

@@ -15,11 +15,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxq.engine import tail_placement
 from mlxq.engine.prefix_gather import Piece, RowPrefix, _distinct, gather_prefixes, own_piece
-from mlxq.engine.scheduler import SchedulerConfig
-from mlxq.golden.cases import LONG
 from mlxq.store import prompt_cache
-from tests.engine.test_shared_prefill import recording_scheduler, serial_with_cache
-from tests.engine.test_wave_join import run_wave, wave
+from tests.engine.test_shared_prefill import serial_with_cache
+from tests.engine.test_wave_join import run_wave, token0_scheduler, wave
 
 
 def _piece(tokens: int, layers: int = 2) -> Piece:
@@ -76,10 +74,7 @@ def test_a_rows_own_caches_are_a_piece_read_up_to_its_offset(load_tiny):
 
 def test_rows_leasing_different_stored_chains_are_read_from_their_spans_and_match_the_serial_lane(load_tiny,
                                                                                                   monkeypatch):
-    model, tokenizer = load_tiny("llama")
-    shared = tokenizer.encode(LONG + " " + LONG)
-    scheduler, finished = recording_scheduler(model, tokenizer, SchedulerConfig(8, 4, 2048, None,
-                                                                                 token0_in_decode=True))
+    model, tokenizer, shared, scheduler, finished = token0_scheduler(load_tiny)
     # The second wave's questions begin as the first wave's do ("Agent number ..."): each row leases the
     # system prompt plus part of a stored question, a different chain of the tree per row.
     cold, cached = wave(tokenizer, shared, "cold", 4, "Agent"), wave(tokenizer, shared, "cached", 4, "Agent")

@@ -34,6 +34,16 @@ def run_wave(scheduler, requests: list[Request]) -> None:
         scheduler.step()
 
 
+def token0_scheduler(load_tiny):
+    """The tiny llama, a system prompt of two LONG paragraphs, and a recording scheduler computing token 0
+    in the decode step: the set-up of a cached wave's tests."""
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=True)
+    scheduler, finished = recording_scheduler(model, tokenizer, config)
+    return model, tokenizer, shared, scheduler, finished
+
+
 def cached_prompt_on_a_clock(load_tiny, rows: int, burst):
     """A scheduler holding bursts by ``burst`` whose system prompt one agent already stored, on a clock
     the test moves (``now[0]``)."""
@@ -90,9 +100,7 @@ def test_no_view_into_the_placed_batch_is_alive_when_its_first_decode_step_write
     and would copy every layer's whole batch. They are gone by then."""
     import weakref
 
-    model, tokenizer = load_tiny("llama")
-    shared = tokenizer.encode(LONG + " " + LONG)
-    scheduler, _ = recording_scheduler(model, tokenizer, SchedulerConfig(8, 4, 2048, None, token0_in_decode=True))
+    _, tokenizer, shared, scheduler, _ = token0_scheduler(load_tiny)
     run_wave(scheduler, wave(tokenizer, shared, "cold", 2, "Agent"))
     made = []
 
