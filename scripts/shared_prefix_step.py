@@ -119,8 +119,10 @@ def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb, paths) -> di
             result["copies_per_head_ms"], result["copies_per_head_logit_diff"] = ms, mx.abs(
                 logits - reference).max().item()
             mx.clear_cache()
+    seen: dict[str, int] = {}
     for path in paths if shared_prefix_decode.is_enabled() else ("ops",):
-        name = f"shared_{path}"
+        seen[path] = seen.get(path, 0) + 1  # a path named twice (both orders, e.g. mma_gqa,auto,auto,mma_gqa)
+        name = f"shared_{path}" + (f"_{seen[path]}" if seen[path] > 1 else "")
         with contextlib.nullcontext() if path == "auto" else shared_prefix_decode.forced(path):
             ms, logits = time_steps(model, caches_for(prefix_cache, rows, own, True), rows, steps)
         result[f"{name}_ms"] = ms
