@@ -104,6 +104,7 @@ class SharedPrefixBatchCache(_BaseCache):
         self._own_prefix = mx.array([self.prefix_lengths[g] if g >= 0 else 0 for g in self.row_groups])
         self._layout = RowGroups.of(self.row_groups, len(self.prefixes)) if len(self.prefixes) > 1 else None
         self._all_share = all(g >= 0 for g in self.row_groups)
+        self._route = shared_prefix_decode.RouteMemo()  # its prefix may have changed: the route is worked out again
 
     @property
     def row_shares(self) -> list[bool]:
@@ -153,7 +154,7 @@ class SharedPrefixBatchCache(_BaseCache):
                                                           self._layout)
         return shared_prefix_decode.attention(queries, self.prefix_keys, self.prefix_values, keys, values,
                                               self.tail.left_padding, scale, sinks, self.quant,
-                                              None if self._all_share else self.shares)
+                                              None if self._all_share else self.shares, self._route)
 
     def prepare(self, **kwargs):
         self.tail.prepare(**kwargs)

@@ -158,6 +158,31 @@ def test_bf16_groups_from_the_mma_threshold_take_the_tensor_core_prefix(monkeypa
     assert decode.choose(q, pk, tk, tk) == "split"
 
 
+def test_a_caches_route_is_worked_out_again_only_when_its_inputs_change(monkeypatch):
+    """``RouteMemo`` (one per shared-prefix cache) gives what ``choose`` gives: again for a new shape
+    of the queries (rows, or a prefill chunk) or a new set of passing kernels, and ``forced`` wins."""
+    from mlxq.kv import shared_prefix_decode as decode
+
+    def shapes(rows, own=5):
+        return (mx.zeros((rows, 32, 1, 128), mx.bfloat16), mx.zeros((1, 8, 2048, 128), mx.bfloat16),
+                mx.zeros((rows, 8, own, 128), mx.bfloat16))
+
+    memo = decode.RouteMemo()
+    q, pk, tk = shapes(64)
+    assert memo.choose(q, pk, tk, tk) == "ops"  # the kernels are off
+    monkeypatch.setattr(decode, "_kernels", frozenset({"full", "split", "gqa", "mma", "mma_gqa"}))
+    assert memo.choose(q, pk, tk, tk) == decode.choose(q, pk, tk, tk) == "mma_gqa"
+    q, _, tk = shapes(64, own=6)  # the next step: only the tails grew
+    assert memo.choose(q, pk, tk, tk) == "mma_gqa"
+    q, _, tk = shapes(16)
+    assert memo.choose(q, pk, tk, tk) == decode.choose(q, pk, tk, tk) == "gqa"
+    chunk = mx.zeros((16, 32, 3, 128), mx.bfloat16)
+    assert memo.choose(chunk, pk, tk, tk) == decode.choose(chunk, pk, tk, tk) == "ops"
+    with decode.forced("split"):
+        assert memo.choose(q, pk, tk, tk) == "split"
+    assert memo.choose(q, pk, tk, tk) == "gqa"
+
+
 @pytest.mark.parametrize("errors, mma_partials, passed", [
     ({"full": 0.005, "split": 0.004, "gqa": 0.006, "mma": 0.006, "mma_gqa": 0.005}, True,
      {"full", "split", "gqa", "mma", "mma_gqa"}),
