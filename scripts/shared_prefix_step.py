@@ -17,7 +17,9 @@ decode steps of the whole model are timed for:
 - ``shared_full`` / ``shared_split`` / ``shared_gqa`` / ``shared_mma`` /
   ``shared_mma_gqa``: the same with each CUDA path of
   kv/shared_prefix_decode.py (CUDA only; ``--paths`` picks; ``auto``: the
-  route's own choice per call).
+  route's own choice, once per cache and query shape; ``auto_each``: the
+  route worked out on every call). A path named twice is timed twice
+  (both orders in one run: ``mma_gqa,auto,auto,mma_gqa``).
 
 Also: the first step's max logit difference of each shared path to the
 copies (bf16 rounding carried through the layers on the GPU), and with
@@ -123,7 +125,7 @@ def run_case(model, vocab, rows, prefix, own, steps, max_copies_gb, paths) -> di
     for path in paths if shared_prefix_decode.is_enabled() else ("ops",):
         seen[path] = seen.get(path, 0) + 1  # a path named twice (both orders, e.g. mma_gqa,auto,auto,mma_gqa)
         name = f"shared_{path}" + (f"_{seen[path]}" if seen[path] > 1 else "")
-        with contextlib.nullcontext() if path == "auto" else shared_prefix_decode.forced(path):
+        with _decode_path(path):
             ms, logits = time_steps(model, caches_for(prefix_cache, rows, own, True), rows, steps)
         result[f"{name}_ms"] = ms
         if reference is not None:
@@ -203,6 +205,24 @@ def _prefill_path(path: str):
                 yield
         finally:
             shared_prefix_decode.PREFILL_WARPS = warps
+    else:
+        with shared_prefix_decode.forced(path):
+            yield
+
+
+@contextlib.contextmanager
+def _decode_path(path: str):
+    """``auto``: as routed (each cache's RouteMemo); ``auto_each``: routed afresh on every call, as
+    before the memo; else the path forced."""
+    if path == "auto":
+        yield
+    elif path == "auto_each":
+        memo = shared_prefix_decode.RouteMemo.choose
+        shared_prefix_decode.RouteMemo.choose = lambda self, *args: shared_prefix_decode.choose(*args)
+        try:
+            yield
+        finally:
+            shared_prefix_decode.RouteMemo.choose = memo
     else:
         with shared_prefix_decode.forced(path):
             yield
