@@ -17,6 +17,16 @@ On CUDA the gather is a copy kernel moving 16-byte words (one index read per
 head vector), checked against MLX's ``take`` on its first use per dtype;
 elsewhere, and where it does not apply, MLX's ``take`` of whole head vectors.
 The values are the pieces' own: each row holds exactly its solo prefix.
+
+The pool's concatenation is itself a copy kernel per piece: a cached burst
+under ``--shared-prefix-attention auto`` gathers only its rows' own tokens
+(64 pieces of a token or two each), so it launched ~4k copies of a few KB
+(32 layers x keys and values x 64 pieces: 17-23 ms on the H200, "CPU and
+H200: a cached burst's engine work around its prefill"). From
+``MIN_SLOTTED`` up to ``SLOTS`` pieces the kernel reads them in place
+instead, each one of its inputs (MLX's kernels take no array of buffers, so
+a form with ``SLOTS`` inputs, the unused ones repeating the first piece),
+the index naming (piece, column): one launch per layer's keys or values.
 """
 
 from __future__ import annotations
@@ -30,6 +40,9 @@ import numpy as np
 log = logging.getLogger("mlxq.scheduler")
 
 _THREADS = 256
+SLOTS = 128  # pieces one launch reads in place (its inputs); more go through the pool's concatenation
+MIN_SLOTTED = 3  # fewer pieces: the pool (one piece is the pool itself, two are one small copy more)
+_COLUMN_BITS = 24  # a slotted index holds (piece << _COLUMN_BITS) | column: pieces of up to 16M tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,20 +95,32 @@ def gather_prefixes(prefixes: list[RowPrefix], padding: list[int], capacity: int
         named = next(p for prefix in prefixes for p in prefix.pieces)
         return [tuple(mx.zeros((len(prefixes), a.shape[1], capacity, a.shape[3]), a.dtype) for a in span)
                 for span in named.spans]
-    index = _Index(_column_index(prefixes, offsets, padding, capacity))
-    out = []
-    for layer in range(len(pieces[0].spans)):
-        keys, values = (_pool([p.spans[layer][i] for p in pieces]) for i in (0, 1))
-        out.append((_gather(keys, index), _gather(values, index)))
-    return out
+    index = _Index(_column_index(prefixes, offsets, padding, capacity), [p.width for p in pieces])
+    return [tuple(_gather([p.spans[layer][i] for p in pieces], index) for i in (0, 1))
+            for layer in range(len(pieces[0].spans))]
 
 
 class _Index:
     """The column index on the host, and its device forms, each made once for every layer."""
 
-    def __init__(self, columns: np.ndarray):
+    def __init__(self, columns: np.ndarray, widths: list[int]):
         self.columns = columns
+        self.widths = widths  # per piece, in pool order: its tokens (every layer alike)
         self._made: dict[tuple, mx.array] = {}
+
+    def slotted(self) -> tuple[mx.array, mx.array]:
+        """[rows, capacity] int32 of (piece << _COLUMN_BITS) | column within it (-1 for zeros), and
+        [SLOTS] int32 of the pieces' widths, as the slotted kernel reads them."""
+        if ("slotted",) not in self._made:
+            starts = np.cumsum([0, *self.widths[:-1]])
+            piece = np.searchsorted(starts, self.columns, side="right") - 1
+            own = self.columns - starts[np.maximum(piece, 0)]
+            coded = np.where(self.columns < 0, -1, (piece << _COLUMN_BITS) | own).astype(np.int32)
+            widths = np.zeros(SLOTS, np.int32)
+            widths[: len(self.widths)] = self.widths
+            self._made[("slotted",)] = mx.array(coded)
+            self._made[("widths",)] = mx.array(widths)
+        return self._made[("slotted",)], self._made[("widths",)]
 
     def device(self) -> mx.array:
         """[rows, capacity] int32, as the kernel reads it."""
@@ -149,10 +174,15 @@ def _pool(parts: list[mx.array]) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
-def _gather(pool: mx.array, index: _Index) -> mx.array:
-    if _kernel_applies(pool) and _kernel_checked(pool.dtype, pool.shape[3]):
-        return _by_kernel(pool, index)
-    return _by_take(pool, index)
+def _gather(parts: list[mx.array], index: _Index) -> mx.array:
+    """One layer's keys or values: ``parts`` are its pieces' arrays in pool order."""
+    first = parts[0]
+    if _kernel_applies(first) and _kernel_checked(first.dtype, first.shape[3]):
+        if MIN_SLOTTED <= len(parts) <= SLOTS and _slotted_checked(first.dtype, first.shape[3]):
+            return _by_slots(parts, index)
+        pool = _pool(parts)
+        return _by_kernel(pool, index) if _kernel_applies(pool) else _by_take(pool, index)
+    return _by_take(_pool(parts), index)
 
 
 def _by_take(pool: mx.array, index: _Index) -> mx.array:
@@ -188,7 +218,37 @@ _SOURCE = """
     reinterpret_cast<uint4*>(out)[(size_t)plane * capacity * WORDS + i] = value;
 """
 
+# The same copy reading each piece where it lies: the index names (piece, column), a switch picks the
+# piece's input (one per slot, generated), its width gives the head's stride.
+_SLOTTED_SOURCE = """
+    const int plane = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int heads = sizes[0];
+    const int capacity = sizes[2];
+    if (i >= capacity * WORDS) {
+        return;
+    }
+    const int c = i / WORDS;
+    const int w = i - c * WORDS;
+    const int b = plane / heads;
+    const int h = plane - b * heads;
+    const int src = columns[b * capacity + c];
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (src >= 0) {
+        const int piece = src >> COLUMN_BITS;
+        const int column = src & ((1 << COLUMN_BITS) - 1);
+        const uint4* base;
+        switch (piece) {
+%s
+        default: base = reinterpret_cast<const uint4*>(p0);
+        }
+        value = base[((size_t)h * widths[piece] + column) * WORDS + w];
+    }
+    reinterpret_cast<uint4*>(out)[(size_t)plane * capacity * WORDS + i] = value;
+"""
+
 _kernel = None
+_slotted_kernel = None
 
 
 def _kernel_applies(pool: mx.array) -> bool:
@@ -211,7 +271,45 @@ def _by_kernel(pool: mx.array, index: _Index) -> mx.array:
                    output_dtypes=[pool.dtype])[0]
 
 
+def _by_slots(parts: list[mx.array], index: _Index) -> mx.array:
+    """The copy kernel reading each of ``parts`` (up to SLOTS) in place: no pool concatenated."""
+    global _slotted_kernel
+    if _slotted_kernel is None:
+        cases = "\n".join(f"        case {k}: base = reinterpret_cast<const uint4*>(p{k}); break;"
+                          for k in range(SLOTS))
+        _slotted_kernel = mx.fast.cuda_kernel(
+            name="mlxq_prefix_gather_slotted", input_names=[*(f"p{k}" for k in range(SLOTS)), "columns", "widths",
+                                                            "sizes"],
+            output_names=["out"], source=_SLOTTED_SOURCE % cases, ensure_row_contiguous=True)
+    first = parts[0]
+    _, heads, _, dim = first.shape
+    rows, capacity = index.columns.shape
+    words = dim * first.dtype.size // 16
+    columns, widths = index.slotted()
+    inputs = [*parts, *([first] * (SLOTS - len(parts))), columns, widths, index.sizes(heads, 0)]
+    return _slotted_kernel(inputs=inputs, template=[("WORDS", words), ("COLUMN_BITS", _COLUMN_BITS)],
+                           grid=(-(-capacity * words // _THREADS) * _THREADS, rows * heads, 1),
+                           threadgroup=(_THREADS, 1, 1), output_shapes=[(rows, heads, capacity, dim)],
+                           output_dtypes=[first.dtype])[0]
+
+
 _checked: dict[tuple[mx.Dtype, int], bool] = {}
+_slotted_ok: dict[tuple[mx.Dtype, int], bool] = {}
+
+
+def _slotted_checked(dtype: mx.Dtype, dim: int) -> bool:
+    """Whether the slotted kernel gathers as ``take`` does (checked once per dtype and width; one that
+    fails or does not build leaves the pool's form in use)."""
+    key = (dtype, dim)
+    if key not in _slotted_ok:
+        try:
+            _slotted_ok[key] = kernel_agrees(dtype, dim, slotted=True)
+        except Exception:
+            log.exception("the slotted prefix gather kernel failed; gathering from a concatenated pool")
+            _slotted_ok[key] = False
+        if not _slotted_ok[key]:
+            log.error("the slotted prefix gather kernel disagrees with MLX's take; using the pool")
+    return _slotted_ok[key]
 
 
 def _kernel_checked(dtype: mx.Dtype, dim: int) -> bool:
@@ -231,15 +329,16 @@ def _kernel_checked(dtype: mx.Dtype, dim: int) -> bool:
     return _checked[key]
 
 
-def kernel_agrees(dtype: mx.Dtype, dim: int = 64) -> bool:
-    """Kernel and ``take`` equal bit for bit: four rows from two pieces, one row shorter than its
-    pieces, one skipping the first piece whole."""
-    a, b = (mx.random.normal((1, 2, n, dim)).astype(dtype) for n in (37, 5))
-    first, second = Piece([(a, a)]), Piece([(b, b)])
+def kernel_agrees(dtype: mx.Dtype, dim: int = 64, slotted: bool = False) -> bool:
+    """Kernel and ``take`` equal bit for bit: five rows from three pieces, one row shorter than its
+    pieces, one skipping the first piece whole, one reading the last piece alone (``slotted``: the
+    form reading the pieces in place)."""
+    a, b, c = (mx.random.normal((1, 2, n, dim)).astype(dtype) for n in (37, 5, 3))
+    first, second, third = Piece([(a, a)]), Piece([(b, b)]), Piece([(c, c)])
     prefixes = [RowPrefix((first, second), 42), RowPrefix((first,), 30), RowPrefix((second,), 5),
-                RowPrefix((first, second), 3, skip=38)]
+                RowPrefix((first, second), 3, skip=38), RowPrefix((first, third), 2, skip=37)]
     pieces, offsets = _distinct(prefixes)
-    index = _Index(_column_index(prefixes, offsets, [0, 14, 40, 2], 64))
-    pool = _pool([p.spans[0][0] for p in pieces])
-    kernel, ops = _by_kernel(pool, index), _by_take(pool, index)
-    return bool(mx.array_equal(kernel, ops).item())
+    index = _Index(_column_index(prefixes, offsets, [0, 14, 40, 2, 60], 64), [p.width for p in pieces])
+    parts = [p.spans[0][0] for p in pieces]
+    kernel = _by_slots(parts, index) if slotted else _by_kernel(_pool(parts), index)
+    return bool(mx.array_equal(kernel, _by_take(_pool(parts), index)).item())

@@ -100,3 +100,44 @@ def test_rows_leasing_different_stored_chains_are_read_from_their_spans_and_matc
     expected = serial_with_cache(model, tokenizer, cold + cached)
     for r in cold + cached:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_the_slotted_index_names_each_columns_piece_and_its_column_within_it():
+    """The index the in-place kernel reads ((piece << bits) | column, -1 for zeros) points at the same
+    head vector as the pool's column index, for pieces of many widths (decoded here as the kernel does)."""
+    import numpy as np
+
+    from mlxq.engine import prefix_gather as g
+
+    own = [_piece(1 + r % 3, layers=1) for r in range(40)]
+    system = _piece(23, layers=1)
+    prefixes = [RowPrefix((system, o), 2 + r % 3, skip=22) for r, o in enumerate(own)] + [RowPrefix((system,), 23)]
+    padding = [r % 4 for r in range(len(prefixes))]
+    pieces, offsets = _distinct(prefixes)
+    index = g._Index(g._column_index(prefixes, offsets, padding, 32), [p.width for p in pieces])
+    coded, widths = (np.array(a) for a in index.slotted())
+    assert widths.shape == (g.SLOTS,) and list(widths[: len(pieces)]) == [p.width for p in pieces]
+    pool = np.array(mx.concatenate([p.spans[0][0] for p in pieces], axis=2))
+    for row, col in zip(*np.nonzero(index.columns >= 0), strict=True):
+        piece, column = coded[row, col] >> g._COLUMN_BITS, coded[row, col] & ((1 << g._COLUMN_BITS) - 1)
+        assert column < widths[piece]
+        assert np.array_equal(np.array(pieces[piece].spans[0][0])[0, :, column], pool[0, :, index.columns[row, col]])
+    assert ((coded < 0) == (index.columns < 0)).all()
+
+
+def test_on_cuda_the_in_place_kernel_equals_take_for_a_cached_bursts_pieces():
+    import pytest
+
+    from mlxq.engine import prefix_gather as g
+
+    if not mx.cuda.is_available():
+        pytest.skip("needs MLX's CUDA backend")
+    assert g.kernel_agrees(mx.bfloat16, 128, slotted=True)
+    system = Piece([tuple(mx.random.normal((1, 8, 300, 128)).astype(mx.bfloat16) for _ in range(2))])
+    own = [Piece([tuple(mx.random.normal((1, 8, 2, 128)).astype(mx.bfloat16) for _ in range(2))]) for _ in range(70)]
+    for prefixes in ([RowPrefix((system, o), 302) for o in own], [RowPrefix((system, o), 2, skip=300) for o in own]):
+        padding = [r % 5 for r in range(len(prefixes))]
+        got = gather_prefixes(prefixes, padding, 320)[0][0]
+        pieces, offsets = _distinct(prefixes)
+        index = g._Index(g._column_index(prefixes, offsets, padding, 320), [p.width for p in pieces])
+        assert mx.array_equal(got, g._by_take(g._pool([p.spans[0][0] for p in pieces]), index)).item()
