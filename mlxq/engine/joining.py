@@ -178,8 +178,10 @@ class Joining:
         policy = self.sharing
         if policy is None or policy.mode == "off" or not self.batch.batched:
             return
-        groups = choose_groups([self._leases.get(row.request.request_id) for row in self.batch.rows], policy)
+        leases = [self._leases.get(row.request.request_id) for row in self.batch.rows]
+        groups = choose_groups(leases, policy)
         if not groups:
+            self.sharing_stats.note_declined(policy.auto_declines(leases) if not self.batch.groups else None)
             return
         try:
             self.batch.share(groups, policy.plan)

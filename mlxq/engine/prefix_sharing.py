@@ -26,9 +26,9 @@ measured on a device), where
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from mlxq.kv.shared_prefix_decode import worth_sharing
+from mlxq.kv.shared_prefix_decode import not_worth_sharing, worth_sharing
 from mlxq.kv.sharing_plan import SharingPlan
 from mlxq.store.lease import Lease
 from mlxq.store.prefix_tree import Node
@@ -55,6 +55,14 @@ class SharingPolicy:
         if rows < 2 or prefix_length < self.min_prefix:
             return False
         return self.mode == "on" or worth_sharing(rows, prefix_length)
+
+    def auto_declines(self, leases: list[Lease | None]) -> str | None:
+        """Under ``auto``: why the rows of ``leases`` form no group although ``on`` would group some
+        of them (the gate: ``worth_sharing``); None when ``on`` would not group them either."""
+        if self.mode != "auto" or self.plan is None or not self.plan.can_share:
+            return None
+        candidate = choose_group(leases, replace(self, mode="on"))
+        return None if candidate is None else not_worth_sharing(candidate.rows, candidate.prefix_length)
 
     def declined(self) -> str | None:
         """Why this server never shares (None when it may)."""
@@ -182,6 +190,13 @@ class SharingStats:
     groups: int = 0  # times a group was built (each join that regrouped)
     rows_joined: int = 0  # joiners added to a running group by reference (no rebuild)
     multi_group_steps: int = 0  # decode steps run with two or more groups (two shared prefixes)
+    auto_declined: int = 0  # joins after which ``auto`` left rows ungrouped that ``on`` would group
+    auto_last_declined: str | None = None  # why, the last time (``SharingPolicy.auto_declines``)
+
+    def note_declined(self, why: str | None) -> None:
+        if why is not None:
+            self.auto_declined += 1
+            self.auto_last_declined = why
 
     def count_step(self, groups: tuple[Group, ...]) -> None:
         self.steps += bool(groups)
@@ -196,6 +211,8 @@ class SharingStats:
             "groups_built": self.groups,
             "rows_joined_in_place": self.rows_joined,
             "multi_group_steps": self.multi_group_steps,
+            "auto_declined_joins": self.auto_declined,
+            "auto_last_declined": self.auto_last_declined,
             "groups": len(groups),
             "group_rows": sum(group.rows for group in groups),
             "prefix_tokens": [group.prefix_length for group in groups],

@@ -180,7 +180,17 @@ class RouteMemo:
 def worth_sharing(rows: int, prefix_length: int) -> bool:
     """Whether a decode step of ``rows`` rows on a ``prefix_length``-token prefix is faster shared
     than over per-row copies (measured on the H200; the CPU measured no gain)."""
-    return is_enabled() and rows * prefix_length >= AUTO_MIN_GROUP_TOKENS
+    return not_worth_sharing(rows, prefix_length) is None
+
+
+def not_worth_sharing(rows: int, prefix_length: int) -> str | None:
+    """Why ``worth_sharing`` says no for this group (None: it says yes), for /stats."""
+    if not is_enabled():
+        return "the shared-prefix kernels are off (CUDA only, once their start-up self-check passed)"
+    if rows * prefix_length < AUTO_MIN_GROUP_TOKENS:
+        return (f"{rows} rows x {prefix_length} prefix tokens: below the {AUTO_MIN_GROUP_TOKENS} group tokens "
+                f"from which shared decode steps measured faster")
+    return None
 
 
 def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,
