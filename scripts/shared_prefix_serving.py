@@ -147,7 +147,15 @@ def line(result: dict) -> str:
     ratio = f" (x{tok['on'] / tok['off']:.2f})" if "off" in tok else ""
     return (f"{result['part']}: tok/s {each(lambda s: f'{tok[s]:.0f}')}{ratio}; "
             f"TTFT p95 {each(lambda s: f'{p95[s]:.0f} ms')}; per round tok/s:TTFT p95 ms {each(rounds.get)}; "
-            f"shared steps {steps}; failed {failed}; preemptions so far {each(shed.get)}; {result['wall_s']}s")
+            f"shared steps {steps}; failed {failed}; preemptions so far {each(shed.get)}; {result['wall_s']}s"
+            + _declined(result))
+
+
+def _declined(result: dict) -> str:
+    """The `on` (or `auto`) server's joins left ungrouped by auto's gate in this part, and the last reason."""
+    after, before = result["sharing_after"], result["sharing_before"]
+    joins = after.get("auto_declined_joins", 0) - before.get("auto_declined_joins", 0)
+    return f"; auto declined {joins} join(s): {after.get('auto_last_declined')}" if joins else ""
 
 
 def main() -> None:
