@@ -324,6 +324,7 @@ def _kernel_checked(dtype: mx.Dtype, dim: int) -> bool:
             _checked[key] = False
         if _checked[key]:
             log.info("prefix gather kernel checked for %s x %d: in use", dtype, dim)
+            _slotted_checked(dtype, dim)  # compiled now too (the warm-up's placed tails come here first)
         else:
             log.error("the prefix gather kernel disagrees with MLX's take; using take")
     return _checked[key]
