@@ -15,6 +15,8 @@ vLLM exports ``vllm:<name>``; mlxq exports ``mlxq:<name>`` with the same
   decode_steps_total and decode_step_seconds_total{part} (build, submit,
   device_wait, output: where the batch's decode steps spend their time),
   shared_prefix_decode_steps_total (those run with a shared-prefix group),
+  shared_prefix_auto_declined_joins_total (joins ``auto`` left ungrouped
+  where ``on`` would have grouped rows),
   scheduler_phase_seconds_total{phase} (prefill, join, decode);
   under --tensor-parallel, distributed_world_size and
   distributed_rank_active_bytes / _peak_bytes{rank} (MLX memory per rank);
@@ -88,6 +90,10 @@ class _EngineGauges:
             yield CounterMetricFamily(PREFIX + "shared_prefix_decode_steps",
                                       "batch decode steps run with a shared-prefix group",
                                       value=scheduler.sharing_stats.steps)
+            yield CounterMetricFamily(PREFIX + "shared_prefix_auto_declined_joins",
+                                      "joins after which --shared-prefix-attention auto formed no group where on "
+                                      "would have (the reason: /stats.batch.shared_prefix.auto_last_declined)",
+                                      value=scheduler.sharing_stats.auto_declined)
             phases = CounterMetricFamily(PREFIX + "scheduler_phase_seconds",
                                          "batch scheduler wall time by phase", labels=["phase"])
             for phase, value in (("prefill", scheduler.phases.prefill_s), ("join", scheduler.phases.join_s),

@@ -136,7 +136,10 @@ def test_auto_on_the_cpu_never_shares_and_a_bad_mode_is_refused(tiny_model_dirs,
         wave(server.url, system, range(4), 8)
         assert shared_steps(server.url) == 0
         stats = httpx.get(server.url + "/stats").json()["batch"]["shared_prefix"]
+        metrics = httpx.get(server.url + "/metrics").text
+    assert re.search(r"^mlxq:shared_prefix_auto_declined_joins_total 0\.0$", metrics, re.M)
     assert stats["mode"] == "auto" and stats["declined"].startswith("auto: sharing measured no gain")
+    assert stats["auto_declined_joins"] == 0 and stats["auto_last_declined"] is None  # never probed: nothing to gate
     bad = subprocess.run([sys.executable, "-m", "mlxq.cli.main", "serve", "--model", str(tiny_model_dirs["llama"]),
                           "--shared-prefix-attention", "always"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--shared-prefix-attention must be auto, on or off" in bad.stderr
