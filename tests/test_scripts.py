@@ -257,9 +257,10 @@ def test_burst_tail_prefill_times_each_stage(small_model, tmp_path):
 def test_prefix_gather_bench(tmp_path):
     out = tmp_path / "gather.json"
     run("prefix_gather_bench.py", "--rows", "3", "--prefix", "40", "--layers", "2", "--heads", "2", "--dim", "16",
-        "--repeats", "2", "--take", "--out", str(out))
+        "--repeats", "2", "--take", "--pool", "--out", str(out))
     doc = json.loads(out.read_text())
-    assert set(doc["cases"]) == {"off/kernel", "off/take", "auto/kernel", "auto/take"}
+    paths = ("kernel", "kernel_pool", "take")
+    assert set(doc["cases"]) == {f"{case}/{path}" for case in ("off", "auto") for path in paths}
     assert all(case["best_ms"] > 0 for case in doc["cases"].values())
 
 
