@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from mlxq.engine.admission import AdmissionError, check_fits_alone
+from mlxq.engine.burst_hold import HeldUntil, OnTheWay, burst_quiet_at
 from mlxq.engine.engine_calls import EngineCall
 from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
@@ -40,6 +41,7 @@ from mlxq.store.ssd_config import SsdConfig
 
 log = logging.getLogger("mlxq.engine")
 INBOX_POLL_S = 0.25  # an idle engine waits this long for work before another loop iteration
+ON_THE_WAY_POLL_S = 0.002  # a held burst's engine thread looks this often whether the server submitted the rest
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class _Work:
     emit: EmitFn
     placement: Placement
     resume: SerialRun | None = None  # a serial request requeued after a memory fault: where it stopped
+    arrived: float = field(default_factory=time.monotonic)  # submitted (time.monotonic): a burst's spacing
 
 
 @dataclass
@@ -155,6 +158,8 @@ class Engine:
         self.checkpoints = None  # engine.checkpointing.Checkpointing, with --ssd-cache and --checkpoint-interval > 0
         self._flushes: list[_Flush] = []
         self._inbox: queue.Queue[_Work | _Flush | EngineCall | None] = queue.Queue()
+        self._newest_arrival = 0.0  # the newest submission's time.monotonic (see _await_burst)
+        self.on_the_way = OnTheWay()  # the server counts requests read and not yet submitted here
         self._calls: list[EngineCall] = []  # taken in, run when the loop stands between iterations
         self._waiting: collections.deque[_Work] = collections.deque()
         self._held: list[tuple[int, _Work | _Flush]] = []  # several ranks, rank 0: (iteration taken, work)
@@ -190,7 +195,9 @@ class Engine:
         placement = self.gateway.place(RequestShape.of(request))
         if self.lockstep is not None:
             request, emit = self.lockstep.track(request, emit)
-        self._inbox.put(_Work(request, self._counting(emit), placement))
+        work = _Work(request, self._counting(emit), placement)
+        self._newest_arrival = work.arrived  # a held burst's engine thread reads it when it wakes
+        self._inbox.put(work)
         return placement
 
     def _counting(self, emit: EmitFn) -> EmitFn:
@@ -366,7 +373,8 @@ class Engine:
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
                 grammar_timing=self.grammar_timing, sharing=self._sharing_policy(), checkpoints=self.checkpoints,
             )
-            self.scheduler.await_arrival = self._await_arrival
+            self.scheduler.await_arrival = self._await_burst
+            self.scheduler.on_the_way = self.on_the_way.pending
 
     def _burst_hold(self):
         """A burst of agents' tails waits for the rest of it on a GPU (one forward for the wave);
@@ -568,13 +576,22 @@ class Engine:
                 self._admit_to_fifo(work)
         return True
 
-    def _await_arrival(self, timeout: float) -> None:
-        """Until something is submitted or ``timeout`` seconds pass (a held burst's end): the engine
-        thread sleeps on its inbox instead of planning the held step again every millisecond, so the
-        server threads parsing the rest of the burst have the GIL, and an arrival is admitted at once."""
-        with self._inbox.not_empty:
-            if not self._inbox.queue:
-                self._inbox.not_empty.wait(timeout)
+    def _await_burst(self, held: HeldUntil) -> None:
+        """While a held burst is still arriving (nothing decodes): sleep until no request has been
+        submitted for the hold's gap, or its window ends (burst_hold.burst_quiet_at), then take every
+        arrival in one pass. The thread does not wake per arrival: each wake-up took the GIL from the
+        event loop reading the rest of the burst, and each admission planned the held step again over
+        every joiner (on the H200 the loop read the last of 64 simultaneous requests ~240 ms late)."""
+        gap = self.scheduler.config.burst.gap_s
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            on_the_way = self.on_the_way.pending(now)
+            # A request settles just before its submission: either time is its arrival.
+            newest = max(self._newest_arrival, self.on_the_way.settled_at)
+            left = burst_quiet_at(held, newest, gap, on_the_way) - now
+            if left <= 0:
+                return
+            time.sleep(min(left, ON_THE_WAY_POLL_S) if on_the_way else left)
 
     def _take_flush(self, flush: _Flush) -> None:
         if self.scheduler is not None:
@@ -655,7 +672,7 @@ class Engine:
                     continue
                 break
             self._waiting.popleft()
-            self.scheduler.add(head.request, head.emit)
+            self.scheduler.add(head.request, head.emit, arrived=head.arrived)
         if self._waiting and self._waiting[0].placement.lane is Lane.SERIAL:
             if self.scheduler is None or self.scheduler.is_idle:
                 if not backing_off(self._waiting[0].resume):  # a requeued request waits a moment first

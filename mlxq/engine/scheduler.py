@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from mlxq.engine.burst_hold import BurstHold, hold_for_burst, hold_left
+from mlxq.engine.burst_hold import BurstHold, HeldUntil, held_until, hold_for_burst
 from mlxq.engine.checkpoint_rows import RowCheckpoints
 from mlxq.engine.checkpointing import Checkpointing
 from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
@@ -132,10 +132,14 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         self._preempted: list[Row] = []  # rows whose KV was dropped, oldest first: readmitted before new work
         self._times_preempted: dict[str, int] = {}  # request id -> requeues so far
         self.clock = time.monotonic  # what joiners' admission times are compared with (burst holds)
-        # While a burst is held and nothing decodes: wait up to the given seconds for an arrival (the
-        # engine waits on its inbox; alone, a short sleep and the caller steps again).
-        self.await_arrival: Callable[[float], None] = lambda left: time.sleep(min(left, BURST_POLL_S))
-        self._admissions: tuple[float, ...] = ()  # the last two admission times (engine/intake.py)
+        # While a burst is held and nothing decodes: wait for the rest of it, at most until the hold ends
+        # (the engine sleeps through the burst's arrivals; alone, a short sleep and the caller steps again).
+        self.await_arrival: Callable[[HeldUntil], None] = self._sleep_briefly
+        self.on_the_way: Callable[[float], int] = lambda now: 0  # requests the server read, not yet submitted
+        self._admissions: tuple[float, ...] = ()  # the last two arrival times (engine/intake.py)
+
+    def _sleep_briefly(self, held: HeldUntil) -> None:
+        time.sleep(min(max(0.0, min(held.gap_ends, held.window_ends) - self.clock()), BURST_POLL_S))
 
     # --- state the engine reads -------------------------------------------------
     @property
@@ -243,9 +247,9 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         if intake.changes_joiners:  # it dropped, released or readmitted joiners: a held burst's steps do not
             views = self.joiners.views(self._chunk_len)
         now = self.clock()
-        if hold_for_burst(views, self._admissions, now, self.config.burst):
+        if hold_for_burst(views, self._admissions, now, self.config.burst, self.on_the_way(now)):
             if not self.batch:  # nothing decodes meanwhile: leave the GIL to the server threads parsing the rest
-                self.await_arrival(hold_left(views, self._admissions, now, self.config.burst))
+                self.await_arrival(held_until(views, self._admissions, self.config.burst))
             return
         self.timing.interrupt()  # prefill work sits between these decode steps
         self._prefilled_together = None  # set by this step's forward when it ends its joiners' prompts
