@@ -61,6 +61,7 @@ class Intake:
             leader = self.joiners[choice.leader]
             joiner.leader, joiner.wait_until, joiner.shared = leader, choice.wait_until, choice.shared
             leader.followers += 1
+            self.joiners.touch()  # the leader now stores its prefix: admission's view of it changed
             self.shared_prefills += 1
 
     def _own_prefill(self, request: Request, held: tuple | None) -> int:
