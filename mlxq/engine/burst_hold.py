@@ -7,6 +7,7 @@ sees of its joiners (``JoinerView``) and its last two admission times.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from mlxq.engine.step_plan import JoinerView
 # On a GPU a burst's tails wait at most this long for the rest of the burst (hold_for_burst): on the
 # H200 64 agents' requests reached the engine over ~0.1 s.
 BURST_WINDOW_S = 0.15
+# Arrivals this close together are one burst still arriving; a held burst is taken in this long after its
+# newest submission. MLXQ_BURST_GAP_MS sets it (an A/B lever).
+BURST_GAP_S = float(os.environ.get("MLXQ_BURST_GAP_MS", "20")) / 1000
 
 
 @dataclass(frozen=True)

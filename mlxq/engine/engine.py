@@ -380,12 +380,12 @@ class Engine:
         """A burst of agents' tails waits for the rest of it on a GPU (one forward for the wave);
         not on the compute-bound CPU (no forward to share), nor across ranks (a wall-clock decision
         each rank would make apart); ``burst_window_s`` (--burst-window-ms) overrides the window."""
-        from mlxq.engine.burst_hold import BURST_WINDOW_S, BurstHold
+        from mlxq.engine.burst_hold import BURST_GAP_S, BURST_WINDOW_S, BurstHold
 
         if self.lockstep is not None:
             return BurstHold(0.0)
         window = self.config.burst_window_s
-        return BurstHold((BURST_WINDOW_S if _on_gpu() else 0.0) if window is None else window)
+        return BurstHold((BURST_WINDOW_S if _on_gpu() else 0.0) if window is None else window, BURST_GAP_S)
 
     def _shedding_limit(self) -> int | None:
         """The memory limit rows are shed against. Not with several ranks: shedding reads this rank's
