@@ -48,7 +48,7 @@ def deadline_protocol(read_timeout_s: float, on_the_way: OnTheWay | None = None)
                 self.scope.setdefault(READ_AT, read_at)
             if self.conn.their_state is not h11.SEND_BODY and self.conn.their_state is not h11.IDLE:
                 self._disarm_read_deadline()  # the whole request is in (or the connection is ending)
-                if on_the_way is not None and self.scope is not None and self.scope["method"] == "POST":
+                if on_the_way is not None and self.scope is not None and _generates(self.scope):
                     on_the_way.read(self.scope, read_at)  # on its way to the engine until its route settles it
 
         def on_response_complete(self) -> None:
@@ -81,6 +81,12 @@ def deadline_protocol(read_timeout_s: float, on_the_way: OnTheWay | None = None)
                 self.transport.close()  # connection_lost tells a handler still reading the body
 
     return DeadlineH11Protocol
+
+
+def _generates(scope: dict) -> bool:
+    """A request that may become an engine request (not an admin call, nor counting tokens)."""
+    path = scope["path"]
+    return scope["method"] == "POST" and not path.startswith("/admin/") and not path.endswith("/count_tokens")
 
 
 def connection_cap(requested: int, fd_soft_limit: int) -> int:
