@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,6 +43,9 @@ from mlxq.store.ssd_config import SsdConfig
 log = logging.getLogger("mlxq.engine")
 INBOX_POLL_S = 0.25  # an idle engine waits this long for work before another loop iteration
 ON_THE_WAY_POLL_S = 0.002  # a held burst's engine thread looks this often whether the server submitted the rest
+# A held burst's engine thread takes in what arrived at most this often while the rest still arrives (0: only once
+# it stopped arriving), so its admission overlaps the arrivals. MLXQ_BURST_TAKE_IN_MS sets it (an A/B lever).
+TAKE_IN_EVERY_S = float(os.environ.get("MLXQ_BURST_TAKE_IN_MS", "0")) / 1000
 
 
 @dataclass(frozen=True)
@@ -582,16 +586,19 @@ class Engine:
         arrival in one pass. The thread does not wake per arrival: each wake-up took the GIL from the
         event loop reading the rest of the burst, and each admission planned the held step again over
         every joiner (on the H200 the loop read the last of 64 simultaneous requests ~240 ms late)."""
-        gap = self.scheduler.config.burst.gap_s
+        gap, started = self.scheduler.config.burst.gap_s, time.monotonic()
         while not self._stopping.is_set():
             now = time.monotonic()
+            if TAKE_IN_EVERY_S and now - started >= TAKE_IN_EVERY_S and self._inbox.qsize():
+                return  # take in what arrived so far, then sleep on (see TAKE_IN_EVERY_S)
             on_the_way = self.on_the_way.pending(now)
             # A request settles just before its submission: either time is its arrival.
             newest = max(self._newest_arrival, self.on_the_way.settled_at)
             left = burst_quiet_at(held, newest, gap, on_the_way) - now
             if left <= 0:
                 return
-            time.sleep(min(left, ON_THE_WAY_POLL_S) if on_the_way else left)
+            nap = ON_THE_WAY_POLL_S if on_the_way else (TAKE_IN_EVERY_S or left)
+            time.sleep(min(left, nap))
 
     def _take_flush(self, flush: _Flush) -> None:
         if self.scheduler is not None:
