@@ -44,8 +44,9 @@ log = logging.getLogger("mlxq.engine")
 INBOX_POLL_S = 0.25  # an idle engine waits this long for work before another loop iteration
 ON_THE_WAY_POLL_S = 0.002  # a held burst's engine thread looks this often whether the server submitted the rest
 # A held burst's engine thread takes in what arrived at most this often while the rest still arrives (0: only once
-# it stopped arriving), so its admission overlaps the arrivals. MLXQ_BURST_TAKE_IN_MS sets it (an A/B lever).
-TAKE_IN_EVERY_S = float(os.environ.get("MLXQ_BURST_TAKE_IN_MS", "0")) / 1000
+# it stopped arriving), so its admission overlaps the arrivals instead of following the burst's end (on the H200
+# 64 requests took 15-35 ms to admit after it). MLXQ_BURST_TAKE_IN_MS sets it (an A/B lever).
+TAKE_IN_EVERY_S = float(os.environ.get("MLXQ_BURST_TAKE_IN_MS", "5")) / 1000
 
 
 @dataclass(frozen=True)
@@ -582,10 +583,11 @@ class Engine:
 
     def _await_burst(self, held: HeldUntil) -> None:
         """While a held burst is still arriving (nothing decodes): sleep until no request has been
-        submitted for the hold's gap, or its window ends (burst_hold.burst_quiet_at), then take every
-        arrival in one pass. The thread does not wake per arrival: each wake-up took the GIL from the
-        event loop reading the rest of the burst, and each admission planned the held step again over
-        every joiner (on the H200 the loop read the last of 64 simultaneous requests ~240 ms late)."""
+        submitted for the hold's gap, or its window ends (burst_hold.burst_quiet_at), taking in what
+        was submitted meanwhile at most every ``TAKE_IN_EVERY_S`` (one pass and one held step for
+        all of it). The thread does not wake per arrival: each wake-up took the GIL from the event
+        loop reading the rest of the burst, and each admission planned the held step again over
+        every joiner."""
         gap, started = self.scheduler.config.burst.gap_s, time.monotonic()
         while not self._stopping.is_set():
             now = time.monotonic()
