@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from mlxq.engine.admission import AdmissionError, check_fits_alone
+from mlxq.engine.burst_hold import HeldUntil, OnTheWay, burst_quiet_at
 from mlxq.engine.engine_calls import EngineCall
 from mlxq.engine.faults import Evaluator, FaultInjector
 from mlxq.engine.gateway import GenerationGateway, Lane, Placement, RequestShape
@@ -40,6 +42,11 @@ from mlxq.store.ssd_config import SsdConfig
 
 log = logging.getLogger("mlxq.engine")
 INBOX_POLL_S = 0.25  # an idle engine waits this long for work before another loop iteration
+ON_THE_WAY_POLL_S = 0.002  # a held burst's engine thread looks this often whether the server submitted the rest
+# A held burst's engine thread takes in what arrived at most this often while the rest still arrives (0: only once
+# it stopped arriving), so its admission overlaps the arrivals instead of following the burst's end (on the H200
+# 64 requests took 15-35 ms to admit after it). MLXQ_BURST_TAKE_IN_MS sets it (an A/B lever).
+TAKE_IN_EVERY_S = float(os.environ.get("MLXQ_BURST_TAKE_IN_MS", "5")) / 1000
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,7 @@ class _Work:
     emit: EmitFn
     placement: Placement
     resume: SerialRun | None = None  # a serial request requeued after a memory fault: where it stopped
+    arrived: float = field(default_factory=time.monotonic)  # submitted (time.monotonic): a burst's spacing
 
 
 @dataclass
@@ -155,6 +163,8 @@ class Engine:
         self.checkpoints = None  # engine.checkpointing.Checkpointing, with --ssd-cache and --checkpoint-interval > 0
         self._flushes: list[_Flush] = []
         self._inbox: queue.Queue[_Work | _Flush | EngineCall | None] = queue.Queue()
+        self._newest_arrival = 0.0  # the newest submission's time.monotonic (see _await_burst)
+        self.on_the_way = OnTheWay()  # the server counts requests read and not yet submitted here
         self._calls: list[EngineCall] = []  # taken in, run when the loop stands between iterations
         self._waiting: collections.deque[_Work] = collections.deque()
         self._held: list[tuple[int, _Work | _Flush]] = []  # several ranks, rank 0: (iteration taken, work)
@@ -190,7 +200,9 @@ class Engine:
         placement = self.gateway.place(RequestShape.of(request))
         if self.lockstep is not None:
             request, emit = self.lockstep.track(request, emit)
-        self._inbox.put(_Work(request, self._counting(emit), placement))
+        work = _Work(request, self._counting(emit), placement)
+        self._newest_arrival = work.arrived  # a held burst's engine thread reads it when it wakes
+        self._inbox.put(work)
         return placement
 
     def _counting(self, emit: EmitFn) -> EmitFn:
@@ -366,18 +378,19 @@ class Engine:
                 prompt_cache=self.prompt_cache, scheme=self.scheme, evaluator=self.evaluator,
                 grammar_timing=self.grammar_timing, sharing=self._sharing_policy(), checkpoints=self.checkpoints,
             )
-            self.scheduler.await_arrival = self._await_arrival
+            self.scheduler.await_arrival = self._await_burst
+            self.scheduler.on_the_way = self.on_the_way.pending
 
     def _burst_hold(self):
         """A burst of agents' tails waits for the rest of it on a GPU (one forward for the wave);
         not on the compute-bound CPU (no forward to share), nor across ranks (a wall-clock decision
         each rank would make apart); ``burst_window_s`` (--burst-window-ms) overrides the window."""
-        from mlxq.engine.burst_hold import BURST_WINDOW_S, BurstHold
+        from mlxq.engine.burst_hold import BURST_GAP_S, BURST_WINDOW_S, BurstHold
 
         if self.lockstep is not None:
             return BurstHold(0.0)
         window = self.config.burst_window_s
-        return BurstHold((BURST_WINDOW_S if _on_gpu() else 0.0) if window is None else window)
+        return BurstHold((BURST_WINDOW_S if _on_gpu() else 0.0) if window is None else window, BURST_GAP_S)
 
     def _shedding_limit(self) -> int | None:
         """The memory limit rows are shed against. Not with several ranks: shedding reads this rank's
@@ -568,13 +581,26 @@ class Engine:
                 self._admit_to_fifo(work)
         return True
 
-    def _await_arrival(self, timeout: float) -> None:
-        """Until something is submitted or ``timeout`` seconds pass (a held burst's end): the engine
-        thread sleeps on its inbox instead of planning the held step again every millisecond, so the
-        server threads parsing the rest of the burst have the GIL, and an arrival is admitted at once."""
-        with self._inbox.not_empty:
-            if not self._inbox.queue:
-                self._inbox.not_empty.wait(timeout)
+    def _await_burst(self, held: HeldUntil) -> None:
+        """While a held burst is still arriving (nothing decodes): sleep until no request has been
+        submitted for the hold's gap, or its window ends (burst_hold.burst_quiet_at), taking in what
+        was submitted meanwhile at most every ``TAKE_IN_EVERY_S`` (one pass and one held step for
+        all of it). The thread does not wake per arrival: each wake-up took the GIL from the event
+        loop reading the rest of the burst, and each admission planned the held step again over
+        every joiner."""
+        gap, started = self.scheduler.config.burst.gap_s, time.monotonic()
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if TAKE_IN_EVERY_S and now - started >= TAKE_IN_EVERY_S and self._inbox.qsize():
+                return  # take in what arrived so far, then sleep on (see TAKE_IN_EVERY_S)
+            on_the_way = self.on_the_way.pending(now)
+            # A request settles just before its submission: either time is its arrival.
+            newest = max(self._newest_arrival, self.on_the_way.settled_at)
+            left = burst_quiet_at(held, newest, gap, on_the_way) - now
+            if left <= 0:
+                return
+            nap = ON_THE_WAY_POLL_S if on_the_way else (TAKE_IN_EVERY_S or left)
+            time.sleep(min(left, nap))
 
     def _take_flush(self, flush: _Flush) -> None:
         if self.scheduler is not None:
@@ -655,7 +681,7 @@ class Engine:
                     continue
                 break
             self._waiting.popleft()
-            self.scheduler.add(head.request, head.emit)
+            self.scheduler.add(head.request, head.emit, arrived=head.arrived)
         if self._waiting and self._waiting[0].placement.lane is Lane.SERIAL:
             if self.scheduler is None or self.scheduler.is_idle:
                 if not backing_off(self._waiting[0].resume):  # a requeued request waits a moment first

@@ -22,14 +22,16 @@ from mlxq.store.lease import Lease
 class Intake:
     """Joiners in, leases held (mixed into BatchScheduler)."""
 
-    def add(self, request: Request, emit) -> None:
+    def add(self, request: Request, emit, arrived: float | None = None) -> None:
+        """``arrived``: when the request reached the engine (its submission, on the scheduler's clock);
+        None: now. A burst taken in one pass after it arrived keeps its arrivals' spacing (burst_hold.py)."""
         row = make_row(request, self.tokenizer, emit, self.grammar_timing)
         restored = self._restored_joiner(row)  # a generation checkpoint of this request (engine/checkpoint_rows.py)
         if restored is not None:
             self.joiners.add(restored)
         elif row.output.finished is None:
-            now = self.clock()
-            self._admissions = (*self._admissions[-1:], now)  # a burst's signal: two admissions close together
+            now = self.clock() if arrived is None else arrived
+            self._admissions = (*self._admissions[-1:], now)  # a burst's signal: two arrivals close together
             self._enter(Joiner(row, [], admitted_at=now))
         self.submitted_rows += 1
 
@@ -59,6 +61,7 @@ class Intake:
             leader = self.joiners[choice.leader]
             joiner.leader, joiner.wait_until, joiner.shared = leader, choice.wait_until, choice.shared
             leader.followers += 1
+            self.joiners.touch()  # the leader now stores its prefix: admission's view of it changed
             self.shared_prefills += 1
 
     def _own_prefill(self, request: Request, held: tuple | None) -> int:

@@ -134,6 +134,9 @@ class Joiners:
 
     def __init__(self):
         self._items: list[Joiner] = []
+        # Bumped by every change but an append (and by ``touch``): admission's terms of the joiners so far
+        # stay valid while it holds (BatchScheduler._between_steps).
+        self.version = 0
 
     def __iter__(self) -> Iterator[Joiner]:
         return iter(list(self._items))
@@ -150,18 +153,29 @@ class Joiners:
     def add(self, joiner: Joiner) -> None:
         self._items.append(joiner)
 
+    def since(self, index: int) -> list[Joiner]:
+        """The joiners from ``index`` on (those added after the first ``index``)."""
+        return self._items[index:]
+
+    def touch(self) -> None:
+        """A joiner changed in a way admission reads (a follower now waits on it)."""
+        self.version += 1
+
     def remove(self, joiner: Joiner) -> None:
         if joiner in self._items:
             self._items.remove(joiner)
+            self.version += 1
 
     def clear(self) -> list[Joiner]:
         items, self._items = self._items, []
+        self.version += 1
         return items
 
     def take_ready(self) -> list[Joiner]:
         """Remove and return the joiners that join this step, in order."""
         ready = [j for j in self._items if j.is_ready]
         self._items = [j for j in self._items if not j.is_ready]
+        self.version += 1
         return ready
 
     def views(self, chunk_len) -> list[JoinerView]:

@@ -28,12 +28,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from mlxq.engine.burst_hold import BurstHold, hold_for_burst, hold_left
+from mlxq.engine.burst_hold import BurstHold, HeldUntil, held_until, hold_for_burst
 from mlxq.engine.checkpoint_rows import RowCheckpoints
 from mlxq.engine.checkpointing import Checkpointing
 from mlxq.engine.faults import Evaluator, MemoryFault, release_cached_memory
@@ -56,6 +56,7 @@ from mlxq.engine.step_plan import (
     Load,
     Sizing,
     can_admit,
+    is_short,
     load_of,
     plan_intake,
     plan_prefill,
@@ -74,6 +75,26 @@ log = logging.getLogger("mlxq.scheduler")
 
 CLEAR_CACHE_EVERY = 256  # decode steps between mx.clear_cache() calls (mlx-lm's serial cadence)
 BURST_POLL_S = 0.001  # while a burst is held and nothing decodes: the engine thread lets the server run
+
+
+@dataclass
+class _Between:
+    """What admission reads of the running rows and the joiners, kept between two steps (engine thread):
+    a burst taken in one pass asks ``can_admit`` once per request, and each asked over every row and
+    joiner before it (quadratic in the burst). Joiners added since are appended; any other change to the
+    joiners (``Joiners.version``) or a step starting or ending builds it anew."""
+
+    key: tuple[int, int]  # (Joiners.version, BatchScheduler._steps)
+    running: tuple[Extent, ...]
+    running_ids: list[str]
+    extents: list[Extent] = field(default_factory=list)  # the joiners', in order
+    short: int = 0  # joiners with a short prefill of their own
+    joiner_ids: list[str] = field(default_factory=list)
+    on_copy: list[bool] = field(default_factory=list)  # shared accounting only: the tail runs on a copy
+
+    @property
+    def count(self) -> int:
+        return len(self.extents)
 
 
 @dataclass(frozen=True)
@@ -132,10 +153,16 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         self._preempted: list[Row] = []  # rows whose KV was dropped, oldest first: readmitted before new work
         self._times_preempted: dict[str, int] = {}  # request id -> requeues so far
         self.clock = time.monotonic  # what joiners' admission times are compared with (burst holds)
-        # While a burst is held and nothing decodes: wait up to the given seconds for an arrival (the
-        # engine waits on its inbox; alone, a short sleep and the caller steps again).
-        self.await_arrival: Callable[[float], None] = lambda left: time.sleep(min(left, BURST_POLL_S))
-        self._admissions: tuple[float, ...] = ()  # the last two admission times (engine/intake.py)
+        # While a burst is held and nothing decodes: wait for the rest of it, at most until the hold ends
+        # (the engine sleeps through the burst's arrivals; alone, a short sleep and the caller steps again).
+        self.await_arrival: Callable[[HeldUntil], None] = self._sleep_briefly
+        self.on_the_way: Callable[[float], int] = lambda now: 0  # requests the server read, not yet submitted
+        self._admissions: tuple[float, ...] = ()  # the last two arrival times (engine/intake.py)
+        self._steps = 0  # bumped as each step starts and ends (what ``_between`` is valid between)
+        self._between: _Between | None = None
+
+    def _sleep_briefly(self, held: HeldUntil) -> None:
+        time.sleep(min(max(0.0, min(held.gap_ends, held.window_ends) - self.clock()), BURST_POLL_S))
 
     # --- state the engine reads -------------------------------------------------
     @property
@@ -158,7 +185,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         # One walk of the RAM tree serves both questions: the KV it would credit and what it would prefill.
         held = None if self.prompt_cache is None else self.prompt_cache.held_path(request.namespace,
                                                                                     request.prompt_ids)
-        load, extent = self._kv_load(Extent(len(request.prompt_ids), request.max_tokens), held)
+        load, extent = self._kv_load(Extent(len(request.prompt_ids), request.max_tokens), held, between=True)
         return can_admit(load, extent, self._limits(), self.sizing, self._own_prefill(request, held))
 
     def projected_bytes(self) -> int:
@@ -179,19 +206,50 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         views = self.joiners.views(lambda joiner: 0) if views is None else views
         return load_of(running, views, len(self._preempted))
 
-    def _kv_load(self, extent: Extent | None = None, held: tuple | None = None) -> tuple[Load, Extent | None]:
+    def _between_steps(self, shared: bool) -> _Between:
+        """Admission's terms of the rows and joiners now (engine thread, between steps; ``shared``: with
+        the shared accounting's)."""
+        key = (self.joiners.version, self._steps)
+        kept = self._between
+        if kept is None or kept.key != key or (shared and len(kept.on_copy) < kept.count):
+            rows = self.batch.rows
+            kept = _Between(key, tuple(Extent(len(r.request.prompt_ids), r.request.max_tokens) for r in rows),
+                            [r.request.request_id for r in rows])
+            self._between = kept
+        for joiner in self.joiners.since(kept.count):
+            view = JoinerView(joiner.extent(), joiner.done, 0, following=joiner.leader is not None,
+                              shared=joiner.shared)
+            kept.extents.append(view.extent)
+            kept.short += is_short(view.own_tokens)
+            kept.joiner_ids.append(joiner.row.request.request_id)
+            if shared:
+                kept.on_copy.append(not self._tail_terms(joiner).by_reference)
+        return kept
+
+    def _kv_load(self, extent: Extent | None = None, held: tuple | None = None,
+                 between: bool = False) -> tuple[Load, Extent | None]:
         """The load (and a request asking in: its ``extent`` and its ``held`` path in the RAM tree) with
         the rows that read a shared prefix by reference marked: the KV budget counts that prefix once
-        (engine/shared_accounting.py)."""
-        load = self._load()
-        if not shares_layers(self.sharing) or self.prompt_cache is None:
-            return load, extent
-        rows = [r.request for r in self.batch.rows] + [j.row.request for j in self.joiners]
-        leases = [self._leases.get(r.request_id) for r in rows]
+        (engine/shared_accounting.py). ``between``: the engine thread between steps (admission), where
+        what the rows and joiners give is kept from one request to the next (``_between_steps``)."""
+        shared = shares_layers(self.sharing) and self.prompt_cache is not None
+        if not between:
+            load = self._load()
+            if not shared:
+                return load, extent
+            rows = [r.request.request_id for r in self.batch.rows] + [j.row.request.request_id for j in self.joiners]
+            on_copy = [False] * len(self.batch.rows) + [not self._tail_terms(j).by_reference for j in self.joiners]
+        else:
+            kept = self._between_steps(shared)
+            load = Load(kept.running, tuple(kept.extents), len(self._preempted), kept.short)
+            if not shared:
+                return load, extent
+            rows = kept.running_ids + kept.joiner_ids
+            on_copy = [False] * len(kept.running) + kept.on_copy
+        leases = [self._leases.get(r) for r in rows]
         if held is not None:
             nodes, cached = held
             leases.append(Lease(cached, None, nodes[-1]) if nodes else None)  # unpinned: a view to compare
-        on_copy = [False] * len(self.batch.rows) + [not self._tail_terms(j).by_reference for j in self.joiners]
         if held is not None:  # a request asking in: a fresh lease, nothing of its own computed yet
             on_copy.append(not TailTerms(self.config.token0_in_decode, all(self.sharing.plan.shared), True,
                                          False).by_reference)
@@ -224,14 +282,18 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
 
     # --- one iteration ------------------------------------------------------------
     def step(self) -> None:
-        if self.joiners or self._preempted:  # else nothing to plan: a steady decode step costs no planning
-            self._plan_and_prefill()
-        if len(self.batch.rows) > 1:
-            self._shed_before_decode()
-        if self.batch.rows:
-            self._decode_or_shed()
-        if self.is_idle and self.caps.lowered:
-            self.caps.reset()
+        self._steps += 1
+        try:
+            if self.joiners or self._preempted:  # else nothing to plan: a steady decode step costs no planning
+                self._plan_and_prefill()
+            if len(self.batch.rows) > 1:
+                self._shed_before_decode()
+            if self.batch.rows:
+                self._decode_or_shed()
+            if self.is_idle and self.caps.lowered:
+                self.caps.reset()
+        finally:
+            self._steps += 1
 
     def _plan_and_prefill(self) -> None:
         preempted = [(Extent(*resumed_size(r)), r.request.cancelled.is_set()) for r in self._preempted]
@@ -243,9 +305,9 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         if intake.changes_joiners:  # it dropped, released or readmitted joiners: a held burst's steps do not
             views = self.joiners.views(self._chunk_len)
         now = self.clock()
-        if hold_for_burst(views, self._admissions, now, self.config.burst):
+        if hold_for_burst(views, self._admissions, now, self.config.burst, self.on_the_way(now)):
             if not self.batch:  # nothing decodes meanwhile: leave the GIL to the server threads parsing the rest
-                self.await_arrival(hold_left(views, self._admissions, now, self.config.burst))
+                self.await_arrival(held_until(views, self._admissions, self.config.burst))
             return
         self.timing.interrupt()  # prefill work sits between these decode steps
         self._prefilled_together = None  # set by this step's forward when it ends its joiners' prompts

@@ -20,13 +20,18 @@ import time
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from mlxq.engine.burst_hold import OnTheWay
+
 log = logging.getLogger("mlxq.server")
 
 FD_HEADROOM = 256  # descriptors kept for model files, the SSD tier, logs
 READ_AT = "mlxq.read_at"  # the scope key: when the event loop read the request's headers (time.monotonic)
 
 
-def deadline_protocol(read_timeout_s: float) -> type[H11Protocol]:
+def deadline_protocol(read_timeout_s: float, on_the_way: OnTheWay | None = None) -> type[H11Protocol]:
+    """``on_the_way``: where each POST read off its socket is counted until its route settles it (a
+    burst's rest is on its way to the engine: engine/burst_hold.py)."""
+
     class DeadlineH11Protocol(H11Protocol):
         """h11, where a request must arrive in full within ``read_timeout_s``."""
 
@@ -43,15 +48,23 @@ def deadline_protocol(read_timeout_s: float) -> type[H11Protocol]:
                 self.scope.setdefault(READ_AT, read_at)
             if self.conn.their_state is not h11.SEND_BODY and self.conn.their_state is not h11.IDLE:
                 self._disarm_read_deadline()  # the whole request is in (or the connection is ending)
+                if on_the_way is not None and self.scope is not None and _generates(self.scope):
+                    on_the_way.read(self.scope, read_at)  # on its way to the engine until its route settles it
 
         def on_response_complete(self) -> None:
+            self._settle()
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm_read_deadline()  # the next request on this connection gets its own deadline
 
         def connection_lost(self, exc) -> None:
             self._disarm_read_deadline()
+            self._settle()
             super().connection_lost(exc)
+
+        def _settle(self) -> None:
+            if on_the_way is not None and self.scope is not None:
+                on_the_way.settled(self.scope)  # a no-op once its route settled it
 
         def _arm_read_deadline(self) -> None:
             self._disarm_read_deadline()
@@ -68,6 +81,12 @@ def deadline_protocol(read_timeout_s: float) -> type[H11Protocol]:
                 self.transport.close()  # connection_lost tells a handler still reading the body
 
     return DeadlineH11Protocol
+
+
+def _generates(scope: dict) -> bool:
+    """A request that may become an engine request (not an admin call, nor counting tokens)."""
+    path = scope["path"]
+    return scope["method"] == "POST" and not path.startswith("/admin/") and not path.endswith("/count_tokens")
 
 
 def connection_cap(requested: int, fd_soft_limit: int) -> int:

@@ -76,7 +76,10 @@ def admit(state: ServerState, spec: GenerationSpec, prefix: str, http: HTTPReque
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
         spec = replace(spec, max_tokens=fits)
     received = None if http is None else (http.scope.get(_RECEIVED), http.scope.get(READ_AT))
-    return [_new_request(spec, prefix, adapter, received, i) for i in range(spec.n)]
+    requests = [_new_request(spec, prefix, adapter, received, i) for i in range(spec.n)]
+    if http is not None:
+        state.engine.on_the_way.settled(http.scope)  # submitted next: no longer on its way (burst_hold.py)
+    return requests
 
 
 def _kv_room(state: ServerState, num_prompt: int) -> int:

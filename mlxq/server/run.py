@@ -112,7 +112,8 @@ def serve(config: ServerConfig) -> None:
     app = build_app(state)
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                    log_config=None, access_log=False,  # mlxq logs each request once
-                                   timeout_graceful_shutdown=config.shutdown_timeout_s, **_connection_limits(config)),
+                                   timeout_graceful_shutdown=config.shutdown_timeout_s,
+                                   **_connection_limits(config, state)),
                     grace_s=config.shutdown_timeout_s)
     threading.Thread(target=_watch_model_load, args=(state, server), daemon=True).start()
     if lockstep is not None:
@@ -125,10 +126,11 @@ def serve(config: ServerConfig) -> None:
         raise SystemExit(1)
 
 
-def _connection_limits(config: ServerConfig) -> dict:
+def _connection_limits(config: ServerConfig, state: ServerState) -> dict:
     """uvicorn settings that keep slow or numerous clients from locking others out (server/connections.py)."""
     cap = connection_cap(config.max_connections, fd_limit.restore())
-    return {"http": deadline_protocol(config.request_read_timeout_s), "limit_concurrency": cap,
+    return {"http": deadline_protocol(config.request_read_timeout_s, state.engine.on_the_way),
+            "limit_concurrency": cap,
             "backlog": min(cap, 4096)}
 
 

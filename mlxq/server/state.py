@@ -88,6 +88,8 @@ class ServerState:
             "kv_budget_bytes": engine.kv_budget_bytes,
             "prompt_concurrency": engine.config.prompt_concurrency,
             "burst_window_ms": scheduler.config.burst.window_s * 1000 if scheduler else None,
+            # requests read in full and not yet submitted: a burst's rest on its way (engine/burst_hold.py)
+            "on_the_way": engine.on_the_way.pending(time.monotonic()),
             # allocation faults: retried, rows requeued (preempted) and waiting, the caps they lowered
             "faults": asdict(engine.evaluator.counters),
             "preempted_rows": scheduler.num_preempted if scheduler else 0,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxq.engine.burst_hold import BurstHold, hold_for_burst, hold_left
+from mlxq.engine.burst_hold import BurstHold, OnTheWay, burst_quiet_at, held_until, hold_for_burst, hold_left
 from mlxq.engine.preempt import plan_decode_preemption, rows_that_fit
 from mlxq.engine.step_plan import (
     MIN_SHARED_PREFILL,
@@ -301,3 +301,49 @@ def test_no_hold_for_a_lone_request_a_long_prefill_or_without_a_window():
     assert not hold_for_burst([tail(0.0), tail(0.001, following=True, leader=0)], (0.0, 0.001), now=0.002,
                               hold=hold)
     assert not hold_for_burst([tail(0.0), tail(0.001)], (0.0, 0.001), now=0.002, hold=BurstHold())  # default
+
+
+def test_requests_on_their_way_hold_even_the_bursts_first_within_its_window():
+    """The server read more requests than it submitted: the first arrival waits for them (not prefilled
+    alone while they queue behind its forward); nothing on the way, a lone request goes at once."""
+    hold = BurstHold(window_s=0.15, gap_s=0.02)
+    first = [tail(5.0)]
+    assert hold_for_burst(first, (1.0, 5.0), now=5.001, hold=hold, on_the_way=3)
+    assert hold_for_burst(first, (5.0,), now=5.001, hold=hold, on_the_way=1)  # the first request ever, too
+    assert not hold_for_burst(first, (1.0, 5.0), now=5.001, hold=hold, on_the_way=0)
+    assert hold_for_burst(first, (1.0, 5.0), now=5.149, hold=hold, on_the_way=3)  # past the gap: still coming
+    assert not hold_for_burst(first, (1.0, 5.0), now=5.15, hold=hold, on_the_way=3)  # its window is the limit
+    cold = JoinerView(Extent(2041, 16), 0, 512, admitted_at=5.0)
+    assert not hold_for_burst([cold], (5.0,), now=5.001, hold=hold, on_the_way=3)  # a long prefill waits not
+    assert not hold_for_burst(first, (5.0,), now=5.001, hold=BurstHold(), on_the_way=3)  # no window, no hold
+
+
+def test_a_held_burst_sleeps_until_arrivals_stop_for_its_gap_or_its_window_ends():
+    """The engine thread sleeping through a held burst: each newer submission (taken in or not) moves
+    the end to its gap; requests on their way keep it to the window; the window always ends it."""
+    hold = BurstHold(window_s=0.15, gap_s=0.02)
+    held = held_until([tail(0.0), tail(0.004)], (0.0, 0.004), hold)
+    assert (held.gap_ends, held.window_ends) == (0.024, 0.15)
+    assert burst_quiet_at(held, newest_arrival=0.004, gap_s=0.02) == 0.024  # nothing newer came
+    assert burst_quiet_at(held, newest_arrival=0.05, gap_s=0.02) == 0.07  # a newer arrival moves it
+    assert burst_quiet_at(held, newest_arrival=0.14, gap_s=0.02) == 0.15  # never past the window
+    assert burst_quiet_at(held, newest_arrival=0.004, gap_s=0.02, on_the_way=2) == 0.15
+    first_ever = held_until([tail(1.0)], (1.0,), hold)
+    assert first_ever.window_ends == 1.15 and burst_quiet_at(first_ever, 1.0, 0.02) == 1.02
+
+
+def test_requests_on_their_way_are_counted_once_until_settled_and_forgotten_when_stale():
+    way = OnTheWay(stale_s=1.0)
+    a, b = {}, {}
+    way.read(a, 10.0)
+    way.read(a, 10.1)  # more of the same request: counted once
+    way.read(b, 10.2)
+    assert way.pending(10.3) == 2
+    way.settled(a)
+    way.settled(a)  # its route, then its response's end: settled once
+    assert way.pending(10.3) == 1 and way.settled_at > 0
+    way.read(a, 10.4)  # a settled request read again (a late body chunk) does not count again
+    assert way.pending(10.5) == 1
+    assert way.pending(11.2) == 0  # read over a second ago: it no longer holds anything
+    way.settled(b)
+    assert way.pending(10.5) == 0

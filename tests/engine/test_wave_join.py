@@ -171,8 +171,8 @@ def test_a_burst_still_arriving_waits_for_the_rest_and_prefills_as_one_forward(l
 
 def test_a_request_cancelled_while_its_burst_is_held_ends_at_the_next_step_and_the_rest_stay_held(load_tiny):
     """A client that goes away while its tail is held for the rest of the burst is not kept for the
-    hold's window: the next step (at most ``gap_s`` after the last arrival, when the engine thread
-    wakes) ends it, cancelled, without a prefill; the others wait for the burst as before."""
+    hold's window: the next step (when the burst has stopped arriving for ``gap_s`` and the engine
+    thread takes it in) ends it, cancelled, without a prefill; the others wait for the burst as before."""
 
     from mlxq.engine.burst_hold import BurstHold
     from mlxq.engine.types import FinishReason
