@@ -14,6 +14,7 @@ extracted again, or the batch kept for their join.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -156,7 +157,7 @@ class Prefilling:
                 self._placed_forward(group, caches, layout, chunks)
             elif shared is not None and shared.layout is not None:  # the tails placed alike
                 caches = shared.caches
-                self._placed_forward(group, caches, shared.layout, chunks, shared)
+                self._placed_forward(group, caches, shared.layout, shared.tokens(group, chunks), shared)
             else:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
@@ -170,6 +171,10 @@ class Prefilling:
                     else [extract_row(caches, i) for i in range(len(group))])
         if last:
             self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
+            if shared is not None and shared.recomputed is not None:
+                for joiner, own in zip(group, shared.recomputed, strict=True):
+                    joiner.row.output.cached_tokens -= own  # computed again, not served from the cache
+                self.sharing_stats.tails_recomputed += sum(shared.recomputed)
         else:
             self.batch.copies.extracted += len(group)
         if placed is None and not shared:
@@ -187,8 +192,11 @@ class Prefilling:
         tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
         evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
         written = [c.tail for c in caches] if shared is not None else caches
-        with (adapter_rows(self.model, [j.row.request.adapter for j in group]),
-              tails_in_place(written, layout, evaluate), self._routed(shared)):
+        # Tails that start empty (``shared.recomputed``): the padding columns lie in each row's left
+        # padding, never read, so nothing is kept there and nothing is evaluated before the forward.
+        keeping = (contextlib.nullcontext() if shared is not None and shared.recomputed is not None
+                   else tails_in_place(written, layout, evaluate))
+        with adapter_rows(self.model, [j.row.request.adapter for j in group]), keeping, self._routed(shared):
             self.model(tokens, cache=caches)
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):

@@ -182,6 +182,7 @@ class SharingStats:
     groups: int = 0  # times a group was built (each join that regrouped)
     rows_joined: int = 0  # joiners added to a running group by reference (no rebuild)
     multi_group_steps: int = 0  # decode steps run with two or more groups (two shared prefixes)
+    tails_recomputed: int = 0  # joiners' own leased tokens past a group's prefix computed again, not gathered
 
     def count_step(self, groups: tuple[Group, ...]) -> None:
         self.steps += bool(groups)
@@ -196,6 +197,7 @@ class SharingStats:
             "groups_built": self.groups,
             "rows_joined_in_place": self.rows_joined,
             "multi_group_steps": self.multi_group_steps,
+            "tail_tokens_recomputed": self.tails_recomputed,
             "groups": len(groups),
             "group_rows": sum(group.rows for group in groups),
             "prefix_tokens": [group.prefix_length for group in groups],

@@ -156,3 +156,41 @@ def test_tails_of_different_lengths_move_by_one_take_never_by_mlx_lm_finalize(lo
     expected = serial_with_cache(model, tokenizer, cold + cached)
     for r in cold + cached:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered(load_tiny, monkeypatch):
+    """Agents whose questions begin with tokens of another agent's stored question lease the prefix
+    plus those few tokens: the tails' forward computes them again (the tails start empty, nothing is
+    gathered), they no longer count as cached, and every row's greedy tokens are the serial lane's."""
+    from mlxq.engine import tail_placement
+    from mlxq.engine.types import Request, SamplingParams
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    words = ("alpha", "beta", "gamma")
+
+    def asking(name: str, agents: int, question: str) -> list[Request]:
+        return [Request(f"{name}-{i}", shared + tokenizer.encode(f" Agent {words[i % 3]} " + question.format(i)),
+                        SamplingParams(), 6, ignore_eos=True, snapshot_at=len(shared)) for i in range(agents)]
+
+    cold, cached = asking("cold", 3, "asks about cold?"), asking("cached", 8, "wants {} things" + " now" * 3)
+    run_wave(scheduler, cold)
+    leased = {r.request_id: scheduler.prompt_cache.held_path(r.namespace, r.prompt_ids)[1] for r in cached}
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the tails were gathered")
+
+    monkeypatch.setattr(tail_placement, "gather_prefixes", refused)
+    before = counters(scheduler)
+    run_wave(scheduler, cached)
+    change = delta(counters(scheduler), before)
+    assert change["prefill_steps"] == 1 and change["referenced"] == 8 and change["groups"] == 1, change
+    prefix = scheduler.sharing_stats.as_dict(scheduler.sharing, 1, ())
+    recomputed = prefix["tail_tokens_recomputed"]
+    assert recomputed == sum(leased.values()) - sum(finished[r.request_id][1] for r in cached) > 0
+    assert len({finished[r.request_id][1] for r in cached}) == 1  # each row cached the group's prefix alone
+    assert len(set(leased.values())) > 1  # while their leases lent different lengths
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
