@@ -294,11 +294,16 @@ def main() -> None:
                     help="each row's first N own tokens repeat every round: rows lease different stored chains")
     ap.add_argument("--arrivals", action="store_true",
                     help="requests reach the scheduler one by one, the burst held: time the engine's work for that")
+    ap.add_argument("--submit-every", type=int, default=None,
+                    help="layers of a placed forward built between submissions (tail_placement.SUBMIT_EVERY); "
+                         "more than the model's layers: the whole forward built first")
     ap.add_argument("--timeline", action="store_true",
                     help="unfenced rounds record each stage's host time (a timeline to token 0)")
     ap.add_argument("--out", default="burst-step-probe.json")
     args = ap.parse_args()
     loaded = load_model(args.model)
+    if args.submit_every is not None and hasattr(tail_placement, "SUBMIT_EVERY"):
+        tail_placement.SUBMIT_EVERY = args.submit_every
     cuda_attention.install()  # as the engine does after a load
     modes = args.sharing.split(",")
     if any(mode != "off" for mode in modes):

@@ -28,7 +28,7 @@ from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.prefix_gather import Piece, RowPrefix, own_piece
 from mlxq.engine.shared_tails import evaluable
 from mlxq.engine.step_plan import PrefillPlan
-from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, tails_in_place
+from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, submitted_by_layers, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
@@ -196,7 +196,9 @@ class Prefilling:
         # padding, never read, so nothing is kept there and nothing is evaluated before the forward.
         keeping = (contextlib.nullcontext() if shared is not None and shared.recomputed is not None
                    else tails_in_place(written, layout, evaluate))
-        with adapter_rows(self.model, [j.row.request.adapter for j in group]), keeping, self._routed(shared):
+        submit = lambda arrays: self.faults.run("prefill", lambda: mx.async_eval(arrays))  # noqa: E731
+        with (adapter_rows(self.model, [j.row.request.adapter for j in group]), keeping, self._routed(shared),
+              submitted_by_layers(caches, submit)):
             self.model(tokens, cache=caches)
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):
