@@ -145,9 +145,10 @@ class TailSharing:
         empty, laid out for each row's own tokens past ``length`` (``own``, at most ``RECOMPUTED_OWN``)
         and its chunk, all computed by the forward (left-padded: the padding columns lie in each
         row's left padding, never read); None unless every layer shares a plain prefix and every row's
-        own tokens are that few."""
-        if not all(self.sharing.plan.shared) or any(p is None for p in prefix):
-            return None
+        own tokens are that few (and nothing is quantized)."""
+        if (self.scheme.quantized or not all(self.sharing.plan.shared)
+                or not all(p is not None and isinstance(p[0], mx.array) for p in prefix)):
+            return None  # quantized tails (or prefixes), or layers that do not share: not placed empty
         own = tuple(j.done - length for j in group)
         if min(own) < 0 or max(own) > RECOMPUTED_OWN:
             return None

@@ -158,23 +158,30 @@ def test_tails_of_different_lengths_move_by_one_take_never_by_mlx_lm_finalize(lo
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
 
 
-def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered(load_tiny, monkeypatch):
-    """Agents whose questions begin with tokens of another agent's stored question lease the prefix
-    plus those few tokens: the tails' forward computes them again (the tails start empty, nothing is
-    gathered), they no longer count as cached, and every row's greedy tokens are the serial lane's."""
-    from mlxq.engine import tail_placement
+def asking_waves(tokenizer, shared: list[int]):
+    """A cold wave of three agents, then eight whose questions begin as one of theirs ("Agent beta"):
+    each cached agent leases the prefix plus a few tokens of a stored question, not all the same."""
     from mlxq.engine.types import Request, SamplingParams
 
-    model, tokenizer = load_tiny("llama")
-    shared = tokenizer.encode(LONG + " " + LONG)
-    scheduler, finished = sharing_scheduler(model, tokenizer)
     words = ("alpha", "beta", "gamma")
 
     def asking(name: str, agents: int, question: str) -> list[Request]:
         return [Request(f"{name}-{i}", shared + tokenizer.encode(f" Agent {words[i % 3]} " + question.format(i)),
                         SamplingParams(), 6, ignore_eos=True, snapshot_at=len(shared)) for i in range(agents)]
 
-    cold, cached = asking("cold", 3, "asks about cold?"), asking("cached", 8, "wants {} things" + " now" * 3)
+    return asking("cold", 3, "asks about cold?"), asking("cached", 8, "wants {} things" + " now" * 3)
+
+
+def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered(load_tiny, monkeypatch):
+    """Agents whose questions begin with tokens of another agent's stored question lease the prefix
+    plus those few tokens: the tails' forward computes them again (the tails start empty, nothing is
+    gathered), they no longer count as cached, and every row's greedy tokens are the serial lane's."""
+    from mlxq.engine import tail_placement
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    cold, cached = asking_waves(tokenizer, shared)
     run_wave(scheduler, cold)
     leased = {r.request_id: scheduler.prompt_cache.held_path(r.namespace, r.prompt_ids)[1] for r in cached}
 
@@ -194,3 +201,19 @@ def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered
     expected = serial_with_cache(model, tokenizer, cold + cached)
     for r in cold + cached:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_quantized_tails_are_never_recomputed_on_empty_plain_tails(load_tiny):
+    """Under --kv-quant the tails are quantized caches: the same burst keeps its leased tokens."""
+    from mlxq.engine.types import FinishReason
+    from tests.engine.test_quantized_kv import scheme_for
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    scheduler.scheme = scheme_for(model, "8")
+    cold, cached = asking_waves(tokenizer, shared)
+    run_wave(scheduler, cold)
+    run_wave(scheduler, cached)
+    assert scheduler.sharing_stats.tails_recomputed == 0
+    assert all(finished[r.request_id][2] is FinishReason.LENGTH for r in cold + cached)
