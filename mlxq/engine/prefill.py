@@ -171,10 +171,6 @@ class Prefilling:
                     else [extract_row(caches, i) for i in range(len(group))])
         if last:
             self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
-            if shared is not None and shared.recomputed is not None:
-                for joiner, own in zip(group, shared.recomputed, strict=True):
-                    joiner.row.output.cached_tokens -= own  # computed again, not served from the cache
-                self.sharing_stats.tails_recomputed += sum(shared.recomputed)
         else:
             self.batch.copies.extracted += len(group)
         if placed is None and not shared:

@@ -219,6 +219,10 @@ class TailSharing:
 
     def _adopt_shared(self, group: list[Joiner], shared: SharedTails) -> None:
         rows = [j.row for j in group]
+        if shared.recomputed is not None:  # after their prefill's snapshots, which read cached_tokens
+            for row, own in zip(rows, shared.recomputed, strict=True):
+                row.output.cached_tokens -= own  # computed again, not served from the cache
+            self.sharing_stats.tails_recomputed += sum(shared.recomputed)
         pending = Pending.prompt_ends([j.prompt for j in group])
         if shared.into is None:
             self.batch.adopt_grouped(rows, shared.caches, (shared.group,), pending)
