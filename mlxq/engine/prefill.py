@@ -162,13 +162,7 @@ class Prefilling:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
                 self._right_padded_forward(group, caches, shared, chunks, lengths)
-            if shared is not None:
-                # Tails on a shared prefix join in this step and token 0's decode step reads them: their
-                # forward is submitted, not waited for, so the device runs it while the host does the
-                # rest of the step (bookkeeping, the join, the decode step's graph).
-                self.faults.run("prefill", lambda: mx.async_eval(evaluable(caches)))
-            else:
-                self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
+            self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
             # rows build theirs only if read); on a shared prefix their own caches (the prefix) are read
             # no more: they join with this batch.

@@ -5,9 +5,7 @@ request's other timings): ``admitted`` (the engine picked the request up),
 ``leased`` (its prompt-cache lookup and lease are done), ``prefill`` (its
 first chunk's forward starts), ``prefilled`` (all but its last prompt token
 are in its caches: that forward was evaluated, so this point is synchronized
-with the device; tails on a shared prefix, which join in the step of their
-forward, mark its submission instead, and its device time falls in
-``first``), ``joining`` (the step that joins it to the running batch
+with the device), ``joining`` (the step that joins it to the running batch
 starts), ``joined`` (its caches were joined: graph building only, the copies
 run on the device with the next decode step) and ``first`` (token 0 handed
 out). A phase is the time between one present mark and the next, so the
