@@ -189,6 +189,14 @@ def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered
         raise AssertionError("the tails were gathered")
 
     monkeypatch.setattr(tail_placement, "gather_prefixes", refused)
+    # Every layer but the last handed to the device while the next is built (the tiny model has 4).
+    from mlxq.engine import prefill
+    submitted = []
+
+    def counting(caches, submit, every=None):
+        return tail_placement.submitted_by_layers(caches, lambda arrays: submitted.append(submit(arrays)), 1)
+
+    monkeypatch.setattr(prefill, "submitted_by_layers", counting)
     before = counters(scheduler)
     run_wave(scheduler, cached)
     change = delta(counters(scheduler), before)
@@ -198,6 +206,7 @@ def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered
     assert recomputed == sum(leased.values()) - sum(finished[r.request_id][1] for r in cached) > 0
     assert len({finished[r.request_id][1] for r in cached}) == 1  # each row cached the group's prefix alone
     assert len(set(leased.values())) > 1  # while their leases lent different lengths
+    assert len(submitted) == len(model.layers) - 1  # one forward, submitted layer by layer
     expected = serial_with_cache(model, tokenizer, cold + cached)
     for r in cold + cached:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
