@@ -17,6 +17,11 @@ scheduler each, in that order. ``--warm`` runs the engine's start-up warm-up
 ``--arrivals``: the requests reach the scheduler one by one, the burst held
 as a GPU server holds it, and the engine thread's work for that (admission
 check, add, held step per arrival) is timed (``admit_one_by_one_ms``).
+``--timeline``: the unfenced rounds record host time per stage (nothing fenced:
+entry and exit of the scheduler's stages, evaluations included, nested), so
+the steps from admission to token 0 show as a timeline: where the engine
+thread builds graphs, where it waits on the device (``eval:*``, and the gaps:
+reads of results), and which stage runs while the device is idle.
 ``--stored-head N``: each row's first N own tokens are the same every round, so
 from the second round on each row leases the prefix plus N tokens of the chain
 its previous round stored (a different chain per row, as in a server whose
@@ -84,6 +89,71 @@ class Fences:
         return fenced
 
 
+class Timeline:
+    """Host time per stage, unfenced: wrapped callables record (depth, name, start, end); repeated calls
+    of one name under one parent are summed into one line."""
+
+    def __init__(self):
+        self.events: list[list] = []  # [depth, name, start_s, end_s, calls]
+        self._depth = 0
+        self._open: list[int] = []
+        self.t0 = time.perf_counter()
+
+    def wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            label = name(args) if callable(name) else name
+            parent = self._open[-1] if self._open else None
+            last = self.events[-1] if self.events else None
+            merge = (last is not None and last[0] == self._depth and last[1] == label
+                     and (parent is None or self.events.index(last) > parent))
+            start = time.perf_counter()
+            if not merge:
+                self.events.append([self._depth, label, start, start, 0, 0.0])
+            entry = self.events[-1] if not merge else last
+            self._open.append(self.events.index(entry))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self._open.pop()
+                end = time.perf_counter()
+                entry[3] = end
+                entry[4] += 1
+                entry[5] += end - start
+        return timed
+
+    def rows(self) -> list[dict]:
+        return [{"at_ms": round(1000 * (start - self.t0), 2), "ms": round(1000 * busy, 2), "calls": calls,
+                 "stage": "  " * depth + name} for depth, name, start, _, calls, busy in self.events]
+
+    def print(self) -> None:
+        for row in self.rows():
+            print(f"    {row['at_ms']:9.2f} {row['ms']:8.2f} x{row['calls']:<3} {row['stage']}", flush=True)
+
+
+def timeline_patches(stack: ExitStack, sched: BatchScheduler, timeline: Timeline) -> None:
+    """The scheduler's stages from admission to token 0, each timed on the host (no fence)."""
+    for name in ("step", "_intake", "_plan_and_prefill", "_prefill", "_advance_together", "_lease_sources",
+                 "_shared_tails", "_placed_tails", "_placed", "_placed_forward", "_right_padded_forward",
+                 "_advanced", "_snapshot", "_start_decoding", "_join_shared_tails", "_decode_or_shed",
+                 "_decode_step", "_sample", "_emit", "_evict", "_shed_before_decode"):
+        if hasattr(sched, name):
+            stack.enter_context(mock.patch.object(sched, name, timeline.wrap(name, getattr(sched, name))))
+    for module, name in ((tail_placement, "gather_prefixes"), (prefill, "view_rows"),
+                         (shared_tails, "tails_group"), (shared_tails, "prefix_from_spans"),
+                         (shared_tails, "place_rows"), (prefill, "tails_in_place")):
+        if hasattr(module, name):
+            stack.enter_context(mock.patch.object(module, name, timeline.wrap(name, getattr(module, name))))
+    stack.enter_context(mock.patch.object(sched.faults, "run", timeline.wrap(lambda a: f"eval:{a[0]}",
+                                                                             sched.faults.run)))
+    model = sched.model
+    stack.enter_context(mock.patch.object(sched, "model", timeline.wrap(
+        lambda a: "model(decode)" if a[0].shape[1] == 1 else "model(prefill)", model)))
+    for name in ("eval", "async_eval"):
+        stack.enter_context(mock.patch.object(mx, name, timeline.wrap(f"mx.{name}", getattr(mx, name))))
+
+
 class FencedModel:
     def __init__(self, model, fences: Fences):
         self.model, self.fences = model, fences
@@ -145,7 +215,7 @@ def admit_one_by_one(sched: BatchScheduler, requests: list) -> float:
 
 
 def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int, fences: Fences | None,
-              stored_head: int = 0, arrivals: bool = False) -> dict:
+              stored_head: int = 0, arrivals: bool = False, timeline: Timeline | None = None) -> dict:
     firsts: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -174,6 +244,8 @@ def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int
                                                   fences.wrap("lease", sched.prompt_cache.lease)))
             stack.enter_context(mock.patch.object(sched.prompt_cache, "put", fences.wrap("put",
                                                                                          sched.prompt_cache.put)))
+        if timeline is not None:
+            timeline_patches(stack, sched, timeline)
         requests = [(Request(f"r{round_no}-{i}", prefix + tail_of(i, round_no, stored_head), SamplingParams(), 8,
                              ignore_eos=True), emitter(f"r{round_no}-{i}")) for i in range(rows)]
         if arrivals:
@@ -198,6 +270,7 @@ def one_round(sched: BatchScheduler, prefix: list[int], rows: int, round_no: int
             "ttft_ms_p50": round(1000 * ttfts[len(ttfts) // 2], 1),
             "ttft_ms_max": round(1000 * ttfts[-1], 1), "steps": steps,
             "stages_ms": dict(fences.ms) if fences else None, "stage_calls": dict(fences.calls) if fences else None,
+            "timeline": timeline.rows() if timeline is not None else None,
             "copies": sched.batch.copies.as_dict(), "groups": sched.sharing_stats.groups, "ptx_files": ptx_files()}
 
 
@@ -221,9 +294,16 @@ def main() -> None:
                     help="each row's first N own tokens repeat every round: rows lease different stored chains")
     ap.add_argument("--arrivals", action="store_true",
                     help="requests reach the scheduler one by one, the burst held: time the engine's work for that")
+    ap.add_argument("--submit-every", type=int, default=None,
+                    help="layers of a placed forward built between submissions (tail_placement.SUBMIT_EVERY); "
+                         "more than the model's layers: the whole forward built first")
+    ap.add_argument("--timeline", action="store_true",
+                    help="unfenced rounds record each stage's host time (a timeline to token 0)")
     ap.add_argument("--out", default="burst-step-probe.json")
     args = ap.parse_args()
     loaded = load_model(args.model)
+    if args.submit_every is not None and hasattr(tail_placement, "SUBMIT_EVERY"):
+        tail_placement.SUBMIT_EVERY = args.submit_every
     cuda_attention.install()  # as the engine does after a load
     modes = args.sharing.split(",")
     if any(mode != "off" for mode in modes):
@@ -242,10 +322,13 @@ def main() -> None:
         results[mode] = []
         for round_no in range(args.rounds):
             fenced = (round_no % 2 == 0) if args.first_fenced else bool(round_no % 2)
+            timeline = Timeline() if args.timeline and not fenced else None
             results[mode].append(one_round(sched, prefix, args.rows, round_no, Fences() if fenced else None,
-                                           args.stored_head, args.arrivals))
-            print(json.dumps({"sharing": mode} | {k: v for k, v in results[mode][-1].items() if k != "steps"}),
-                  flush=True)
+                                           args.stored_head, args.arrivals, timeline))
+            print(json.dumps({"sharing": mode} | {k: v for k, v in results[mode][-1].items()
+                                                  if k not in ("steps", "timeline")}), flush=True)
+            if timeline is not None:
+                timeline.print()
             print("  steps:", json.dumps(results[mode][-1]["steps"]), flush=True)
             with open(args.out, "w") as f:
                 json.dump(results, f)

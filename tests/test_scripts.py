@@ -270,3 +270,15 @@ def test_burst_admit_probe(small_model, tmp_path):
         "--rounds", "2", "--out", str(out))
     doc = json.loads(out.read_text())
     assert [r["prefix"] for r in doc["results"]] == [40] and len(doc["results"][0]["admit_ms"]) == 2
+
+
+def test_burst_step_probe_timeline(small_model, tmp_path):
+    out = tmp_path / "probe.json"
+    run("burst_step_probe.py", "--model", str(small_model), "--rows", "3", "--prefix", "40", "--rounds", "3",
+        "--sharing", "on", "--stored-head", "2", "--timeline", "--out", str(out))
+    rounds = json.loads(out.read_text())["on"]
+    timed = [r for r in rounds if not r["fenced"]]
+    assert len(timed) == 2 and all(r["timeline"] for r in timed)
+    stages = [row["stage"].strip() for row in timed[-1]["timeline"]]
+    assert {"step", "model(prefill)", "model(decode)", "_emit"} <= set(stages), stages
+    assert all(r["timeline"] is None for r in rounds if r["fenced"])

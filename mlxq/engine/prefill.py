@@ -14,6 +14,7 @@ extracted again, or the batch kept for their join.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -27,7 +28,7 @@ from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.prefix_gather import Piece, RowPrefix, own_piece
 from mlxq.engine.shared_tails import evaluable
 from mlxq.engine.step_plan import PrefillPlan
-from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, tails_in_place
+from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, submitted_by_layers, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
 from mlxq.models.multi_lora import adapter_rows
@@ -156,7 +157,7 @@ class Prefilling:
                 self._placed_forward(group, caches, layout, chunks)
             elif shared is not None and shared.layout is not None:  # the tails placed alike
                 caches = shared.caches
-                self._placed_forward(group, caches, shared.layout, chunks, shared)
+                self._placed_forward(group, caches, shared.layout, shared.tokens(group, chunks), shared)
             else:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
@@ -187,8 +188,13 @@ class Prefilling:
         tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
         evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
         written = [c.tail for c in caches] if shared is not None else caches
-        with (adapter_rows(self.model, [j.row.request.adapter for j in group]),
-              tails_in_place(written, layout, evaluate), self._routed(shared)):
+        # Tails that start empty (``shared.recomputed``): the padding columns lie in each row's left
+        # padding, never read, so nothing is kept there and nothing is evaluated before the forward.
+        keeping = (contextlib.nullcontext() if shared is not None and shared.recomputed is not None
+                   else tails_in_place(written, layout, evaluate))
+        submit = lambda arrays: self.faults.run("prefill", lambda: mx.async_eval(arrays))  # noqa: E731
+        with (adapter_rows(self.model, [j.row.request.adapter for j in group]), keeping, self._routed(shared),
+              submitted_by_layers(caches, submit)):
             self.model(tokens, cache=caches)
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):

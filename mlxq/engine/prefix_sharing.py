@@ -197,6 +197,7 @@ class SharingStats:
         if why is not None:
             self.auto_declined += 1
             self.auto_last_declined = why
+    tails_recomputed: int = 0  # joiners' own leased tokens past a group's prefix computed again, not gathered
 
     def count_step(self, groups: tuple[Group, ...]) -> None:
         self.steps += bool(groups)
@@ -213,6 +214,7 @@ class SharingStats:
             "multi_group_steps": self.multi_group_steps,
             "auto_declined_joins": self.auto_declined,
             "auto_last_declined": self.auto_last_declined,
+            "tail_tokens_recomputed": self.tails_recomputed,
             "groups": len(groups),
             "group_rows": sum(group.rows for group in groups),
             "prefix_tokens": [group.prefix_length for group in groups],

@@ -17,6 +17,13 @@ ever holds a copy of the prefix. Where every layer shares and the leases
 lend plain spans, the tails are placed as engine/tail_placement.py places
 whole rows: one gather per layer writes every row's own tokens where its
 left-padded chunk ends them, so no per-row tail cut, merge or row move.
+Where every row's own leased tokens past the prefix are few
+(``RECOMPUTED_OWN``: agents whose questions begin with a token or two of
+another's stored one), they are computed again in the tails' forward
+instead: the tails start empty on the prefix, no gather (on the H200 a
+pool of ~65 pieces concatenated per layer, ~4k small copies, 17-23 ms for
+64 rows) and no evaluation before the forward, and those tokens no longer
+count as cached (``cached_tokens``).
 
 The tails' attention is the shared-prefix path (the prefix and the tail
 merged by log-sum-exp; kv/shared_prefix_decode.py's ``mma_prefill`` on
@@ -33,6 +40,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxq.engine.joiners import Joiner
@@ -40,7 +48,7 @@ from mlxq.engine.prefix_gather import RowPrefix
 from mlxq.engine.prefix_sharing import Group, tails_group
 from mlxq.engine.running_batch import Pending
 from mlxq.engine.shared_accounting import TailTerms
-from mlxq.engine.tail_placement import TailLayout, place_rows
+from mlxq.engine.tail_placement import TailLayout, layout_for, place_rows
 from mlxq.kv import attention_route
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import PrefixSpec, prefix_from_spans, share_groups, tail_from_spans
@@ -54,6 +62,18 @@ class SharedTails:
     group: Group  # the joiners as one group (every one of them in it)
     into: int | None  # the running group they join (its prefix arrays are theirs); None: an empty batch
     layout: TailLayout | None = None  # the tails placed for left-padded chunks (engine/tail_placement.py)
+    # Per row, its own leased tokens past the prefix that the forward computes again before its chunk
+    # (the tails start empty); None: the tails hold them already.
+    recomputed: tuple[int, ...] | None = None
+
+    def tokens(self, joiners: list, chunks: list[list[int]]) -> list[list[int]]:
+        """What each row's forward runs: its recomputed own tokens, then its chunk."""
+        if self.recomputed is None:
+            return chunks
+        return [j.prompt[j.done - k : j.done] + c for j, k, c in zip(joiners, self.recomputed, chunks, strict=True)]
+
+
+RECOMPUTED_OWN = 8  # a row's own leased tokens past a group's prefix recomputed rather than gathered, at most
 
 
 def evaluable(caches: list) -> list:
@@ -94,6 +114,9 @@ class TailSharing:
         else:  # the running group's arrays: the batch's caches then extend that group, not add one
             prefix = [c.prefixes[into] if isinstance(c, SharedPrefixBatchCache) else None for c in self.batch.caches]
         one = Group(choice.group.node, length, (True,) * len(group))
+        recomputed = self._recomputed(group, chunks, length, prefix)
+        if recomputed is not None:
+            return SharedTails(recomputed[0], one, into, recomputed[1], recomputed[2])
         placed = self._placed_tails(group, chunks, length, prefix)
         if placed is not None:
             return SharedTails(placed[0], one, into, placed[1])
@@ -116,6 +139,28 @@ class TailSharing:
         rows = [0] * len(group)
         return [SharedPrefixBatchCache.grouped([layer], tail, rows) for layer, tail in zip(prefix, tails, strict=True)
                 ], layout
+
+    def _recomputed(self, group: list[Joiner], chunks: list[int], length: int, prefix: list):
+        """(caches, layout, own): every layer a SharedPrefixBatchCache over ``prefix`` whose tails are
+        empty, laid out for each row's own tokens past ``length`` (``own``, at most ``RECOMPUTED_OWN``)
+        and its chunk, all computed by the forward (left-padded: the padding columns lie in each
+        row's left padding, never read); None unless every layer shares a plain prefix and every row's
+        own tokens are that few (and nothing is quantized)."""
+        if (self.scheme.quantized or not all(self.sharing.plan.shared)
+                or not all(p is not None and isinstance(p[0], mx.array) for p in prefix)):
+            return None  # quantized tails (or prefixes), or layers that do not share: not placed empty
+        own = tuple(j.done - length for j in group)
+        if min(own) < 0 or max(own) > RECOMPUTED_OWN:
+            return None
+        layout = layout_for([0] * len(group), [k + n for k, n in zip(own, chunks, strict=True)],
+                            BatchKVCache.step)
+        caches = []
+        for keys, values in prefix:
+            tail = BatchKVCache(layout.padding)
+            tail.keys, tail.values = (mx.zeros((len(group), a.shape[1], layout.capacity, a.shape[3]), a.dtype)
+                                      for a in (keys, values))
+            caches.append(SharedPrefixBatchCache.grouped([(keys, values)], tail, [0] * len(group)))
+        return caches, layout, own
 
     def _own_tails(self, joiner: Joiner, length: int) -> list | None:
         """Per layer, what ``joiner``'s lease lent past the group's ``length`` tokens, from the chain's
@@ -174,6 +219,10 @@ class TailSharing:
 
     def _adopt_shared(self, group: list[Joiner], shared: SharedTails) -> None:
         rows = [j.row for j in group]
+        if shared.recomputed is not None:  # after their prefill's snapshots, which read cached_tokens
+            for row, own in zip(rows, shared.recomputed, strict=True):
+                row.output.cached_tokens -= own  # computed again, not served from the cache
+            self.sharing_stats.tails_recomputed += sum(shared.recomputed)
         pending = Pending.prompt_ends([j.prompt for j in group])
         if shared.into is None:
             self.batch.adopt_grouped(rows, shared.caches, (shared.group,), pending)

@@ -135,3 +135,38 @@ def _keeping(cache: BatchKVCache, keep: mx.array, old_keys: mx.array, old_values
     def update_and_fetch(keys: mx.array, values: mx.array):
         return BatchKVCache.update_and_fetch(cache, mx.where(keep, old_keys, keys), mx.where(keep, old_values, values))
     return update_and_fetch
+
+
+SUBMIT_EVERY = 4  # layers of a placed forward built between submissions to the device
+
+
+@contextmanager
+def submitted_by_layers(caches: list, submit, every: int | None = None) -> Iterator[None]:
+    """During one forward on ``caches`` (one per layer, in order): every ``every`` layers the K/V just
+    written are handed to ``submit`` (the scheduler's fault-handled ``async_eval``), so the device
+    runs the first layers while the host still builds the later ones' graph; without it, a burst's
+    tails' forward (~30 operations per layer) reaches the device only once all 32 layers are built.
+    The values are the same: only when their evaluation starts changes."""
+    every = every or SUBMIT_EVERY
+    wrapped = []
+    for index, cache in enumerate(caches[:-1]):
+        if (index + 1) % every:
+            continue
+        before = vars(cache).get("update_and_fetch")
+        inner = cache.update_and_fetch
+
+        def update_and_fetch(keys: mx.array, values: mx.array, inner=inner):
+            out = inner(keys, values)
+            submit(list(out))
+            return out
+
+        cache.update_and_fetch = update_and_fetch  # this instance, this forward only
+        wrapped.append((cache, before))
+    try:
+        yield
+    finally:
+        for cache, before in wrapped:
+            if before is None:
+                vars(cache).pop("update_and_fetch", None)
+            else:
+                cache.update_and_fetch = before

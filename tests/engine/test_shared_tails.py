@@ -156,3 +156,73 @@ def test_tails_of_different_lengths_move_by_one_take_never_by_mlx_lm_finalize(lo
     expected = serial_with_cache(model, tokenizer, cold + cached)
     for r in cold + cached:
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def asking_waves(tokenizer, shared: list[int]):
+    """A cold wave of three agents, then eight whose questions begin as one of theirs ("Agent beta"):
+    each cached agent leases the prefix plus a few tokens of a stored question, not all the same."""
+    from mlxq.engine.types import Request, SamplingParams
+
+    words = ("alpha", "beta", "gamma")
+
+    def asking(name: str, agents: int, question: str) -> list[Request]:
+        return [Request(f"{name}-{i}", shared + tokenizer.encode(f" Agent {words[i % 3]} " + question.format(i)),
+                        SamplingParams(), 6, ignore_eos=True, snapshot_at=len(shared)) for i in range(agents)]
+
+    return asking("cold", 3, "asks about cold?"), asking("cached", 8, "wants {} things" + " now" * 3)
+
+
+def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered(load_tiny, monkeypatch):
+    """Agents whose questions begin with tokens of another agent's stored question lease the prefix
+    plus those few tokens: the tails' forward computes them again (the tails start empty, nothing is
+    gathered), they no longer count as cached, and every row's greedy tokens are the serial lane's."""
+    from mlxq.engine import tail_placement
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    cold, cached = asking_waves(tokenizer, shared)
+    run_wave(scheduler, cold)
+    leased = {r.request_id: scheduler.prompt_cache.held_path(r.namespace, r.prompt_ids)[1] for r in cached}
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the tails were gathered")
+
+    monkeypatch.setattr(tail_placement, "gather_prefixes", refused)
+    # Every layer but the last handed to the device while the next is built (the tiny model has 4).
+    from mlxq.engine import prefill
+    submitted = []
+
+    def counting(caches, submit, every=None):
+        return tail_placement.submitted_by_layers(caches, lambda arrays: submitted.append(submit(arrays)), 1)
+
+    monkeypatch.setattr(prefill, "submitted_by_layers", counting)
+    before = counters(scheduler)
+    run_wave(scheduler, cached)
+    change = delta(counters(scheduler), before)
+    assert change["prefill_steps"] == 1 and change["referenced"] == 8 and change["groups"] == 1, change
+    prefix = scheduler.sharing_stats.as_dict(scheduler.sharing, 1, ())
+    recomputed = prefix["tail_tokens_recomputed"]
+    assert recomputed == sum(leased.values()) - sum(finished[r.request_id][1] for r in cached) > 0
+    assert len({finished[r.request_id][1] for r in cached}) == 1  # each row cached the group's prefix alone
+    assert len(set(leased.values())) > 1  # while their leases lent different lengths
+    assert len(submitted) == len(model.layers) - 1  # one forward, submitted layer by layer
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_quantized_tails_are_never_recomputed_on_empty_plain_tails(load_tiny):
+    """Under --kv-quant the tails are quantized caches: the same burst keeps its leased tokens."""
+    from mlxq.engine.types import FinishReason
+    from tests.engine.test_quantized_kv import scheme_for
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    scheduler.scheme = scheme_for(model, "8")
+    cold, cached = asking_waves(tokenizer, shared)
+    run_wave(scheduler, cold)
+    run_wave(scheduler, cached)
+    assert scheduler.sharing_stats.tails_recomputed == 0
+    assert all(finished[r.request_id][2] is FinishReason.LENGTH for r in cold + cached)

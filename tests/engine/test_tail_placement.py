@@ -75,3 +75,26 @@ def test_rows_read_later_are_the_batch_as_it_was_after_the_forward(load_tiny):
             assert view.offset == n
             assert mx.array_equal(view.keys, before[layer][0][i : i + 1, :, start : start + n]).item()
             assert mx.array_equal(view.values, before[layer][1][i : i + 1, :, start : start + n]).item()
+
+
+def test_a_forward_submitted_by_layers_writes_what_it_writes_whole(load_tiny):
+    """Handing every other layer's K/V to the device while the rest is built changes nothing written,
+    and each cache's own ``update_and_fetch`` (tails_in_place's, here) is back afterwards."""
+    from mlxq.engine.tail_placement import submitted_by_layers
+
+    model, _ = load_tiny("llama")
+    whole, layout = placed(model)
+    rows = [solo(model, p) for p in PREFIXES]
+    caches, _ = merge_for_tails(rows, [len(t) for t in TAILS], 256)
+    tokens = mx.array([[0] * pad + t for pad, t in zip(layout.chunk_padding, TAILS, strict=True)])
+    submitted = []
+    with tails_in_place(caches, layout):
+        keeping = [vars(c)["update_and_fetch"] for c in caches]
+        with submitted_by_layers(caches, lambda arrays: submitted.append(mx.async_eval(arrays)), every=2):
+            model(tokens, cache=caches)
+        assert [vars(c)["update_and_fetch"] for c in caches] == keeping
+    assert len(submitted) == (len(caches) - 1) // 2 > 0
+    assert all("update_and_fetch" not in vars(c) for c in caches)
+    for a, b in zip(caches, whole, strict=True):
+        assert mx.array_equal(a.keys[..., : a._idx, :], b.keys[..., : b._idx, :]).item()
+        assert mx.array_equal(a.values[..., : a._idx, :], b.values[..., : b._idx, :]).item()
