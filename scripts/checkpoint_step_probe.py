@@ -23,6 +23,9 @@ unset for the run) or ``on`` (as shipped), or by changes joined with
 - ``sync``: the staged copies evaluated at once (the engine thread waits for
   them before building the next step);
 - ``ops``: the copy by MLX operations instead of the kernel;
+- ``rowsN``: at most N due rows stage in one step (instead of an eighth of
+  the batch), ``mibM``: up to M MiB of copies per step (instead of
+  ``STAGE_BYTES_PER_STEP``): fewer, larger stagings;
 - ``pyspy``: under ``py-spy record --native --threads --idle`` for
   ``--pyspy-seconds`` (raw stacks in ``OUT/pyspy-<run>.txt``).
 
@@ -54,7 +57,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxq.engine import checkpoint_spans, checkpoint_staging
+from mlxq.engine import checkpoint_rows, checkpoint_spans, checkpoint_staging
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.engine.types import Request, SamplingParams
 from mlxq.models.loader import load_model
@@ -111,6 +114,11 @@ def variant_patches(changes: set[str], kept: list, store):
                             _sync_stage(checkpoint_staging.StagedLinks.stage)))
     if "ops" in changes:
         rows.append(patched(checkpoint_spans, "_kernel_checked", lambda count, dtype: False))
+    for change in changes:
+        if change.startswith("rows") and change[4:].isdigit():
+            rows.append(patched(checkpoint_rows, "publishes_per_step", lambda batch, n=int(change[4:]): n))
+        if change.startswith("mib") and change[3:].isdigit():
+            rows.append(patched(checkpoint_rows, "STAGE_BYTES_PER_STEP", int(change[3:]) * 2**20))
     return rows
 
 
