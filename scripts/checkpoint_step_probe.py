@@ -6,7 +6,9 @@ The server's Engine in-process (its warm-up, memory limits, SSD tier and
 ``--checkpoint-interval``, 256 unless ``--interval``), ``--rows`` greedy rows of ``--tokens``
 tokens (``ignore_eos``) submitted at once per run, runs one after the other
 with the publish path changed between them (each change undone after its
-run):
+run). The first runs after start-up are slower whatever they change (on the
+H200 an 8B model's first two took 39.6 and 22.1 ms per step, the third
+15.4): put throwaway runs first, and each variant next to an ``on`` run.
 
 A run is named by ``off`` (no checkpoints: the scheduler's ``checkpoints``
 unset for the run) or ``on`` (as shipped), or by changes joined with
@@ -23,6 +25,9 @@ unset for the run) or ``on`` (as shipped), or by changes joined with
 - ``sync``: the staged copies evaluated at once (the engine thread waits for
   them before building the next step);
 - ``ops``: the copy by MLX operations instead of the kernel;
+- ``rowsN``: at most N due rows stage in one step (instead of an eighth of
+  the batch), ``mibM``: up to M MiB of copies per step (instead of
+  ``STAGE_BYTES_PER_STEP``; ``mib32`` was its former value);
 - ``pyspy``: under ``py-spy record --native --threads --idle`` for
   ``--pyspy-seconds`` (raw stacks in ``OUT/pyspy-<run>.txt``).
 
@@ -39,19 +44,22 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import logging
 import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import traceback
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 
-from mlxq.engine import checkpoint_spans, checkpoint_staging
+from mlxq.engine import checkpoint_rows, checkpoint_spans, checkpoint_staging
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.engine.types import Request, SamplingParams
 from mlxq.models.loader import load_model
@@ -108,6 +116,11 @@ def variant_patches(changes: set[str], kept: list, store):
                             _sync_stage(checkpoint_staging.StagedLinks.stage)))
     if "ops" in changes:
         rows.append(patched(checkpoint_spans, "_kernel_checked", lambda count, dtype: False))
+    for change in changes:
+        if change.startswith("rows") and change[4:].isdigit():
+            rows.append(patched(checkpoint_rows, "publishes_per_step", lambda batch, n=int(change[4:]): n))
+        if change.startswith("mib") and change[3:].isdigit():
+            rows.append(patched(checkpoint_rows, "STAGE_BYTES_PER_STEP", int(change[3:]) * 2**20))
     return rows
 
 
@@ -117,12 +130,17 @@ class StepLog:
     def __init__(self, scheduler) -> None:
         self.scheduler = scheduler
         self.steps: list[tuple[float, bool]] = []
+        self.gaps: list[float] = []  # from a step's end to the next one's start (the engine loop's other work)
         self._inner = scheduler._decode_step
+        self._ended: float | None = None
 
     def __call__(self) -> None:
         start = time.perf_counter()
+        if self._ended is not None and self.scheduler.batch.rows:
+            self.gaps.append(start - self._ended)
         self._inner()
-        took = time.perf_counter() - start
+        self._ended = time.perf_counter()
+        took = self._ended - start
         checkpoints = self.scheduler.checkpoints  # a step publishes the last one's links, then stages its own
         self.steps.append((took, checkpoints is not None and len(checkpoints.batch_staged) > 0))
 
@@ -137,6 +155,48 @@ class StepLog:
             groups.setdefault(key, []).append(took)
         return {k: {"steps": len(v), "mean_ms": round(1000 * statistics.fmean(v), 3),
                     "median_ms": round(1000 * statistics.median(v), 3)} for k, v in sorted(groups.items())}
+
+
+class Parts:
+    """Wall time of the checkpoint path's parts on the engine thread, each wrapped on its instance for a
+    run: staging (the due rows' links described, ``_staged_links``, and their copies queued,
+    ``StagedLinks.stage``), publishing the last step's links (``StagedLinks.publish``), and the cache
+    clear after a step (``_clear_cache``, where spent buffers are let go)."""
+
+    def __init__(self, sched) -> None:
+        self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list = []
+        self._wrap(sched, "_clear_cache", "clear_cache")
+        checkpoints = sched.checkpoints
+        if checkpoints is not None:
+            self._wrap(sched, "_stage_due", "stage_due")
+            self._wrap(sched, "_staged_links", "describe")
+            self._wrap(checkpoints.batch_staged, "stage", "queue_copies")
+            self._wrap(checkpoints.batch_staged, "publish", "publish")
+
+    def _wrap(self, owner, attr: str, name: str) -> None:
+        inner = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr))
+
+    def undo(self) -> None:
+        for owner, attr in self._undo:
+            delattr(owner, attr)  # the instance attribute goes: the class's method again
+
+    def as_dict(self, steps: int) -> dict:
+        return {name: {"calls": self.calls[name], "ms": round(1000 * total, 2),
+                       "per_call_ms": round(1000 * total / self.calls[name], 3),
+                       "per_step_ms": round(1000 * total / max(steps, 1), 4)} for name, total in self.totals.items()}
 
 
 def _pyspy(path: Path, seconds: int):
@@ -171,7 +231,9 @@ def run_once(engine, name: str, rows: int, tokens: int, tag: str, offset: int, v
             stack.enter_context(patch)
         if "off" in changes:
             stack.enter_context(patched(sched, "checkpoints", None))
-        mx.reset_peak_memory()
+        parts = Parts(sched)
+        stack.callback(parts.undo)
+        engine.call_between_steps(mx.reset_peak_memory, 60)  # MLX called on the engine thread only
         for i in range(rows):
             def emit(event):
                 if event.finish_reason is not None:
@@ -182,11 +244,12 @@ def run_once(engine, name: str, rows: int, tokens: int, tag: str, offset: int, v
         for _ in range(rows):
             done.acquire()
         if checkpoints is not None:
-            checkpoints.store.flush(60)
+            engine.flush_cache(120)  # the last step's staged links published (engine thread), then written
     if spy is not None:
         spy.wait(timeout=60)
     kept.clear()
     del sched._decode_step
+    memory = engine.call_between_steps(lambda: (mx.get_peak_memory(), mx.get_cache_memory()), 60)
     after = dict(sched.timing.as_dict()["totals"], steps=sched.timing.steps)
     steps = after["steps"] - before["steps"]
     split = {k[:-2] + "_ms": round(1000 * (after[k] - before[k]) / max(steps, 1), 3)
@@ -195,9 +258,11 @@ def run_once(engine, name: str, rows: int, tokens: int, tag: str, offset: int, v
     counters = vars(checkpoints.store.counters) if checkpoints is not None else {}
     return {"variant": name, "tok_s_median": round(statistics.median(rates), 2), "steps": steps, "split": split,
             "by_distance": log.by_distance(), "staging_steps": sum(s for _, s in log.steps),
+            "parts": parts.as_dict(steps),
+            "between_steps_ms": round(1000 * statistics.fmean(log.gaps), 3) if log.gaps else None,
             "links": {k: counters[k] - written.get(k, 0) for k in ("written", "dropped", "kernel_links")
                       if k in counters} if name != "off" else {},
-            "peak_gb": round(mx.get_peak_memory() / 1e9, 2), "cache_gb": round(mx.get_cache_memory() / 1e9, 2)}
+            "peak_gb": round(memory[0] / 1e9, 2), "cache_gb": round(memory[1] / 1e9, 2)}
 
 
 def main() -> None:
@@ -212,6 +277,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
         ssd = SsdConfig(str(Path(tmp) / "ssd"), max_bytes=100 * 10**9, checkpoint_interval=args.interval)
         # The model loads on the engine thread, as the server's does (MLX's GPU streams belong to a thread).
@@ -223,8 +289,12 @@ def main() -> None:
                 raise SystemExit(f"the engine failed to start: {engine.fatal_error}")
         results = []
         for n, name in enumerate(args.variants.split(",")):
-            result = run_once(engine, name, args.rows, args.tokens, f"run{n}", n, engine.loaded.vocab_size, args.out,
-                              args.pyspy_seconds)
+            try:
+                result = run_once(engine, name, args.rows, args.tokens, f"run{n}", n, engine.loaded.vocab_size,
+                                  args.out, args.pyspy_seconds)
+            except Exception as exc:  # the other variants still run
+                traceback.print_exc()
+                result = {"variant": name, "error": f"{type(exc).__name__}: {exc}"}
             results.append(result)
             print(json.dumps(result), flush=True)
             (args.out / "probe.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -192,6 +192,20 @@ def test_bench_checkpoints(small_model, tmp_path):
     assert set(mode["decode_tok_s_median"]) == {"on", "off"} and mode["checkpoints_written"] >= 1
 
 
+def test_bench_checkpoints_rounds(small_model, tmp_path):
+    """The batch lane, rounds alternating on/off: each round's ratio, decode steps and links."""
+    run("bench_checkpoints.py", "--model", str(small_model), "--tokens", "24", "--interval", "8", "--rounds", "2",
+        "--rows", "2", "--batch", "2", "--out", str(tmp_path))
+    mode = json.loads((tmp_path / "checkpoints-b2-r2-sequential.json").read_text())["sequential"]
+    assert [r["order"] for r in mode["rounds"]] == [["on", "off"], ["off", "on"]]
+    for r in mode["rounds"]:
+        assert r["on"]["step"]["steps"] >= 20 and r["off"]["step"]["steps"] >= 20
+        assert r["on"]["checkpoints"]["written"] >= 4 and r["on"]["checkpoints"]["dropped"] == 0
+        assert r["on_over_off"] > 0
+    assert mode["on_over_off"]["n"] == 2 and mode["on_over_off"]["min"] <= mode["on_over_off"]["median"]
+    assert mode["checkpoints_written"] == sum(r["on"]["checkpoints"]["written"] for r in mode["rounds"])
+
+
 def test_checkpoint_step_probe(small_model, tmp_path):
     run("checkpoint_step_probe.py", "--model", str(small_model), "--rows", "2", "--tokens", "20", "--interval", "8",
         "--variants", "off,on,nohold,keep,nowrite+nohost,sync,ops", "--warmup", "off", "--out", str(tmp_path))
@@ -201,6 +215,8 @@ def test_checkpoint_step_probe(small_model, tmp_path):
     for name in ("on", "nohold", "keep", "nowrite+nohost", "sync", "ops"):
         assert runs[name]["links"]["written"] >= 2 and runs[name]["links"]["dropped"] == 0, runs[name]
         assert runs[name]["staging_steps"] >= 2 and runs[name]["steps"] >= 18
+        assert runs[name]["parts"]["queue_copies"]["calls"] == runs[name]["staging_steps"], runs[name]
+    assert set(runs["off"]["parts"]) == {"clear_cache"}
 
 
 def test_profile_adapter_step():

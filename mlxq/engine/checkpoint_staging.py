@@ -36,7 +36,12 @@ import mlx.core as mx
 if TYPE_CHECKING:
     from mlxq.engine.checkpointing import RowCheckpoint, StagedLink
 
-STAGE_BYTES_PER_STEP = 32 * 2**20  # copies staged per decode step: about one 256-token link of an 8B model
+# Copies staged per decode step: four 256-token links of an 8B model, the eighth of a 32-row batch that
+# ``publishes_per_step`` lets stage at once. Most of what a staging costs the engine thread is per
+# staging, not per row (the views of every K/V array, the launches, their evaluation, one Pack to move
+# and free: docs/benchmarks.md, "CPU and H200: generation checkpoints' cost on decode"), so fewer,
+# larger stagings; the bytes cost the device a copy.
+STAGE_BYTES_PER_STEP = 128 * 2**20
 IN_FLIGHT_BYTES = 512 * 2**20  # queued for the writer: while more, due rows wait
 
 

@@ -63,9 +63,11 @@ class Pack:
             return self._host
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class PackedTensor:
-    """One array inside a Pack: what a writer needs of an array (nbytes, shape, dtype, its bytes)."""
+    """One array inside a Pack: what a writer needs of an array (nbytes, shape, dtype, its bytes). Not
+    changed once made; not frozen because a frozen dataclass sets each field through ``object.__setattr__``
+    (the batch lane makes 64 per row of an 8B model at each publish, on the engine thread)."""
 
     pack: Pack
     offset: int

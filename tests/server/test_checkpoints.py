@@ -100,7 +100,8 @@ def interrupt(model, cache, payload: dict, how: str, *extra: str, reference: boo
 
 @pytest.mark.parametrize("arch, sampling, how, kv_quant", [
     ("llama", GREEDY, "kill", "off"), ("llama", SEEDED, "term", "off"), ("gemma3_text", SEEDED, "kill", "off"),
-    ("qwen3_next", SEEDED, "term", "off"), ("gemma3_text", SEEDED, "kill", "8"),
+    ("gemma3_text", GREEDY, "term", "off"), ("qwen3_next", SEEDED, "term", "off"),
+    ("qwen3_next", GREEDY, "kill", "off"), ("gemma3_text", SEEDED, "kill", "8"),
 ])
 def test_an_interrupted_generation_resumes_to_the_uninterrupted_text(tiny_model_dirs, tmp_path, arch, sampling,
                                                                        how, kv_quant):
@@ -119,6 +120,9 @@ def test_an_interrupted_generation_resumes_to_the_uninterrupted_text(tiny_model_
     assert stats["restored"] == 1 and stats["restored_tokens"] == restored
     assert stats["files"] == 0 and stats["deleted"] == 1  # completion removed it
     assert "mlxq:checkpoints_restored_total 1.0" in metrics
+    assert counter(metrics, "checkpoints_restored_tokens_total") == restored
+    assert counter(metrics, "checkpoints_written_total") == stats["written"] >= 1  # the resumed run's links
+    assert counter(metrics, "checkpoints_written_bytes_total") == stats["written_bytes"] > 0
 
 
 def test_a_changed_sampling_field_never_resumes_another_checkpoint(tiny_model_dirs, tmp_path):
@@ -178,17 +182,31 @@ def test_kill_during_checkpoint_writes_never_restores_wrong_output(tiny_model_di
     assert restored >= 1
 
 
-def test_a_full_disk_drops_checkpoints_not_requests(tiny_model_dirs, tmp_path):
-    """Files over 64 KiB fail as on a full disk (RLIMIT_FSIZE: EFBIG; Python ignores SIGXFSZ)."""
+@pytest.mark.parametrize("batch", ["1", "4"])
+def test_a_full_disk_drops_checkpoints_not_requests(tiny_model_dirs, tmp_path, batch):
+    """Files over 64 KiB fail as on a full disk (RLIMIT_FSIZE: EFBIG; Python ignores SIGXFSZ): in the serial
+    lane and in the batch (alone in it: the serial text)."""
     model, payload = tiny_model_dirs["llama"], body(GREEDY, 120)
     with serve(model, tmp_path / "off", "--checkpoint-interval", "0") as server:
         reference = complete(server.url, payload)["choices"][0]["text"]
-    with serve(model, tmp_path / "full", limit_file_bytes=64 * 1024) as server:
+    with serve(model, tmp_path / "full", "--batch", batch, limit_file_bytes=64 * 1024) as server:
         assert complete(server.url, payload)["choices"][0]["text"] == reference
-        stats = httpx.get(server.url + "/stats").json()["checkpoints"]
         flushed = httpx.post(server.url + "/admin/cache/flush", timeout=60).json()
-    assert stats["dropped"] >= 1 and stats["written"] == 0
-    assert flushed["durable"] is False and json.dumps(flushed)
+        stats = httpx.get(server.url + "/stats").json()
+        metrics = httpx.get(server.url + "/metrics").text
+    lane = "serial" if batch == "1" else "continuous"
+    assert stats["engine"]["lanes"][lane] == 1 and stats["engine"]["requests_failed"] == 0, stats["engine"]
+    assert stats["checkpoints"]["dropped"] >= 1 and stats["checkpoints"]["written"] == 0
+    assert flushed["durable"] is False and flushed["checkpoints"]["dropped"] >= 1
+    assert counter(metrics, "checkpoints_dropped_total") == stats["checkpoints"]["dropped"]
+    assert counter(metrics, "checkpoints_written_total") == 0
+
+
+def counter(metrics: str, name: str) -> float:
+    """A metric's value in /metrics' text (``mlxq:NAME value``)."""
+    values = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(f"mlxq:{name} ")]
+    assert len(values) == 1, name
+    return values[0]
 
 
 @pytest.mark.parametrize("arch, sampling", [("llama", GREEDY), ("gemma3_text", SEEDED), ("qwen3_next", SEEDED)])
