@@ -7,16 +7,20 @@ simdgroups of 32 threads. A key is read by one whole simdgroup, each lane
 holding ``D / 32`` contiguous dimensions of it and of the G queries of the
 group (scaled, in float32); ``simd_sum`` gives each head's score, and each
 simdgroup keeps one online softmax per head (peak, total, weighted values
-in float32) over the keys it walks: simdgroup s takes keys s, s + 32, ...
+in float32) over the keys it walks: simdgroup s takes keys s, s + SG, ...
 of the shared prefix (rows that see it) and then of the row's own tail
 (from ``starts[b]``, left padding before). So every key and value is read
 once for all G query heads. At the end the simdgroups' partials meet in
-threadgroup memory: the peaks and totals by ``simd_max``/``simd_sum``
-across simdgroups, each output dimension by the transpose through a 32 x 32
-float block that ``sdpa_vector`` uses, an attention sink per head as one
-more level. Peaks start at the lowest finite float rather than -inf (the
-kernels compile with fast math, which assumes no infinities); a row with
-no visible key and no sink writes 0, as MLX's kernel does.
+threadgroup memory (peaks and totals, then each head's SG x D weighted
+values in turn), every thread merging some output dimensions, with an
+attention sink per head as one more level. ``sdpa_vector`` runs 32
+simdgroups (1,024 threads) holding one query each; here a thread holds
+the G queries and outputs of its dimensions (up to 2 x 32 floats), so a
+threadgroup has 8 (256 threads): a pipeline whose registers do not allow
+1,024 threads per threadgroup refuses such a launch. Peaks start at the
+lowest finite float rather than -inf (the kernels compile with fast math,
+which assumes no infinities); a row with no visible key and no sink
+writes 0, as MLX's kernel does.
 
 Same inputs and result as kv/shared_prefix_attention.shared_prefix_attention
 for one query per row (bf16, float16 or float32; keys and values read where
@@ -35,9 +39,9 @@ import mlx.core as mx
 from mlxq.kv.kernel_inputs import constant, row_shares, row_starts, scale_array, sinks_array
 from mlxq.kv.shared_prefix_attention import shared_prefix_attention
 
-SIMDGROUPS = 32  # per threadgroup (1,024 threads): the 32 x 32 transpose of the final merge needs as many as lanes
+SIMDGROUPS = 8  # per threadgroup (256 threads; not measured: see the module docstring)
 LANES = 32  # threads per simdgroup on every Apple GPU
-MAX_WIDTH = 32  # G x D / 32: floats a thread keeps per query set and per output set (registers at 1,024 threads)
+MAX_WIDTH = 32  # G x D / 32: floats a thread keeps per query set and per output set (registers)
 # Largest |kernel - plain path| the start-up check accepts, per dtype (outputs of order 1): float32 a few
 # rounding steps of the exponentials, float16 and bf16 the plain path's own bounds against float32.
 BOUNDS = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 2e-2}
@@ -80,10 +84,9 @@ inline void walk_keys(PK kp, PV vp, int64_t ks, int64_t vs, int first, int end, 
 
 _SOURCE = """
     constexpr int E = D / 32;
-    constexpr int SG = 32;
     threadgroup float part_peak[SG * G];
     threadgroup float part_total[SG * G];
-    threadgroup float exchange[SG * SG];
+    threadgroup float exchange[SG * D];
     const int kvh = int(threadgroup_position_in_grid.x);
     const int b = int(threadgroup_position_in_grid.y);
     const uint sg = simdgroup_index_in_threadgroup;
@@ -119,29 +122,32 @@ _SOURCE = """
         }
     }
     metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+    const int t = int(sg) * 32 + int(lane);
     for (int h = 0; h < G; h++) {
-        const float mine = part_peak[lane * G + h];  // simdgroup `lane`'s peak, read by every simdgroup
-        float peak = metal::simd_max(mine);
         const float sink = HAS_SINKS ? static_cast<float>(sinks[kvh * G + h]) : MLXQ_FINITE_MIN;
-        if (HAS_SINKS) {
-            peak = metal::max(peak, sink);
+        float peak = sink;
+        for (int k = 0; k < SG; k++) {
+            peak = metal::max(peak, part_peak[k * G + h]);
         }
-        const float factor = metal::precise::exp(mine - peak);
-        float total = metal::simd_sum(part_total[lane * G + h] * factor);
-        if (HAS_SINKS) {
-            total += metal::precise::exp(sink - peak);
+        float factor[SG];
+        float total = HAS_SINKS ? metal::precise::exp(sink - peak) : 0.0f;
+        for (int k = 0; k < SG; k++) {
+            factor[k] = metal::precise::exp(part_peak[k * G + h] - peak);
+            total += part_total[k * G + h] * factor[k];
         }
-        const int64_t row = ((int64_t)b * heads + kvh * G + h) * D;
         for (int i = 0; i < E; i++) {
-            exchange[lane * SG + sg] = o[h * E + i];
-            metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-            // simdgroup sg sums dimension sg * E + i over the simdgroups (lane: which one)
-            const float acc = metal::simd_sum(exchange[sg * SG + lane] * factor);
-            if (lane == 0) {
-                out[row + sg * E + i] = static_cast<T>(total == 0.0f ? acc : acc / total);
-            }
-            metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+            exchange[sg * D + lane * E + i] = o[h * E + i];
         }
+        metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+        const int64_t row = ((int64_t)b * heads + kvh * G + h) * D;
+        for (int d = t; d < D; d += SG * 32) {
+            float acc = 0.0f;
+            for (int k = 0; k < SG; k++) {
+                acc += exchange[k * D + d] * factor[k];
+            }
+            out[row + d] = static_cast<T>(total == 0.0f ? acc : acc / total);
+        }
+        metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
     }
 """
 
@@ -182,8 +188,8 @@ def _launch(queries, keys, values, starts, scale: float, sinks=None, shares=None
     return _compiled()(
         inputs=[mx.contiguous(queries), *(prefix or (none, none)), keys, values, row_starts(starts),
                 scale_array(scale), sinks_array(sinks), row_shares(shares, batch)],
-        template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("HAS_PREFIX", prefix is not None),
-                  ("HAS_SINKS", sinks is not None)],
+        template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("SG", SIMDGROUPS),
+                  ("HAS_PREFIX", prefix is not None), ("HAS_SINKS", sinks is not None)],
         grid=(kv_heads * threads, batch, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[queries.shape],

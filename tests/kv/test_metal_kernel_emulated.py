@@ -2,7 +2,7 @@
 
 No Metal device is at hand here, so the kernel's own text (kv/metal_decode_kernel.py's
 header and body, unchanged) is compiled as C++17 under a small shim: Metal's address
-space words expand to nothing, a threadgroup is 1,024 lanes run as fibers on one
+space words expand to nothing, a threadgroup's lanes run as fibers on one
 thread (ucontext), ``simd_sum`` and ``simd_max`` wait for the 32 lanes of their
 simdgroup, ``threadgroup_barrier`` for all of them, bfloat16 rounds to nearest even.
 That checks the kernel's indexing (strided tails whose buffers hold NaN past their
@@ -48,13 +48,14 @@ struct bfloat16_t {
   bfloat16_t(float f) { uint32_t u; std::memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); bits = u >> 16; }
   operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 };
-// A threadgroup of 1,024 lanes as fibers on one thread: a lane runs until it waits for its simdgroup
+// A threadgroup's lanes as fibers on one thread: a lane runs until it waits for its simdgroup
 // (a simd_* call) or for the threadgroup (a barrier); the scheduler releases a simdgroup once its 32
 // lanes wait, the threadgroup once every lane does. Reductions read a buffer of their generation.
 namespace emu {
 enum State { RUN, SIMD, TG, DONE };
 struct Lane { ucontext_t ctx; State state; int gen; };
 inline Lane lanes[1024];
+inline int count;  // lanes in this threadgroup
 inline std::vector<char> stacks;
 inline ucontext_t scheduler;
 inline int current;
@@ -69,10 +70,11 @@ inline void entry() {
   body(current / 32, current % 32);
   lanes[current].state = DONE;
 }
-inline void run_threadgroup(std::function<void(uint, uint)> f) {
+inline void run_threadgroup(int n, std::function<void(uint, uint)> f) {
   body = f;
+  count = n;
   if (stacks.empty()) stacks.resize(1024 * 65536);
-  for (int t = 0; t < 1024; t++) {
+  for (int t = 0; t < count; t++) {
     getcontext(&lanes[t].ctx);
     lanes[t].ctx.uc_stack.ss_sp = stacks.data() + (size_t)t * 65536;
     lanes[t].ctx.uc_stack.ss_size = 65536;
@@ -83,20 +85,20 @@ inline void run_threadgroup(std::function<void(uint, uint)> f) {
   }
   for (;;) {
     bool ran = false;
-    for (int t = 0; t < 1024; t++) {
+    for (int t = 0; t < count; t++) {
       if (lanes[t].state != RUN) continue;
       current = t; sg = t / 32; lane = t % 32; ran = true;
       swapcontext(&scheduler, &lanes[t].ctx);
     }
     int done = 0, at_barrier = 0;
-    for (int t = 0; t < 1024; t++) { done += lanes[t].state == DONE; at_barrier += lanes[t].state == TG; }
-    if (done == 1024) return;
+    for (int t = 0; t < count; t++) { done += lanes[t].state == DONE; at_barrier += lanes[t].state == TG; }
+    if (done == count) return;
     bool released = false;
-    if (at_barrier + done == 1024) {
-      for (int t = 0; t < 1024; t++) if (lanes[t].state == TG) lanes[t].state = RUN;
+    if (at_barrier + done == count) {
+      for (int t = 0; t < count; t++) if (lanes[t].state == TG) lanes[t].state = RUN;
       released = true;
     }
-    for (int g = 0; g < 32; g++) {
+    for (int g = 0; g < count / 32; g++) {
       bool all = true;
       for (int l = 0; l < 32; l++) all = all && lanes[g * 32 + l].state == SIMD;
       if (all) { for (int l = 0; l < 32; l++) lanes[g * 32 + l].state = RUN; released = true; }
@@ -125,7 +127,7 @@ namespace precise { inline float exp(float x) { return std::exp(x); } }
 """
 
 SIGNATURE = """
-template <typename T, int D, int G, bool HAS_PREFIX, bool HAS_SINKS>
+template <typename T, int D, int G, int SG, bool HAS_PREFIX, bool HAS_SINKS>
 void kern(const T* queries, const int* queries_shape,
           const T* prefix_keys, const int* prefix_keys_shape, const int64_t* prefix_keys_strides,
           const T* prefix_values, const int64_t* prefix_values_strides,
@@ -136,7 +138,7 @@ void kern(const T* queries, const int* queries_shape,
 """
 
 DRIVER = """
-template <typename T, int D, int G, bool HAS_SINKS>
+template <typename T, int D, int G, int SG, bool HAS_SINKS>
 void run(const char* in, const char* out_path) {
   FILE* f = fopen(in, "rb");
   int meta[8];
@@ -158,8 +160,8 @@ void run(const char* in, const char* out_path) {
   int64_t kstr[4] = {(int64_t)kvh * cap * D, (int64_t)cap * D, D, 1};
   for (int b = 0; b < rows; b++) {
     for (int h = 0; h < kvh; h++) {
-      emu::run_threadgroup([&](uint sg, uint lane) {
-        kern<T, D, G, true, HAS_SINKS>(Q.data(), qshape, PK.data(), pshape, pstr, PV.data(), pstr, B.data(), kshape,
+      emu::run_threadgroup(SG * 32, [&](uint sg, uint lane) {
+        kern<T, D, G, SG, true, HAS_SINKS>(Q.data(), qshape, PK.data(), pshape, pstr, PV.data(), pstr, B.data(), kshape,
                                        kstr, B.data() + (size_t)rows * kvh * cap * D, kstr, starts.data(), &scale,
                                        sinks.data(), shares.data(), out.data(), uint3{(uint)h, (uint)b, 0}, sg, lane);
       });
@@ -184,7 +186,8 @@ C_TYPES = {mx.float32: "float", mx.bfloat16: "bfloat16_t"}
 def emulator(tmp_path_factory):
     """One binary holding every case's instantiation (``./kernel CASE in out``)."""
     root = tmp_path_factory.mktemp("metal-emulation")
-    calls = "\n".join(f"  if (which == {i}) run<{C_TYPES[dtype]}, {dim}, {heads // kv_heads}, {str(sinks).lower()}>"
+    calls = "\n".join(f"  if (which == {i}) run<{C_TYPES[dtype]}, {dim}, {heads // kv_heads}, {kernel.SIMDGROUPS}, "
+                      f"{str(sinks).lower()}>"
                       "(argv[2], argv[3]);" for i, (dtype, heads, kv_heads, dim, sinks) in enumerate(CASES))
     source = (SHIM + kernel._HEADER + SIGNATURE + kernel._SOURCE + "\n}\n" + DRIVER
               + f"\nint main(int argc, char** argv) {{\n  const int which = atoi(argv[1]);\n{calls}\n}}\n")
