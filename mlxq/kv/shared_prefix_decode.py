@@ -147,7 +147,8 @@ def call_shape(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Qu
                      shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys, tail_values),
                      gqa_decode_kernel.can_run(queries, tail_keys, tail_values),
                      prefix_mma_kernel.can_run(queries, prefix_keys),
-                     metal_decode_kernel.can_run(queries, prefix_keys, tail_keys, tail_values))
+                     metal_decode_kernel.on_metal()
+                     and metal_decode_kernel.can_run(queries, prefix_keys, tail_keys, tail_values))
 
 
 def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant | None = None) -> str:

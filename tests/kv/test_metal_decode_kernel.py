@@ -67,6 +67,8 @@ def test_the_call_shape_says_which_calls_the_kernel_takes(monkeypatch):
     def takes(**kw):
         return decode.call_shape(*arrays(**kw)).metal
 
+    assert ON_METAL or not takes()  # off Metal (CPU, CUDA) the field stays False: their shapes do not change
+    monkeypatch.setattr(metal_decode_kernel, "on_metal", lambda: True)
     assert takes() and takes(dim=128, dtype=mx.bfloat16) and takes(dtype=mx.float16)
     assert takes(heads=16, dim=128)  # 8 query heads per KV head at 128: the widest it holds
     assert not takes(heads=18, dim=128)  # 9: wider than a thread's registers hold
