@@ -27,12 +27,16 @@ One decode step (one query per row) of one attention layer, for each case
   launch the splits aim at, and warps per block after a colon),
   ``mma_prefix_ms`` the prefix kernel alone;
 - ``shared_mma_gqa``: the same prefix levels merged by the GQA decode
-  kernel walking the tails.
+  kernel walking the tails;
+- ``shared_metal``: kv/metal_decode_kernel.py, one threadgroup per (row,
+  KV head) over the prefix then the tail (Metal only; never run yet: on a
+  Mac, ``--shape 8b`` or ``--shape cpu`` times it beside the plain path).
 
 Each timing is the mean of ``reps`` calls evaluated together after one
 warm-up; ``diff`` / ``full_diff`` / ``split_diff`` are each path's max
 |difference| to ``copies_masked``. On CUDA the kernels' self-checks against
-the plain path (float32, bf16) are printed first.
+the plain path (float32, bf16) are printed first, on Metal the Metal
+kernel's.
 Tails are left-padded with per-row starts spread over 0..own/2 (rows of a
 batch differ in length).
 """
@@ -46,7 +50,7 @@ from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 
-from mlxq.kv import shared_prefix_decode
+from mlxq.kv import metal_decode_kernel, shared_prefix_decode
 from mlxq.kv.shared_prefix_attention import shared_prefix_attention
 
 
@@ -96,6 +100,8 @@ class Row:
     mma_prefix_ms: float | None = None
     shared_mma_gqa_ms: float | None = None
     shared_mma_gqa_diff: float | None = None
+    shared_metal_ms: float | None = None
+    shared_metal_diff: float | None = None
 
 
 def timed(fn, reps: int) -> float:
@@ -161,6 +167,14 @@ def measure(shape: Shape, rows: int, prefix: int, own: int, mma_targets: tuple[s
                         mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
             except Exception as exc:  # a kernel that does not build must not cost the other columns
                 print(f"shared path {path} failed: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+        if metal_decode_kernel.on_metal() and metal_decode_kernel.can_run(q, pk, tail_k, tail_v):
+            try:
+                got = metal_decode_kernel.metal_shared_prefix_decode(q, pk, pv, tail_k, tail_v, starts, scale)
+                paths["metal"] = (timed(lambda: metal_decode_kernel.metal_shared_prefix_decode(
+                    q, pk, pv, tail_k, tail_v, starts, scale), shape.reps),
+                    mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
+            except Exception as exc:
+                print(f"Metal decode kernel failed: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
     kv_mb = (keys.nbytes + values.nbytes) / 1e6
     full, split = paths.get("full", (None, None)), paths.get("split", (None, None))
     shared_gqa, shared_mma = paths.get("gqa", (None, None)), paths.get("mma", (None, None))
@@ -170,7 +184,7 @@ def measure(shape: Shape, rows: int, prefix: int, own: int, mma_targets: tuple[s
     tbps = None if gqa is None else round(kv_mb / 1e6 / (gqa / 1e3), 2)
     return Row(rows, prefix, own, round(kv_mb, 1), masked, kernel, gqa, ops, compiled, full[0], split[0], diff,
                full[1], split[1], gqa_diff, tbps, shared_gqa[0], shared_gqa[1], shared_mma[0], shared_mma[1],
-               by_target, prefix_only, mma_gqa[0], mma_gqa[1])
+               by_target, prefix_only, mma_gqa[0], mma_gqa[1], *paths.get("metal", (None, None)))
 
 
 def mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, targets, reps) -> dict[str, float] | None:
@@ -271,6 +285,12 @@ def main() -> None:
                 print(f"{name} self-check (max |kernel - MLX|): {kernel_self_check():.3g}", flush=True)
             except Exception as exc:
                 print(f"{name} self-check failed: {type(exc).__name__}: {str(exc)[:3000]}", flush=True)
+    if metal_decode_kernel.on_metal():
+        try:
+            kernel_check = {"metal": metal_decode_kernel.self_check()}
+            print(f"Metal decode kernel's check (max |kernel - plain| by dtype): {kernel_check}", flush=True)
+        except Exception as exc:
+            print(f"Metal decode kernel's check failed: {type(exc).__name__}: {str(exc)[:3000]}", flush=True)
     cases = shape.cases if not args.cases else [parse_case(c) for c in args.cases.split(",")]
     out = []
     for rows, prefix, own in cases:

@@ -89,6 +89,16 @@ class EngineConfig:
             raise ValueError("shared_prefix_attention must be auto, on or off")
 
 
+def _auto_declines_off_cuda() -> str:
+    """Why ``--shared-prefix-attention auto`` never shares off CUDA: measured on the CPU, never on Metal."""
+    from mlxq.kv import metal_decode_kernel
+
+    if metal_decode_kernel.on_metal():
+        return ("auto: not measured on Metal (--shared-prefix-attention on shares, through the Metal decode "
+                "kernel once its start-up check passed)")
+    return "auto: sharing measured no gain on this backend (CPU)"
+
+
 def _on_gpu() -> bool:
     """MLX runs on a GPU backend (CUDA, Metal): forwards are bound by weight reads, kernels compile on first use."""
     import mlx.core as mx
@@ -410,7 +420,7 @@ class Engine:
         if self.prompt_cache is None:
             return SharingPolicy(mode, None, unplanned="no prompt cache (groups come from its leases)")
         if mode == "auto" and not mx.cuda.is_available():  # the model's attention calls stay as they were
-            return SharingPolicy(mode, None, unplanned="auto: sharing measured no gain on this backend (CPU, Metal)")
+            return SharingPolicy(mode, None, unplanned=_auto_declines_off_cuda())
         if mode == "off":
             return SharingPolicy(mode, None)
         plan = plan_sharing(self.loaded.model)

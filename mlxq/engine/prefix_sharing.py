@@ -204,9 +204,12 @@ class SharingStats:
         self.multi_group_steps += len(groups) > 1
 
     def as_dict(self, policy: SharingPolicy | None, total_steps: int, groups: tuple[Group, ...]) -> dict:
+        from mlxq.kv.shared_prefix_decode import kernel_status
+
         return {
             "mode": policy.mode if policy else "off",
             "declined": policy.declined() if policy else "batch lane off",
+            "kernels": kernel_status(),  # the attention kernels that may run, or why one was turned down
             "steps": self.steps,
             "share_of_steps": self.steps / total_steps if total_steps else 0.0,
             "groups_built": self.groups,

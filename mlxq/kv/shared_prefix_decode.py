@@ -28,9 +28,12 @@
   (H200 8B, one forward of 64 rows: 56 queries each on 14.5k, 252 ms vs
   828 in plain operations; 50 on 2k, 125 vs 191, per-row copies 202).
   Everything else with several queries per row takes ``ops``, whose prefix
-  product goes in blocks of at most ``SCORE_BLOCK`` scores.
+  product goes in blocks of at most ``SCORE_BLOCK`` scores;
+- ``metal``: kv/metal_decode_kernel.py, the gqa kernel's plan on Metal
+  (one threadgroup per row and KV head), once ``enable_metal``'s check
+  passed on the device; nothing of it was measured (``_metal_route``).
 
-The kernels run only on CUDA, only after ``enable()``'s self-check agrees
+The CUDA kernels run only on CUDA, only after ``enable()``'s self-check agrees
 with the plain path, and only for a head width they have (one query per row
 but for ``mma_prefill``). ``route`` decides from a ``CallShape``, plain
 data. The thresholds come from the H200 measurements in docs/benchmarks.md
@@ -69,7 +72,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxq.kv import gqa_decode_kernel, prefix_mma_kernel, shared_prefix_kernel, tail_merge_kernel
+from mlxq.kv import gqa_decode_kernel, metal_decode_kernel, prefix_mma_kernel, shared_prefix_kernel, tail_merge_kernel
 from mlxq.kv.shared_prefix_attention import (
     Quant,
     RowGroups,
@@ -85,6 +88,7 @@ SPLIT_MIN_GROUP_TOKENS = 32_768  # rows x prefix tokens from which the split pat
 GQA_MAX_GROUP_TOKENS = 524_288  # from here the split path's GEMMs beat the gqa path (float16, float32)
 MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 groups (H200, 8B shape)
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
+METAL_MAX_GROUP_TOKENS = GQA_MAX_GROUP_TOKENS  # the CUDA gqa kernel's bound, taken over: not measured on Metal
 PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa", "mma_prefill")
 # Warps per block of the prefix kernel in a prefill: each block stages the whole prefix once for its
 # 16 x PREFILL_WARPS query rows (64 x 56 queries x 4 heads of a group = 14,336 rows per KV head).
@@ -93,6 +97,8 @@ AGREEMENT = 2e-2  # a kernel's largest difference to the plain path, bf16 output
 
 _kernels: frozenset[str] = frozenset()  # the kernel paths whose self-checks passed (``passing_paths``)
 _checked = False  # enable() ran its self-check
+_metal_checked = False  # enable_metal() ran the Metal kernel's check
+_declined: str | None = None  # why a backend's kernel stays off (``kernel_status``; set on Metal)
 _grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
 _OPTIONAL = ("gqa", "mma", "mma_gqa", "mma_prefill")  # paths whose failed self-check keeps the others on
@@ -109,6 +115,7 @@ class CallShape:
     one_kernel: bool  # kv/shared_prefix_kernel.py takes it (and so the split path)
     gqa_tails: bool  # kv/gqa_decode_kernel.py takes its tails
     mma_prefix: bool  # kv/prefix_mma_kernel.py takes its queries and prefix (bf16)
+    metal: bool = False  # kv/metal_decode_kernel.py takes it
 
     @property
     def group_tokens(self) -> int:
@@ -117,6 +124,8 @@ class CallShape:
 
 def route(shape: CallShape, kernels: frozenset[str]) -> str:
     """The path for ``shape`` given the kernel paths whose self-checks passed."""
+    if "metal" in kernels:
+        return _metal_route(shape)
     if shape.quantized or "split" not in kernels:
         return "ops"
     if shape.queries > 1:  # a prefill chunk: the prefix on tensor cores, never a float32 score matrix of it
@@ -137,13 +146,15 @@ def call_shape(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Qu
     return CallShape(queries.shape[0], queries.shape[2], prefix_keys.shape[2], False,
                      shared_prefix_kernel.can_run(queries, prefix_keys, tail_keys, tail_values),
                      gqa_decode_kernel.can_run(queries, tail_keys, tail_values),
-                     prefix_mma_kernel.can_run(queries, prefix_keys))
+                     prefix_mma_kernel.can_run(queries, prefix_keys),
+                     metal_decode_kernel.on_metal()
+                     and metal_decode_kernel.can_run(queries, prefix_keys, tail_keys, tail_values))
 
 
 def choose(queries: mx.array, prefix_keys, tail_keys, tail_values, quant: Quant | None = None) -> str:
     if _forced is not None:
         return _forced
-    if not is_enabled():
+    if not _kernels:
         return "ops"
     return route(call_shape(queries, prefix_keys, tail_keys, tail_values, quant), _kernels)
 
@@ -213,6 +224,8 @@ def attention(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_
         return _mma_gqa_decode(*args, shares)
     if path == "mma_prefill":
         return _mma_prefill(*args, shares)
+    if path == "metal":
+        return metal_decode_kernel.metal_shared_prefix_decode(*args, shares)
     return shared_prefix_attention(*args, quant, shares)
 
 
@@ -333,7 +346,7 @@ def enable() -> bool:
         _kernels = passing_paths(errors, _mma_partials_agree())
         if "mma_gqa" not in _kernels:
             log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
-    return is_enabled()
+    return is_enabled() or enable_metal()
 
 
 def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: float = AGREEMENT) -> frozenset[str]:
@@ -383,3 +396,50 @@ def _grouped_ready() -> bool:
 
 def is_enabled() -> bool:
     return "split" in _kernels
+
+
+def _metal_route(shape: CallShape) -> str:
+    """On Metal, once the kernel's check passed: the kernel for one query per row below
+    METAL_MAX_GROUP_TOKENS, where the CUDA gqa kernel (the same plan: every row re-reads the prefix)
+    measured faster than the prefix as GEMMs; the plain path (those GEMMs) for larger groups,
+    prefill chunks and quantized K/V. Neither side was measured on Metal."""
+    if shape.quantized or shape.queries > 1 or not shape.metal or shape.group_tokens >= METAL_MAX_GROUP_TOKENS:
+        return "ops"
+    return "metal"
+
+
+def enable_metal() -> bool:
+    """Let kv/metal_decode_kernel.py run from now on if its check agrees with the plain path on this
+    device in every dtype it takes (once). A kernel that does not build (no Metal back-end, a compile
+    error, an API MLX lacks) or disagrees keeps the plain path: said in the log and in /stats
+    (``kernel_status``). ``MLXQ_METAL_ATTENTION=mlx`` keeps the plain path without a check. Off
+    Metal (CPU, CUDA) it does nothing: ``enable`` asks it after the CUDA kernels' check."""
+    global _kernels, _metal_checked, _declined
+    if not metal_decode_kernel.on_metal():
+        return False
+    if _metal_checked:
+        return "metal" in _kernels
+    _metal_checked = True
+    if os.environ.get("MLXQ_METAL_ATTENTION", "").lower() == "mlx":
+        _declined = "MLXQ_METAL_ATTENTION=mlx"
+        return False
+    try:
+        errors = metal_decode_kernel.self_check()
+    except Exception as exc:
+        _declined = f"the Metal decode kernel did not run ({type(exc).__name__}: {exc})"
+        log.warning("shared-prefix attention stays on plain operations: %s", _declined)
+        return False
+    failed = metal_decode_kernel.disagreeing(errors)
+    if failed:
+        _declined = f"the Metal decode kernel disagrees with the plain path (max diffs {failed})"
+        log.warning("shared-prefix attention stays on plain operations: %s", _declined)
+        return False
+    _kernels = frozenset({"metal"})
+    log.info("shared-prefix Metal decode kernel on (max diffs to the plain path %s)", errors)
+    return True
+
+
+def kernel_status() -> dict:
+    """/stats.batch.shared_prefix.kernels: the kernel paths that may run (none before the first
+    group's check) and why a backend's kernel was turned down (on Metal; None otherwise)."""
+    return {"paths": sorted(_kernels), "declined": _declined}
