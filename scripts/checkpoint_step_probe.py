@@ -25,10 +25,7 @@ unset for the run) or ``on`` (as shipped), or by changes joined with
 - ``hostonly``: the writer moves each link's Packs to host memory and
   registers the link (no hashing, no disk);
 - ``nodisk``: as ``hostonly``, and hashes every tensor (no disk);
-- ``nohash``: the writer thread writes the link with placeholder checksums;
-- ``thread``: the writer thread hashes and writes the files itself
-  (``mlxkv.write_file``) instead of the helper process
-  (store/link_writer.py);
+- ``nohash``: the link written to disk with placeholder checksums;
 - ``pyhash``: the writer as it was: python-xxhash (which holds the GIL
   while it hashes) and a seek and a write per tensor (``write_steps``),
   instead of ``write_file``'s GIL-free hashing and few ``pwritev``;
@@ -150,8 +147,6 @@ def variant_patches(changes: set[str], kept: list, store):
         rows.append(patched(CheckpointStore, "_run", _no_disk))
     if "nohash" in changes:
         rows.append(patched(mlxkv, "xxh3", SimpleNamespace(hexdigest=lambda data: "0" * 32)))
-    if changes & {"thread", "pyhash", "nohash"} and store is not None:
-        rows.append(patched(store, "process", None))
     if "pyhash" in changes:
         rows.append(patched(mlxkv, "xxh3", SimpleNamespace(hexdigest=xxhash.xxh3_128_hexdigest)))
         rows.append(patched(checkpoints_module, "write_file", _stepped_write))

@@ -208,10 +208,10 @@ def test_bench_checkpoints_rounds(small_model, tmp_path):
 
 def test_checkpoint_step_probe(small_model, tmp_path):
     run("checkpoint_step_probe.py", "--model", str(small_model), "--rows", "2", "--tokens", "20", "--interval", "8",
-        "--variants", "off,on,nohold,keep,nowrite+nohost,sync,ops,hostonly,nodisk,nohash,thread,pyhash",
-        "--warmup", "off", "--out", str(tmp_path))
+        "--variants", "off,on,nohold,keep,nowrite+nohost,sync,ops,hostonly,nodisk,nohash,pyhash", "--warmup", "off",
+        "--out", str(tmp_path))
     runs = {entry["variant"]: entry for entry in json.loads((tmp_path / "probe.json").read_text())}
-    writers = ("hostonly", "nodisk", "nohash", "thread", "pyhash")
+    writers = ("hostonly", "nodisk", "nohash", "pyhash")
     assert set(runs) == {"off", "on", "nohold", "keep", "nowrite+nohost", "sync", "ops", *writers}
     assert runs["off"]["staging_steps"] == 0 and runs["off"]["links"] == {}
     for name in ("on", "nohold", "keep", "nowrite+nohost", "sync", "ops", *writers):

@@ -30,7 +30,6 @@ from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
-from mlxq.store import link_writer
 from mlxq.store.checkpoint_links import (
     CheckpointRecord,
     LinkLayers,
@@ -50,7 +49,6 @@ __all__ = ["CheckpointFlush", "CheckpointRecord", "CheckpointStore"]
 log = logging.getLogger("mlxq.checkpoints")
 
 DEFAULT_QUEUE_BYTES = 2 * 2**30  # arrays waiting for the writer; a publish beyond it is dropped
-PROCESS_WRITER = True  # link files hashed and written by a helper process (Linux), not the writer thread
 
 
 class CheckpointStore:
@@ -71,9 +69,6 @@ class CheckpointStore:
         self._cond = threading.Condition()
         self._writer: threading.Thread | None = None
         self.spent = SpentBuffers()  # host-read buffers of links written, until the engine clears MLX's cache
-        # Links hashed and written by a helper process (store/link_writer.py), else by the writer thread.
-        self.process = link_writer.LinkWriterProcess(queue_bytes) if PROCESS_WRITER and link_writer.available() \
-            else None
 
     def _path(self, key: str, end: int) -> Path:
         return self.directory / f"{link_name(key, end)}.mlxkv"
@@ -322,11 +317,7 @@ class CheckpointStore:
         path = self._path(job.key, job.end)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            if self.process is not None and all(isinstance(t, PackedTensor) for _, _, named in job.layers
-                                                for _, t in named):
-                self.process.write(path, job.header, job.layers)
-            else:
-                write_file(path, job.header, job.layers, PackedTensor.host_bytes)
+            write_file(path, job.header, job.layers, PackedTensor.host_bytes)
         except Exception as exc:  # OSError from the disk (full, refused); anything else is logged in full
             if isinstance(exc, OSError):
                 log.warning("checkpoint link %s not written: %s", path.name, exc)

@@ -7,7 +7,6 @@ import os
 
 import mlx.core as mx
 import numpy as np
-import pytest
 import xxhash
 from mlx_lm.models.cache import ArraysCache, KVCache
 
@@ -54,32 +53,3 @@ def test_gil_free_digest_equals_python_xxhash():
     shaped = np.arange(2**17, dtype=np.float32).reshape(256, 512)  # a 2-D buffer of 512 KiB
     assert xxh3.hexdigest(shaped) == xxhash.xxh3_128_hexdigest(shaped.tobytes())
     assert xxh3.GIL_FREE  # the xxhash extension exports XXH3_128bits_withSeed here
-
-
-def test_the_helper_process_writes_the_same_file_and_reports_disk_errors(tmp_path):
-    from mlxq.store.checkpoint_pack import stage_packs
-    from mlxq.store.link_writer import LinkWriterProcess, available
-
-    if not available():
-        pytest.skip("the helper process needs Linux's memfd")
-    layers = _layers()
-    packed, packs = stage_packs(layers, max_pack_bytes=300 * 1024)  # several Packs: runs across them
-    mx.eval(*(p.flat for p in packs))
-    stepped, helped = tmp_path / "a.mlxkv", tmp_path / "b.mlxkv"
-    for _ in mlxkv.write_steps(stepped, HEADER, layers):
-        pass
-    writer = LinkWriterProcess(64 * 2**20)
-    try:
-        writer.write(helped, HEADER, packed)
-        assert stepped.read_bytes() == helped.read_bytes()
-        with pytest.raises(OSError):  # the disk's error comes back as an OSError; no .tmp is left
-            writer.write(tmp_path / "missing" / "c.mlxkv", HEADER, packed)
-        first = writer._proc.pid
-        writer._proc.kill()  # a helper that died between links: the next link starts a new one
-        writer._proc.wait()
-        writer.write(tmp_path / "e.mlxkv", HEADER, packed)
-        assert writer._proc.pid != first
-        assert (tmp_path / "e.mlxkv").read_bytes() == stepped.read_bytes()
-    finally:
-        writer.close()
-    assert not list(tmp_path.rglob("*.tmp"))
