@@ -22,6 +22,13 @@ unset for the run) or ``on`` (as shipped), or by changes joined with
 - ``nowrite``: the writer registers each link without reading or writing its
   bytes (no disk, no host reads);
 - ``nohost``: no move of the Packs to host memory (with ``nowrite``);
+- ``hostonly``: the writer moves each link's Packs to host memory and
+  registers the link (no hashing, no disk);
+- ``nodisk``: as ``hostonly``, and hashes every tensor (no disk);
+- ``nohash``: the link written to disk with placeholder checksums;
+- ``pyhash``: the writer as it was: python-xxhash (which holds the GIL
+  while it hashes) and a seek and a write per tensor (``write_steps``),
+  instead of ``write_file``'s GIL-free hashing and few ``pwritev``;
 - ``sync``: the staged copies evaluated at once (the engine thread waits for
   them before building the next step);
 - ``ops``: the copy by MLX operations instead of the kernel;
@@ -56,13 +63,17 @@ import time
 import traceback
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
+import xxhash
 
 from mlxq.engine import checkpoint_rows, checkpoint_spans, checkpoint_staging
 from mlxq.engine.engine import Engine, EngineConfig
 from mlxq.engine.types import Request, SamplingParams
 from mlxq.models.loader import load_model
+from mlxq.store import checkpoints as checkpoints_module
+from mlxq.store import mlxkv, xxh3
 from mlxq.store.checkpoint_pack import Pack
 from mlxq.store.checkpoints import CheckpointStore
 from mlxq.store.ssd_config import SsdConfig
@@ -89,6 +100,27 @@ def _keeping(original, kept: list):
     return run
 
 
+def _tensors(job):
+    return [t for _, _, named in job.layers for _, t in named]
+
+
+def _host_only(store, job) -> None:
+    for t in _tensors(job):
+        t.host_bytes()
+    store._register(job)
+
+
+def _no_disk(store, job) -> None:
+    for t in _tensors(job):
+        xxh3.hexdigest(t.host_bytes())
+    store._register(job)
+
+
+def _stepped_write(path, header, layers, host_bytes) -> None:
+    for _ in mlxkv.write_steps(path, header, layers, host_bytes=host_bytes):
+        pass
+
+
 def _no_host(flat, host_side):
     return Pack(flat)
 
@@ -109,6 +141,15 @@ def variant_patches(changes: set[str], kept: list, store):
         rows.append(patched(store.spent, "hold", False))
     if "nowrite" in changes:
         rows.append(patched(CheckpointStore, "_run", _no_write))
+    if "hostonly" in changes:
+        rows.append(patched(CheckpointStore, "_run", _host_only))
+    if "nodisk" in changes:
+        rows.append(patched(CheckpointStore, "_run", _no_disk))
+    if "nohash" in changes:
+        rows.append(patched(mlxkv, "xxh3", SimpleNamespace(hexdigest=lambda data: "0" * 32)))
+    if "pyhash" in changes:
+        rows.append(patched(mlxkv, "xxh3", SimpleNamespace(hexdigest=xxhash.xxh3_128_hexdigest)))
+        rows.append(patched(checkpoints_module, "write_file", _stepped_write))
     if "nohost" in changes:
         rows.append(patched(checkpoint_spans, "host_side_pack", _no_host))
     if "sync" in changes:
@@ -278,7 +319,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # the SSD files: GBs, never under --out
         ssd = SsdConfig(str(Path(tmp) / "ssd"), max_bytes=100 * 10**9, checkpoint_interval=args.interval)
         # The model loads on the engine thread, as the server's does (MLX's GPU streams belong to a thread).
         engine = Engine(lambda: load_model(args.model),

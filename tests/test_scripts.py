@@ -208,11 +208,13 @@ def test_bench_checkpoints_rounds(small_model, tmp_path):
 
 def test_checkpoint_step_probe(small_model, tmp_path):
     run("checkpoint_step_probe.py", "--model", str(small_model), "--rows", "2", "--tokens", "20", "--interval", "8",
-        "--variants", "off,on,nohold,keep,nowrite+nohost,sync,ops", "--warmup", "off", "--out", str(tmp_path))
+        "--variants", "off,on,nohold,keep,nowrite+nohost,sync,ops,hostonly,nodisk,nohash,pyhash", "--warmup", "off",
+        "--out", str(tmp_path))
     runs = {entry["variant"]: entry for entry in json.loads((tmp_path / "probe.json").read_text())}
-    assert set(runs) == {"off", "on", "nohold", "keep", "nowrite+nohost", "sync", "ops"}
+    writers = ("hostonly", "nodisk", "nohash", "pyhash")
+    assert set(runs) == {"off", "on", "nohold", "keep", "nowrite+nohost", "sync", "ops", *writers}
     assert runs["off"]["staging_steps"] == 0 and runs["off"]["links"] == {}
-    for name in ("on", "nohold", "keep", "nowrite+nohost", "sync", "ops"):
+    for name in ("on", "nohold", "keep", "nowrite+nohost", "sync", "ops", *writers):
         assert runs[name]["links"]["written"] >= 2 and runs[name]["links"]["dropped"] == 0, runs[name]
         assert runs[name]["staging_steps"] >= 2 and runs[name]["steps"] >= 18
         assert runs[name]["parts"]["queue_copies"]["calls"] == runs[name]["staging_steps"], runs[name]
@@ -298,3 +300,12 @@ def test_burst_step_probe_timeline(small_model, tmp_path):
     stages = [row["stage"].strip() for row in timed[-1]["timeline"]]
     assert {"step", "model(prefill)", "model(decode)", "_emit"} <= set(stages), stages
     assert all(r["timeline"] is None for r in rounds if r["fenced"])
+
+
+def test_bench_checkpoint_writer(tmp_path):
+    run("bench_checkpoint_writer.py", "--arrays", "4", "--array-kb", "128", "--rate", "20", "--seconds", "0.3",
+        "--phases", "1", "--writer", "both", "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "checkpoint-writer.json").read_text())
+    assert set(doc["links_written_per_s"]) == {"file", "steps"}
+    assert all(rate > 0 for rate in doc["links_written_per_s"].values()), doc
+    assert doc["file_writer_over_alone"] > 0 and doc["steps_writer_over_alone"] > 0

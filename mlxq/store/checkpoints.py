@@ -41,8 +41,7 @@ from mlxq.store.checkpoint_links import (
 from mlxq.store.checkpoint_pack import PackedTensor
 from mlxq.store.checkpoint_state import CheckpointCounters, CheckpointFlush, LinkJob, newest_chain, reaches_first
 from mlxq.store.layout import check_layout
-from mlxq.store.mlxkv import Identity, MlxkvError, read_arrays_steps, read_header, run_steps
-from mlxq.store.mlxkv import write_steps as mlxkv_write_steps
+from mlxq.store.mlxkv import Identity, MlxkvError, read_arrays_steps, read_header, run_steps, write_file
 from mlxq.store.spent_buffers import SpentBuffers
 
 __all__ = ["CheckpointFlush", "CheckpointRecord", "CheckpointStore"]
@@ -318,8 +317,7 @@ class CheckpointStore:
         path = self._path(job.key, job.end)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for _ in mlxkv_write_steps(path, job.header, job.layers, host_bytes=PackedTensor.host_bytes):
-                pass
+            write_file(path, job.header, job.layers, PackedTensor.host_bytes)
         except Exception as exc:  # OSError from the disk (full, refused); anything else is logged in full
             if isinstance(exc, OSError):
                 log.warning("checkpoint link %s not written: %s", path.name, exc)

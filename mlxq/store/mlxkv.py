@@ -46,11 +46,12 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
+from mlxq.store import xxh3
 from mlxq.store.layer_codec import ABSENT, KINDS, MlxkvError, decode_layer, encode_layer
 
 __all__ = ["ABSENT", "KINDS", "EntryHeader", "FormatVersionError", "Identity", "MlxkvError", "decode_layer",
            "encode_layer", "extend", "prefix_digest", "prefix_hasher", "read_caches", "read_header", "verify_file",
-           "write_steps"]
+           "write_file", "write_steps"]
 
 MAGIC = b"MLXQKV\r\n"
 FORMAT_VERSION = 2
@@ -146,44 +147,119 @@ def write_steps(path: Path, header: dict, layers: list, host_bytes=None) -> Iter
     writer off the engine thread passes arrays already evaluated and reads them as they are).
     """
     host_bytes = host_bytes or _host_bytes
-    records, arrays = [], []
-    offset = end = 0
-    for kind, meta, named in layers:
-        tensors = []
-        for name, array in named:
-            tensors.append({"name": name, "offset": offset, "nbytes": array.nbytes, "shape": list(array.shape),
-                            "dtype": _DTYPE_NAMES[array.dtype], "xxh3": _HASH_PLACEHOLDER})
-            arrays.append(array)
-            end = offset + array.nbytes
-            offset = _align(end)
-        records.append({"kind": kind, "meta": meta, "tensors": tensors})
-    full = dict(header, layers=records)
-    header_len = len(_encode_header(full))
-    data_start = _align(_PREAMBLE.size + header_len)
-    flat = [t for record in records for t in record["tensors"]]
+    plan = _Plan(header, layers)
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            for record, array in zip(flat, arrays, strict=True):
+            for record, array in zip(plan.tensors, plan.arrays, strict=True):
                 data = host_bytes(array)
-                record["xxh3"] = xxhash.xxh3_128_hexdigest(data)
-                f.seek(data_start + record["offset"])
+                record["xxh3"] = xxh3.hexdigest(data)
+                f.seek(plan.data_start + record["offset"])
                 f.write(data)
                 del data
                 yield
-            f.truncate(data_start + end)  # no padding after the last tensor
-            body = _encode_header(full)
-            assert len(body) == header_len, "the header changed length"
-            f.seek(0)
-            f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, header_len, xxhash.xxh3_128_hexdigest(body).encode()))
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+            plan.finish(f)
+        _rename_durable(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_file(path: Path, header: dict, layers: list, host_bytes) -> None:
+    """``write_steps`` in one call, for a writer thread beside the engine thread: the same file, but the
+    tensors' bytes go to the file in a few ``os.pwritev`` calls, and each is hashed without the GIL
+    (store/xxh3.py), so the writer takes the GIL back once per tensor instead of twice and holds it a few
+    microseconds each time. ``host_bytes``: a tensor's bytes, already on the host (all of a file's are
+    held until it is written: the caller owns them anyway)."""
+    plan = _Plan(header, layers)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            parts = []  # (file offset, bytes), in file order
+            for record, array in zip(plan.tensors, plan.arrays, strict=True):
+                data = host_bytes(array)
+                record["xxh3"] = xxh3.hexdigest(data)
+                if record["nbytes"]:
+                    parts.append((plan.data_start + record["offset"], data))
+            _write_parts(f.fileno(), parts)
+            plan.finish(f)
+        _rename_durable(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_IOV_MAX = 512  # buffers per pwritev call (Linux allows 1,024)
+
+
+def _write_parts(fd: int, parts: list) -> None:
+    """Write ``parts`` ((offset, buffer), ascending, not overlapping) with as few ``pwritev`` calls as the
+    gaps between them allow (a gap is the alignment's padding: zeros, as a sparse hole reads)."""
+    i = 0
+    while i < len(parts):
+        at, buffers, end = parts[i][0], [], parts[i][0]
+        while i < len(parts) and len(buffers) < _IOV_MAX:
+            offset, data = parts[i]
+            if offset != end:
+                if offset - end > ALIGN:
+                    break
+                buffers.append(bytes(offset - end))
+                end = offset
+            buffers.append(data)
+            end += memoryview(data).nbytes
+            i += 1
+        _pwritev_all(fd, buffers, at)
+
+
+def _pwritev_all(fd: int, buffers: list, at: int) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        done = os.pwritev(fd, views, at)  # releases the GIL
+        if done <= 0:
+            raise OSError("pwritev wrote nothing")
+        at += done
+        while views and done >= views[0].nbytes:
+            done -= views[0].nbytes
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]
+
+
+class _Plan:
+    """A file's header with placeholder checksums, and where each tensor goes."""
+
+    def __init__(self, header: dict, layers: list) -> None:
+        records, self.arrays = [], []
+        offset = self.end = 0
+        for kind, meta, named in layers:
+            tensors = []
+            for name, array in named:
+                tensors.append({"name": name, "offset": offset, "nbytes": array.nbytes, "shape": list(array.shape),
+                                "dtype": _DTYPE_NAMES[array.dtype], "xxh3": _HASH_PLACEHOLDER})
+                self.arrays.append(array)
+                self.end = offset + array.nbytes
+                offset = _align(self.end)
+            records.append({"kind": kind, "meta": meta, "tensors": tensors})
+        self.full = dict(header, layers=records)
+        self.header_len = len(_encode_header(self.full))
+        self.data_start = _align(_PREAMBLE.size + self.header_len)
+        self.tensors = [t for record in records for t in record["tensors"]]
+
+    def finish(self, f) -> None:
+        """Trim the file after its last tensor, write the header (checksums filled in), fsync."""
+        f.truncate(self.data_start + self.end)  # no padding after the last tensor
+        body = _encode_header(self.full)
+        assert len(body) == self.header_len, "the header changed length"
+        f.seek(0)
+        f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, self.header_len, xxhash.xxh3_128_hexdigest(body).encode()))
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rename_durable(tmp: Path, path: Path) -> None:
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def _encode_header(header: dict) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -78,24 +79,38 @@ def flush(url: str) -> dict:
     return r.json()
 
 
-def interrupt(model, cache, payload: dict, how: str, *extra: str, reference: bool = True) -> tuple[str | None, dict]:
+SHUTDOWN_LINE = re.compile(r"SSD cache durable at shutdown: \d+ entries, longest prefix \d+ tokens"
+                           r"(?:, (\d+) generation checkpoints)?")
+
+
+def shutdown_checkpoints(log: str) -> int | None:
+    """How many requests' checkpoints the shutdown's flush reported durable (its log line; None: no such
+    line, as when the flush was not durable)."""
+    found = SHUTDOWN_LINE.findall(log)
+    return int(found[-1] or 0) if found else None
+
+
+def interrupt(model, cache, payload: dict, how: str, *extra: str, reference: bool = True
+              ) -> tuple[str | None, dict, str]:
     """The uninterrupted text of ``payload`` (``reference``); then ``payload`` again, run past INTERRUPT_AT
-    tokens, a flush, and the server stopped under it (kill -9 or SIGTERM): (text, the flush's result).
+    tokens, a flush, and the server stopped under it (kill -9 or SIGTERM): (text, the flush's result, the
+    server's log: at info level, so a SIGTERM's shutdown line is in it).
 
     On a loaded host the generation can end before the flush lands, leaving nothing to resume (completion
     removes the checkpoint): such a run says nothing about resuming and is run again, up to three times."""
     text = None
     for _ in range(3):
-        with serve(model, cache, "--shutdown-timeout", "0.2", *extra) as server:
+        with serve(model, cache, "--shutdown-timeout", "0.2", *extra, "--log-level", "info") as server:
             if reference and text is None:
                 text = complete(server.url, payload)["choices"][0]["text"]  # completion removes its checkpoint
             assert stream_until(server.url, payload, INTERRUPT_AT).wait(120)
             flushed = flush(server.url)
             server.proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGTERM)
             server.proc.wait(60)
+            log = server.proc.stdout.read()
         if flushed["checkpoints"]["requests"]:
             break
-    return text, flushed
+    return text, flushed, log
 
 
 @pytest.mark.parametrize("arch, sampling, how, kv_quant", [
@@ -106,8 +121,10 @@ def interrupt(model, cache, payload: dict, how: str, *extra: str, reference: boo
 def test_an_interrupted_generation_resumes_to_the_uninterrupted_text(tiny_model_dirs, tmp_path, arch, sampling,
                                                                        how, kv_quant):
     model, payload = tiny_model_dirs[arch], body(sampling)
-    reference, flushed = interrupt(model, tmp_path, payload, how, "--kv-quant", kv_quant)
+    reference, flushed, log = interrupt(model, tmp_path, payload, how, "--kv-quant", kv_quant)
     assert flushed["durable"] and flushed["checkpoints"]["requests"] == 1, flushed
+    if how == "term":  # the shutdown's own flush reports the request's checkpoint (taken at the cancel)
+        assert shutdown_checkpoints(log) == 1, log[-2000:]
     with serve(model, tmp_path, "--kv-quant", kv_quant) as server:
         resumed = complete(server.url, payload)
         flush(server.url)
