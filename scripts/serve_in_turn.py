@@ -107,6 +107,8 @@ def serve_one(mode: str, turn: int, args, results: dict) -> None:
     server = ServeProcess("--model", str(args.model), "--batch", str(args.batch), "--memory-limit", args.memory_limit,
                           "--log-level", "info", "--log-format", "json", "--shared-prefix-attention", mode,
                           *args.serve_args, log_path=str(server_log), timeout_s=args.start_timeout)
+    with open(args.scratch / "pids", "a") as pids:  # for a caller whose hard limit may cut this script short
+        pids.write(f"{server.proc.pid}\n")
     try:
         with server:
             entry["ready_s"] = round(time.perf_counter() - began, 1)
