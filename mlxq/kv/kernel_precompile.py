@@ -30,7 +30,7 @@ import time
 log = logging.getLogger("mlxq.kv")
 
 GROUPS = ("full", "split", "gqa", "mma_gqa", "mma_prefill")  # disjoint kernel variants, one child each
-TIMEOUT_S = 120.0  # a child still compiling after this is left to finish alone; the check goes on
+TIMEOUT_S = 60.0  # a child still compiling after this is left to finish alone; the check goes on
 
 
 def precompile(layout, paths: tuple[str, ...]) -> dict:
