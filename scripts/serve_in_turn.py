@@ -3,7 +3,7 @@
 For each mode of ``--modes`` (e.g. ``off,auto`` or ``off,auto,auto,off``)
 this starts one `mlxq serve`, records its start-up (seconds to /health, then
 one short request's latency, and /stats' shared-prefix kernel check), runs
-the parts with `mlxq bench serving-load` against it alone, stops it, and
+the parts as `mlxq bench serving-load` does against it alone, stops it, and
 only then starts the next: two servers up at once split the device's memory
 and its time, which spoils a no-loss comparison. Results are written after
 every part (a run cut short keeps what it measured); the last lines compare
@@ -23,17 +23,19 @@ with --question-len own words each.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from mlxq.bench.client import LoadConfig
 from mlxq.bench.servers import ServeProcess
+from mlxq.bench.serving_load import Workload, sweep
 
 DATASETS = {"cached": "shared-prefix", "fresh": "random"}
 
@@ -58,23 +60,22 @@ def first_request(url: str) -> float:
     return round(time.perf_counter() - t, 3)
 
 
-def run_part(part: str, url: str, args, scratch: Path) -> dict:
+def run_part(part: str, url: str, args) -> dict:
+    """One part as `mlxq bench serving-load` runs it, in this process (a child per part would pay the
+    imports again: seconds each on a GPU machine)."""
     dataset, words, level, *rest = part.split(":")
-    requests = rest[0] if rest else level
-    rounds = rest[1] if len(rest) > 1 else str(args.rounds)
-    path = scratch / f"{part.replace(':', '-')}.json"
-    path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "mlxq.cli.main", "bench", "serving-load", "--url", url, "--label", "server",
-           "--dataset", DATASETS[dataset], "--num-groups", "1", "--prompt-len", words,
-           "--question-len", str(args.question_len), "--concurrency", level, "--num-requests", requests,
-           "--max-tokens", str(args.max_tokens), "--ignore-eos", "--rounds", rounds, "--quiet", "--json", str(path),
-           *(["--keep-systems"] if dataset == "cached" else [])]
+    requests = int(rest[0]) if rest else int(level)
+    rounds = int(rest[1]) if len(rest) > 1 else args.rounds
+    cfg = LoadConfig(url=url, max_tokens=args.max_tokens, ignore_eos=True, timeout_s=args.part_timeout)
+    work = Workload(DATASETS[dataset], requests, int(words), num_groups=1, question_len=args.question_len,
+                    keep_systems=dataset == "cached")
     before, t = shared_prefix(url), time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout)
-        error = None if path.exists() else (done.stderr or done.stdout)[-2000:]
-    except subprocess.TimeoutExpired:
-        error = f"timed out after {args.part_timeout}s"
+        runs = asyncio.run(asyncio.wait_for(sweep(cfg, work, [int(level)], None, rounds, True, ("server", "")),
+                                            args.part_timeout))["a"]
+        error = None
+    except (TimeoutError, httpx.HTTPError, OSError) as e:
+        runs, error = [], f"{type(e).__name__}: {e}"
     after = shared_prefix(url)
     result = {"part": part, "wall_s": round(time.perf_counter() - t, 1),
               "shared_steps": after.get("steps", 0) - before.get("steps", 0),
@@ -82,7 +83,6 @@ def run_part(part: str, url: str, args, scratch: Path) -> dict:
               "auto_last_declined": after.get("auto_last_declined")}
     if error:
         return result | {"error": error}
-    runs = json.loads(path.read_text())["a"]
     return result | {"rounds": [{"tok_s": r["output_throughput_tok_s"], "ttft_p50": r["ttft_ms"]["p50"],
                                  "ttft_p95": r["ttft_ms"]["p95"], "itl_p50": r["itl_ms"]["p50"],
                                  "completed": r["completed"], "failed": r["failed"]} for r in runs]}
@@ -122,7 +122,7 @@ def serve_one(mode: str, turn: int, args, results: dict) -> None:
                 if time.monotonic() - args.began > args.deadline_s:
                     entry["parts"].append({"part": part, "skipped": "deadline"})
                     continue
-                result = run_part(part, server.url, args, scratch)
+                result = run_part(part, server.url, args)
                 entry["parts"].append(result)
                 log(f"  {mode}: {part_line(result)}")
                 args.out.joinpath("serve_in_turn.json").write_text(json.dumps(results, indent=1))

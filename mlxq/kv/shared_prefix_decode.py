@@ -98,6 +98,7 @@ _grouped_enabled: bool | None = None  # the split path for several groups per ba
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
 _OPTIONAL = ("gqa", "mma", "mma_gqa", "mma_prefill")  # paths whose failed self-check keeps the others on
 _report: dict | None = None  # what enable()'s self-check ran, found and took (``check_report``)
+_path_seconds: dict[str, float] = {}  # self_check's time per kernel path (its first launches compile it)
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,9 @@ def self_check(dtype=mx.bfloat16, layout: Layout | None = None) -> dict[str, flo
             q, pk, pv, tk, tv, starts, scale = args
             want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
             for path in [p for p in worst if (p == "mma_prefill") == (positions > 1)]:
+                began = time.perf_counter()
                 worst[path] = max(worst[path], _path_error(path, (*args, sinks, None, shares), want))
+                _path_seconds[path] = _path_seconds.get(path, 0.0) + time.perf_counter() - began
     return worst
 
 
@@ -380,16 +383,20 @@ def enable(layout: Layout | None = None) -> bool:
             from mlxq.kv.kernel_precompile import precompile
 
             _report["precompile"] = precompile(layout, checked_paths(mx.bfloat16 if layout is None else layout.dtype))
+            _report["precompile_s"] = round(time.perf_counter() - began, 2)
         try:
             errors = self_check(layout=layout)
         except Exception as exc:  # no compiler, an unsupported GPU: the plain path stays
             log.warning("shared-prefix kernels unavailable (%s: %s)", type(exc).__name__, exc)
             _report |= {"error": f"{type(exc).__name__}: {exc}", "seconds": round(time.perf_counter() - began, 2)}
             return False
+        checked = time.perf_counter()
         _kernels = passing_paths(errors, _mma_partials_agree(layout))
         seconds = time.perf_counter() - began
         _report |= {"seconds": round(seconds, 2), "passed": sorted(_kernels),
-                    "max_diff": {path: round(error, 6) for path, error in errors.items()}}
+                    "max_diff": {path: round(error, 6) for path, error in errors.items()},
+                    "path_s": {path: round(t, 2) for path, t in _path_seconds.items()},
+                    "mma_partials_s": round(time.perf_counter() - checked, 2)}
         log.info("shared-prefix kernels checked in %.1fs on %s: %s pass", seconds, _report["layout"],
                  ", ".join(sorted(_kernels)) or "none")
         if "mma_gqa" not in _kernels:
