@@ -7,13 +7,9 @@ model), then the default check (every variant, with and without sinks: what
 it ran for every model before the layout was read), whose time here is
 what the variants the layout left out add (the layout's kernels are already
 compiled), then the same layout's check again (compiled: the comparisons
-alone). With ``--precompile`` the layout's variants are first compiled in
-child processes side by side (kv/kernel_precompile.py, as ``enable`` does
-unless ``MLXQ_KERNEL_PRECOMPILE=0``), so the check after it reads them from
-the disk cache. One JSON line per step, flushed as it ends.
+alone). One JSON line per step, flushed as it ends.
 
     MLX_PTX_CACHE_DIR=/tmp/ptx-empty python scripts/shared_prefix_checks.py --heads 32 --kv-heads 8 --dim 128
-    MLX_PTX_CACHE_DIR=/tmp/ptx-empty2 python scripts/shared_prefix_checks.py --precompile
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--sinks", action="store_true")
-    ap.add_argument("--precompile", action="store_true", help="compile in child processes first")
     args = ap.parse_args()
     t = time.perf_counter()
     mx.eval(mx.zeros((4,)) + 1)  # the device's own start-up, apart
@@ -39,13 +34,6 @@ def main() -> None:
 
     print(json.dumps({"step": "device", "seconds": round(time.perf_counter() - t, 2)}), flush=True)
     layout = decode.Layout(mx.bfloat16, args.heads, args.kv_heads, args.dim, args.sinks)
-    if args.precompile:
-        from mlxq.kv.kernel_precompile import precompile
-
-        t = time.perf_counter()
-        children = precompile(layout, decode.checked_paths(layout.dtype)) if mx.cuda.is_available() else {}
-        print(json.dumps({"step": "precompile", "seconds": round(time.perf_counter() - t, 2), "children": children}),
-              flush=True)
     steps = [("layout", lambda: decode.self_check(layout=layout), lambda: decode._mma_partials_agree(layout)),
              ("default_extra", lambda: decode.self_check(), lambda: decode._mma_partials_agree()),
              ("layout_again", lambda: decode.self_check(layout=layout), lambda: decode._mma_partials_agree(layout))]

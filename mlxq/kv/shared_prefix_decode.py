@@ -369,21 +369,16 @@ def grouped_self_check(dtype=mx.bfloat16) -> float:
 def enable(layout: Layout | None = None) -> bool:
     """Let the kernels run from now on, if CUDA is here and the self-checks agree with the plain
     path (bf16 outputs of order 1: a few ulps), checked on ``layout`` (the model's, see ``Layout``;
-    None: the default variants). The variants are first compiled side by side in child processes
-    (kv/kernel_precompile.py; ``MLXQ_KERNEL_PRECOMPILE=0``: not), so the check here finds them in
-    MLX's disk cache. ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path. Runs once per process;
-    ``check_report`` says what it ran and found."""
+    None: the default variants). Each variant's first launch costs ~1.7-2 s on the H200 even with
+    its NVRTC output in MLX's disk cache ("H200: auto or off as the default, side by side"), so
+    the check runs only the variants the model launches. ``MLXQ_CUDA_ATTENTION=mlx`` keeps the
+    plain path. Runs once per process; ``check_report`` says what it ran and found."""
     global _kernels, _checked, _report
     if not _checked and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
         _checked = True  # once: a batch forming groups again does not repeat a failed check
         layout = checkable(layout)
         began = time.perf_counter()
         _report = {"layout": layout.describe() if layout is not None else "default (bf16, with and without sinks)"}
-        if os.environ.get("MLXQ_KERNEL_PRECOMPILE", "1") != "0":  # the variants compiled side by side first
-            from mlxq.kv.kernel_precompile import precompile
-
-            _report["precompile"] = precompile(layout, checked_paths(mx.bfloat16 if layout is None else layout.dtype))
-            _report["precompile_s"] = round(time.perf_counter() - began, 2)
         try:
             errors = self_check(layout=layout)
         except Exception as exc:  # no compiler, an unsupported GPU: the plain path stays

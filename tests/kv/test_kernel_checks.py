@@ -95,15 +95,3 @@ def test_a_failed_check_keeps_auto_from_sharing_and_says_so(load_tiny, monkeypat
     assert not policy.wants(64, 2048)
     assert SharingPolicy("on", plan).declined() is None  # ``on`` shares through plain operations
 
-
-def test_each_kernel_group_compiles_in_a_child_process_of_its_own():
-    """The children import this checkout's mlxq and run their group's variants; without CUDA they
-    fail, which only costs the check its head start (it compiles what it does not find)."""
-    from mlxq.kv.kernel_precompile import precompile
-
-    done = precompile(decode.Layout(mx.bfloat16, 32, 8, 128, False), ("full", "ops", "mma"))
-    assert set(done) == {"full"}  # "ops" and "mma" have no group of their own (no kernel, or another's)
-    if mx.cuda.is_available():
-        assert done["full"]["rc"] == 0
-    else:
-        assert done["full"]["rc"] != 0 and "No CUDA back-end" in done["full"]["error"]
