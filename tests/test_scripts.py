@@ -309,3 +309,26 @@ def test_bench_checkpoint_writer(tmp_path):
     assert set(doc["links_written_per_s"]) == {"file", "steps"}
     assert all(rate > 0 for rate in doc["links_written_per_s"].values()), doc
     assert doc["file_writer_over_alone"] > 0 and doc["steps_writer_over_alone"] > 0
+
+
+def test_serve_in_turn_starts_one_server_per_mode_in_turn(small_model, tmp_path):
+    run("serve_in_turn.py", "--model", str(small_model), "--modes", "off,auto", "--parts", "cached:120:2:2:2",
+        "--max-tokens", "4", "--batch", "4", "--memory-limit", "2GB", "--out", str(tmp_path),
+        "--scratch", str(tmp_path / "scratch"))
+    doc = json.loads((tmp_path / "serve_in_turn.json").read_text())
+    assert [s["mode"] for s in doc["servers"]] == ["off", "auto"]
+    for server in doc["servers"]:
+        assert server["ready_s"] > 0 and server["first_request_s"] > 0
+        assert server["shared_prefix"]["mode"] == server["mode"]
+        (part,) = server["parts"]
+        assert "error" not in part and [r["completed"] for r in part["rounds"]] == [2, 2], part
+    assert doc["servers"][1]["shared_prefix"]["declined"].startswith("auto: sharing measured no gain")
+    assert len(doc["comparison"]) == 3  # the part, then each server's start-up
+
+
+def test_shared_prefix_checks_runs_without_a_device():
+    done = subprocess.run([sys.executable, str(SCRIPTS / "shared_prefix_checks.py")], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(SCRIPTS.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in done.stdout.splitlines()] == [
+        "device", "layout", "default_extra", "layout_again"]

@@ -78,12 +78,11 @@ def serve(
     warmup: Annotated[str, typer.Option(help="Run every generation path once on synthetic prompts before "
                                              "reporting ready (GPU kernels compile on first use): on, off, "
                                              "auto (on for GPU backends).")] = "auto",
-    shared_prefix_attention: Annotated[str, typer.Option(help="Batch rows on one prompt-cache prefix read it "
-                                                              "once per decode step: auto (where measured "
-                                                              "faster: CUDA from 128k rows x prefix tokens, "
-                                                              "never on the CPU), on (any two rows on 32+ "
-                                                              "tokens), off (the default: end to end on the "
-                                                              "H200 sharing has not won yet).")] = "off",
+    shared_prefix_attention: Annotated[str | None, typer.Option(
+        help="Batch rows on one prompt-cache prefix read it once per decode step: auto (the default: where "
+             "measured faster, CUDA from 128k rows x prefix tokens after its kernels' start-up check, never on "
+             "the CPU or Metal; off with several ranks, where it was not measured), on (any two rows on 32+ "
+             "tokens), off.")] = None,
     ssd_cache: Annotated[str | None, typer.Option(help="Directory of the SSD cold tier (.mlxkv files); "
                                                        "prompt-cache entries survive restarts.")] = None,
     ssd_cache_max: Annotated[str | None, typer.Option(help="Byte cap of the SSD tier, e.g. 100GB "
@@ -156,6 +155,8 @@ def serve(
     try:
         if checkpoint_interval is None and tensor_parallel * pipeline_parallel > 1:
             checkpoint_interval = 0  # no generation checkpoints across ranks (docs/distributed.md)
+        if shared_prefix_attention is None:  # each rank would check its kernels and decide its groups alone
+            shared_prefix_attention = "off" if tensor_parallel * pipeline_parallel > 1 else "auto"
         ssd = _ssd_config(ssd_cache, ssd_cache_max, ssd_cache_verify, ssd_demote_idle, checkpoint_interval)
         config = ServerConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, api_key=api_key,

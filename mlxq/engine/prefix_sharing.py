@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from mlxq.kv.shared_prefix_decode import not_worth_sharing, worth_sharing
+from mlxq.kv.shared_prefix_decode import check_failed, check_report, not_worth_sharing, worth_sharing
 from mlxq.kv.sharing_plan import SharingPlan
 from mlxq.store.lease import Lease
 from mlxq.store.prefix_tree import Node
@@ -68,7 +68,11 @@ class SharingPolicy:
         """Why this server never shares (None when it may)."""
         if self.mode == "off":
             return "--shared-prefix-attention off"
-        return self.plan.declined if self.plan is not None else self.unplanned
+        if self.plan is None:
+            return self.unplanned
+        if self.plan.declined is None and self.mode == "auto":  # fail closed: no kernels, no gain measured
+            return check_failed()
+        return self.plan.declined
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,7 @@ class SharingStats:
             "groups": len(groups),
             "group_rows": sum(group.rows for group in groups),
             "prefix_tokens": [group.prefix_length for group in groups],
+            "kernel_checks": check_report(),  # the start-up self-check: layout, seconds, passing paths (CUDA)
         }
 
 

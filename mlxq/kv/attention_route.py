@@ -51,14 +51,16 @@ def _model_modules():
             yield module
 
 
-def install() -> None:
+def install(check: bool = True) -> None:
     """Route every loaded mlx-lm model module's attention through ``route`` (idempotent).
 
     Call after the model is loaded: its module must already be imported. On CUDA this also
-    turns on the shared-prefix decode kernels once their self-checks pass."""
+    turns on the shared-prefix decode kernels once their self-checks pass (``check``; once per
+    process: kv/sharing_plan.py runs them itself, on the layout its probe read)."""
     global _routing
     _routing = True
-    shared_prefix_decode.enable()
+    if check:
+        shared_prefix_decode.enable()
     for module in _model_modules():
         if module.scaled_dot_product_attention in (_mlx_lm_attention, cuda_attention.route):
             module.scaled_dot_product_attention = route

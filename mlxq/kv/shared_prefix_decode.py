@@ -68,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -102,6 +103,8 @@ _declined: str | None = None  # why a backend's kernel stays off (``kernel_statu
 _grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
 _OPTIONAL = ("gqa", "mma", "mma_gqa", "mma_prefill")  # paths whose failed self-check keeps the others on
+_report: dict | None = None  # what enable()'s self-check ran, found and took (``check_report``)
+_path_seconds: dict[str, float] = {}  # self_check's time per kernel path (its first launches compile it)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,36 @@ class CallShape:
     @property
     def group_tokens(self) -> int:
         return self.rows * self.prefix
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a model's attention calls hand the shared-prefix paths, read by kv/sharing_plan.py's probe.
+
+    The kernels are compiled per dtype, head width, query heads per KV head and with or without
+    sinks (their template arguments): ``enable`` checks the variants this model runs, and only
+    those, so the check compiles what serving launches and nothing it never will (a model without
+    sinks never runs the sinks variants, half of the kernels' compilations at start-up)."""
+
+    dtype: mx.Dtype
+    heads: int
+    kv_heads: int
+    dim: int
+    sinks: bool
+
+    def describe(self) -> str:
+        return (f"{str(self.dtype).removeprefix('mlx.core.')}, {self.heads} query / {self.kv_heads} KV heads of "
+                f"{self.dim}, {'with' if self.sinks else 'no'} sinks")
+
+
+def checkable(layout: Layout | None) -> Layout | None:
+    """``layout`` when the one-kernel path takes its shapes (else the kernels never run for this
+    model, and ``enable`` checks the default variants, as for an unknown model); None stays None."""
+    if layout is None or layout.kv_heads <= 0 or layout.heads % layout.kv_heads:
+        return None
+    if layout.dim not in shared_prefix_kernel.HEAD_DIMS or layout.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return None
+    return layout
 
 
 def route(shape: CallShape, kernels: frozenset[str]) -> str:
@@ -278,8 +311,8 @@ def forced(path: str):
 CHECK_QUERIES = 7  # queries per row in the prefill paths' self-check (a chunk, the padded row's first ones masked)
 
 
-def _check_inputs(dtype, positions: int = 1):
-    rows, heads, kv_heads, prefix, own, dim = 6, 8, 2, 333, 40, 128
+def _check_inputs(dtype, positions: int = 1, heads: int = 8, kv_heads: int = 2, dim: int = 128):
+    rows, prefix, own = 6, 333, 40
     if positions == 1:
         q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
     else:  # the strided view mlx-lm's models hand over: [B, L, Hq, D] transposed
@@ -294,19 +327,33 @@ def checked_paths(dtype) -> tuple[str, ...]:
     return ("full", "split", "gqa") + (("mma", "mma_gqa", "mma_prefill") if dtype == mx.bfloat16 else ())
 
 
-def self_check(dtype=mx.bfloat16) -> dict[str, float]:
-    """Max |kernel - plain path| per kernel on a random group with padding, sinks and rows outside
-    the group, tails as strided views (``mma``, ``mma_gqa`` and ``mma_prefill`` in bf16 only; the
-    prefill path with CHECK_QUERIES queries per row, the others with one)."""
-    inputs = {1: _check_inputs(dtype), CHECK_QUERIES: _check_inputs(dtype, CHECK_QUERIES)}
+def self_check(dtype=mx.bfloat16, layout: Layout | None = None) -> dict[str, float]:
+    """Max |kernel - plain path| per kernel on a random group with padding, rows outside the group,
+    tails as strided views (``mma``, ``mma_gqa`` and ``mma_prefill`` in bf16 only; the prefill path
+    with CHECK_QUERIES queries per row, the others with one). With ``layout`` (the model's): in its
+    dtype and head layout, with sinks only if it has them; without: ``dtype`` on 8 query / 2 KV
+    heads of 128, without sinks and with them."""
+    if layout is not None:
+        dtype, heads = layout.dtype, dict(heads=layout.heads, kv_heads=layout.kv_heads, dim=layout.dim)
+    else:
+        heads = {}
+    inputs = {1: _check_inputs(dtype, **heads), CHECK_QUERIES: _check_inputs(dtype, CHECK_QUERIES, **heads)}
     worst = dict.fromkeys(checked_paths(dtype), 0.0)
     sink_logits = mx.random.normal((inputs[1][0].shape[1],))
-    for sinks, shares in ((None, None), (sink_logits, mx.array([True, False, True, True, False, True]))):
+    some = mx.array([True, False, True, True, False, True])
+    if layout is None:
+        cases = ((None, None), (sink_logits, some))
+    else:  # the variants this model launches: with sinks or without, every row in the group or not
+        sinks = sink_logits if layout.sinks else None
+        cases = ((sinks, None), (sinks, some))
+    for sinks, shares in cases:
         for positions, args in inputs.items():
             q, pk, pv, tk, tv, starts, scale = args
             want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
             for path in [p for p in worst if (p == "mma_prefill") == (positions > 1)]:
+                began = time.perf_counter()
                 worst[path] = max(worst[path], _path_error(path, (*args, sinks, None, shares), want))
+                _path_seconds[path] = _path_seconds.get(path, 0.0) + time.perf_counter() - began
     return worst
 
 
@@ -332,21 +379,51 @@ def grouped_self_check(dtype=mx.bfloat16) -> float:
     return mx.abs(got.astype(mx.float32) - want).max().item()
 
 
-def enable() -> bool:
+def enable(layout: Layout | None = None) -> bool:
     """Let the kernels run from now on, if CUDA is here and the self-checks agree with the plain
-    path (bf16 outputs of order 1: a few ulps). ``MLXQ_CUDA_ATTENTION=mlx`` keeps the plain path."""
-    global _kernels, _checked
+    path (bf16 outputs of order 1: a few ulps), checked on ``layout`` (the model's, see ``Layout``;
+    None: the default variants). Each variant's first launch costs ~1.7-2 s on the H200 even with
+    its NVRTC output in MLX's disk cache ("H200: auto or off as the default, side by side"), so
+    the check runs only the variants the model launches. ``MLXQ_CUDA_ATTENTION=mlx`` keeps the
+    plain path. Runs once per process; ``check_report`` says what it ran and found."""
+    global _kernels, _checked, _report
     if not _checked and mx.cuda.is_available() and os.environ.get("MLXQ_CUDA_ATTENTION", "").lower() != "mlx":
         _checked = True  # once: a batch forming groups again does not repeat a failed check
+        layout = checkable(layout)
+        began = time.perf_counter()
+        _report = {"layout": layout.describe() if layout is not None else "default (bf16, with and without sinks)"}
         try:
-            errors = self_check()
+            errors = self_check(layout=layout)
         except Exception as exc:  # no compiler, an unsupported GPU: the plain path stays
             log.warning("shared-prefix kernels unavailable (%s: %s)", type(exc).__name__, exc)
+            _report |= {"error": f"{type(exc).__name__}: {exc}", "seconds": round(time.perf_counter() - began, 2)}
             return False
-        _kernels = passing_paths(errors, _mma_partials_agree())
+        checked = time.perf_counter()
+        _kernels = passing_paths(errors, _mma_partials_agree(layout))
+        seconds = time.perf_counter() - began
+        _report |= {"seconds": round(seconds, 2), "passed": sorted(_kernels),
+                    "max_diff": {path: round(error, 6) for path, error in errors.items()},
+                    "path_s": {path: round(t, 2) for path, t in _path_seconds.items()},
+                    "mma_partials_s": round(time.perf_counter() - checked, 2)}
+        log.info("shared-prefix kernels checked in %.1fs on %s: %s pass", seconds, _report["layout"],
+                 ", ".join(sorted(_kernels)) or "none")
         if "mma_gqa" not in _kernels:
             log.warning("shared-prefix kernels disagree with the plain path (max diffs %s)", errors)
     return is_enabled() or enable_metal()
+
+
+def check_failed() -> str | None:
+    """Why the kernels stay off although their self-check ran (None: it passed, or did not run)."""
+    if _report is None or is_enabled():
+        return None
+    return (f"the shared-prefix kernels failed their start-up self-check on {_report['layout']}: "
+            f"{_report.get('error') or _report.get('max_diff')}")
+
+
+def check_report() -> dict | None:
+    """What ``enable``'s self-check ran on, how long it took and which paths passed (None: it did not
+    run: not CUDA, or no layer shares), for /stats."""
+    return _report
 
 
 def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: float = AGREEMENT) -> frozenset[str]:
@@ -366,12 +443,16 @@ def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: flo
     return frozenset(passed)
 
 
-def _mma_partials_agree() -> bool:
+def _mma_partials_agree(layout: Layout | None = None) -> bool:
     """The tensor-core kernel's own check over whole chunks of several staged blocks, with one query
-    per row and with a prefill chunk's several."""
+    per row and with a prefill chunk's several (on ``layout``'s heads; a model the kernel does not
+    take, not bf16 or of another head width, skips it: its paths stay off)."""
+    heads = {} if layout is None else dict(heads=layout.heads, kv_heads=layout.kv_heads, dim=layout.dim)
+    if layout is not None and (layout.dtype != mx.bfloat16 or layout.dim not in prefix_mma_kernel.HEAD_DIMS):
+        return False
     try:
-        prefill = prefix_mma_kernel.self_check(rows=5, positions=9, warps=PREFILL_WARPS)
-        return max(prefix_mma_kernel.self_check(), prefill) < AGREEMENT
+        prefill = prefix_mma_kernel.self_check(rows=5, positions=9, warps=PREFILL_WARPS, **heads)
+        return max(prefix_mma_kernel.self_check(**heads), prefill) < AGREEMENT
     except Exception as exc:
         log.warning("mma prefix kernel unavailable (%s: %s)", type(exc).__name__, exc)
         return False

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
-from mlxq.kv import attention_route
+from mlxq.kv import attention_route, shared_prefix_decode
 from mlxq.kv.batch_ops import merge_solo_rows
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
@@ -49,25 +49,31 @@ class _Probe(SharedPrefixBatchCache):
     def __init__(self):
         super().__init__(mx.zeros((1, 1, 1, 1)), mx.zeros((1, 1, 1, 1)), BatchKVCache([0]))
         self.routed = False
+        self.layout: shared_prefix_decode.Layout | None = None
 
     def attend(self, queries, keys, values, scale, sinks=None):
         self.routed = self.routed or self.fetched(keys)
+        self.layout = shared_prefix_decode.Layout(queries.dtype, queries.shape[1], keys.shape[1], queries.shape[-1],
+                                                  sinks is not None)
         return mx.zeros((*queries.shape[:-1], values.shape[-1]), queries.dtype)
 
 
 def plan_sharing(model) -> SharingPlan:
-    """Probe ``model`` once (one traced token, nothing evaluated) and decide per layer."""
+    """Probe ``model`` once (one traced token, nothing evaluated) and decide per layer; where some
+    layer shares, check the shared-prefix kernels (CUDA) on the layout the probe saw."""
     caches = make_prompt_cache(model)
     candidates = [type(c) is KVCache for c in caches]
     if not any(candidates):
         return SharingPlan(tuple(candidates), "no full-attention KVCache layer")
     probes = [_Probe() if share else cache for share, cache in zip(candidates, caches, strict=True)]
-    attention_route.install()
+    attention_route.install(check=False)
     model(mx.array([[0]]), cache=probes)
     bypassed = [i for i, p in enumerate(probes) if isinstance(p, _Probe) and not p.routed]
     if bypassed:
         return SharingPlan((False,) * len(caches),
                            f"layers {bypassed} compute attention outside mlx-lm's scaled_dot_product_attention")
+    layouts = {p.layout for p in probes if isinstance(p, _Probe)}
+    shared_prefix_decode.enable(layouts.pop() if len(layouts) == 1 else None)  # layers alike, else every variant
     return SharingPlan(tuple(candidates), None, quantized=mx.default_device() == mx.cpu)
 
 

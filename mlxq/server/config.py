@@ -32,7 +32,7 @@ class ServerConfig:
     kv_quant: str = "off"  # off, 2/3/4/5/6/8 bits, or config (kv_config.json beside the model)
     kv_group_size: int = 64
     warmup: str = "auto"  # run every generation path once before ready: on, off, auto (GPU backends)
-    shared_prefix_attention: str = "off"  # batch rows on one leased prefix read it once: auto, on, off
+    shared_prefix_attention: str = "auto"  # batch rows on one leased prefix read it once: auto, on, off
     stall_timeout_s: float = 120.0  # /health turns 503 when work is pending and no step ran this long
     shutdown_timeout_s: float = 30.0  # on SIGINT/SIGTERM: how long in-flight requests may take to finish
     log_level: str = "info"
