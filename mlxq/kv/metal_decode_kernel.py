@@ -13,7 +13,7 @@ of the shared prefix (rows that see it) and then of the row's own tail
 once for all G query heads. At the end the simdgroups' partials meet in
 threadgroup memory (peaks and totals, then each head's SG x D weighted
 values in turn), every thread merging some output dimensions, with an
-attention sink per head as one more level. ``sdpa_vector`` runs 32
+attention sink per head as one more level. ``sdpa_vector`` uses 32
 simdgroups (1,024 threads) holding one query each; here a thread holds
 the G queries and outputs of its dimensions (up to 2 x 32 floats), so a
 threadgroup has 8 (256 threads): a pipeline whose registers do not allow
