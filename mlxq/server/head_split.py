@@ -27,6 +27,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from mlxq.server.offload import INLINE_TOKENIZE_CHARS, leave_loop_if
 from mlxq.server.system_heads import keep, kept
 
 log = logging.getLogger("mlxq.server")
@@ -52,8 +53,11 @@ def encode_chat(tokenizer, text: str, system: list, tools, template_kwargs: dict
     split = kept(tokenizer, "split", parts)
     if split is not None:
         if split.exact and text.startswith(split.text) and text.startswith(split.token, len(split.text)):
-            return list(split.ids) + encode(tokenizer, text[len(split.text):])
+            ids = list(split.ids)  # the kept int objects themselves (``head_ids``)
+            ids += encode(tokenizer, text[len(split.text):])
+            return ids
         return encode(tokenizer, text)
+    leave_loop_if(len(text) >= INLINE_TOKENIZE_CHARS)  # before keeping anything: the parse starts over
     keep(tokenizer, "split", parts, NO_SPLIT)  # a burst's other first chats tokenize whole meanwhile
     ids = encode(tokenizer, text)
     try:
@@ -67,7 +71,24 @@ def encode_chat(tokenizer, text: str, system: list, tools, template_kwargs: dict
 
 
 def encode(tokenizer, text: str) -> list[int]:
+    leave_loop_if(len(text) >= INLINE_TOKENIZE_CHARS)  # a long text is tokenized in a worker thread
     return list(tokenizer.encode(text, add_special_tokens=False))  # what apply_chat_template(tokenize=True) does
+
+
+def head_ids(tokenizer, head: str, system: list, tools, template_kwargs: dict) -> list[int]:
+    """The token ids of ``head`` (the system messages rendered alone), built on the kept split's own int
+    objects where they agree with it: every chat on the head starts with those objects too, so comparing
+    a chat's ids with the head's (``prompts._common_length``, per request) passes them by identity, not
+    by value (16k ids: ~0.05 against ~0.7 ms)."""
+    ids = encode(tokenizer, head)
+    split = kept(tokenizer, "split", [system, tools, template_kwargs])
+    if split is None or not split.exact or not split.ids:
+        return ids
+    shared = list(split.ids)
+    if ids[:len(shared)] != shared:
+        return ids
+    shared += ids[len(shared):]
+    return shared
 
 
 def find_split(tokenizer, head: str, text: str, ids: list[int]) -> HeadSplit | None:
