@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from mlxq.server.errors import APIError, invalid
-from mlxq.server.head_split import encode, encode_chat, head_ids
+from mlxq.server.head_split import encode, encode_chat, shared_ids
 from mlxq.server.offload import INLINE_TOKENIZE_CHARS, leave_loop_if, parsing_inline
 from mlxq.server.system_heads import system_head
 from mlxq.server.token_bound import token_lower_bound
@@ -161,7 +161,7 @@ def system_prefix_length(tokenizer, messages, tools, template_kwargs: dict, prom
 
     def render_head() -> list[int] | None:
         text = _head_text(tokenizer, messages[:leading], tools, template_kwargs)
-        return None if text is None else head_ids(tokenizer, text, messages[:leading], tools, template_kwargs)
+        return None if text is None else shared_ids(encode(tokenizer, text))
 
     head = system_head(tokenizer, messages[:leading], tools, template_kwargs, render_head)
     if head is None:
@@ -173,8 +173,8 @@ def _common_length(head: list[int], prompt_ids: list[int], near_end: int = 32) -
     """How many leading ids ``head`` and ``prompt_ids`` share. The head ends with an empty user turn, so a
     chat parts from it within its last few tokens: one list comparison in C up to there, then a short walk
     (0.06 ms on a 6.7k-token head, where a walk from the start took 0.15 ms, on the event loop). A head
-    and a prompt that both begin with a kept split's ids hold the same int objects there
-    (``head_split.head_ids``), which the comparison passes by identity."""
+    and a chat on it hold the same int objects (``head_split.shared_ids``): the comparison passes them
+    by identity."""
     n = min(len(head), len(prompt_ids))
     at = max(0, n - near_end)
     if head[:at] != prompt_ids[:at]:
