@@ -28,7 +28,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from mlxq.server.offload import INLINE_TOKENIZE_CHARS, leave_loop_if
+from mlxq.server.offload import INLINE_TEXT_CHARS, leave_loop_if
 from mlxq.server.system_heads import keep, kept
 
 log = logging.getLogger("mlxq.server")
@@ -58,7 +58,7 @@ def encode_chat(tokenizer, text: str, system: list, tools, template_kwargs: dict
             ids += encode(tokenizer, text[len(split.text):])
             return ids
         return shared_ids(encode(tokenizer, text))
-    leave_loop_if(len(text) >= INLINE_TOKENIZE_CHARS)  # before keeping anything: the parse starts over
+    leave_loop_if(len(text) >= INLINE_TEXT_CHARS)  # before keeping anything: the parse starts over
     keep(tokenizer, "split", parts, NO_SPLIT)  # a burst's other first chats tokenize whole meanwhile
     ids = shared_ids(encode(tokenizer, text))
     try:
@@ -72,7 +72,7 @@ def encode_chat(tokenizer, text: str, system: list, tools, template_kwargs: dict
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    leave_loop_if(len(text) >= INLINE_TOKENIZE_CHARS)  # a long text is tokenized in a worker thread
+    leave_loop_if(len(text) >= INLINE_TEXT_CHARS)  # a long text is tokenized in a worker thread
     return list(tokenizer.encode(text, add_special_tokens=False))  # what apply_chat_template(tokenize=True) does
 
 

@@ -16,8 +16,9 @@ to a worker thread and back is two GIL hand-offs, each of which waits up
 to the switch interval (5 ms) whenever another thread (the engine's,
 planning a burst's admissions) runs Python. Its chat template renders on
 the loop too (``parsing_inline``). What would take long on the loop (a
-text of ``INLINE_TOKENIZE_CHARS`` or more to tokenize, such as a system
-prompt seen for the first time, or a chat of many turns to render) raises
+text of ``INLINE_TEXT_CHARS`` or more to tokenize, such as a system
+prompt seen for the first time, a large JSON schema to compile, or a chat
+of many turns to render) raises
 ``OffLoop`` where it is about to start (``leave_loop_if``), and the parse
 starts over in a worker thread: so the size of a body alone does not send
 a cached agent's chat off the loop.
@@ -39,8 +40,9 @@ from mlxq.server.json_body import LARGE_REQUEST_BYTES, parse_json_body, read_bod
 # Bodies under this many bytes are parsed on the event loop (until work too long for it starts: OffLoop).
 # MLXQ_PARSE_INLINE_BYTES=0 sends every body to the thread pool (an A/B lever).
 INLINE_PARSE_BYTES = int(os.environ.get("MLXQ_PARSE_INLINE_BYTES", LARGE_REQUEST_BYTES))
-# A parse on the loop tokenizes texts shorter than this there; a longer one sends the parse to a worker thread.
-INLINE_TOKENIZE_CHARS = 64 * 1024
+# A parse on the loop tokenizes (or compiles into a grammar) texts shorter than this there; a longer one sends
+# the parse to a worker thread.
+INLINE_TEXT_CHARS = 64 * 1024
 # True while a small body is parsed on the loop: its chat template renders there too (server/prompts.py).
 parsing_inline: contextvars.ContextVar[bool] = contextvars.ContextVar("parsing_inline", default=False)
 

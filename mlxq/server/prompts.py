@@ -8,7 +8,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from mlxq.server.errors import APIError, invalid
 from mlxq.server.head_split import encode, encode_chat, shared_ids
-from mlxq.server.offload import INLINE_TOKENIZE_CHARS, leave_loop_if, parsing_inline
+from mlxq.server.offload import INLINE_TEXT_CHARS, leave_loop_if, parsing_inline
 from mlxq.server.system_heads import system_head
 from mlxq.server.token_bound import token_lower_bound
 
@@ -142,7 +142,7 @@ def tokenize_completion(tokenizer, prompt, context_length: int | None = None) ->
         if not prompt:
             raise invalid("'prompt' must not be empty", "prompt")
         refuse_if_it_cannot_fit(tokenizer, prompt, context_length, "prompt")
-        leave_loop_if(len(prompt) >= INLINE_TOKENIZE_CHARS)
+        leave_loop_if(len(prompt) >= INLINE_TEXT_CHARS)
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)

@@ -55,11 +55,11 @@ def test_a_long_chat_on_a_kept_head_parses_on_the_loop_and_a_first_one_leaves_it
     """A body is parsed on the loop whatever its size under INLINE_PARSE_BYTES; tokenizing a long text
     (a system prompt seen for the first time) starts the parse over in a worker thread, with the same ids."""
     from mlxq.server import system_heads
-    from mlxq.server.offload import INLINE_TOKENIZE_CHARS
+    from mlxq.server.offload import INLINE_TEXT_CHARS
 
     _, tokenizer = load_tiny("llama")
     system = "You are one of many agents; read the whole shop manual before you answer. " * 1000
-    assert INLINE_TOKENIZE_CHARS < len(system) and 64 * 1024 < len(system) < INLINE_PARSE_BYTES
+    assert INLINE_TEXT_CHARS < len(system) and 64 * 1024 < len(system) < INLINE_PARSE_BYTES
     system_heads._heads.clear()
     system_heads._splits.clear()
     runs = []
@@ -89,7 +89,7 @@ def test_a_long_chat_on_a_kept_head_parses_on_the_loop_and_a_first_one_leaves_it
 
 def test_a_long_prompt_or_many_turns_leave_the_loop_before_anything_is_kept(load_tiny):
     _, tokenizer = load_tiny("llama")
-    from mlxq.server.offload import INLINE_TOKENIZE_CHARS, OffLoop
+    from mlxq.server.offload import INLINE_TEXT_CHARS, OffLoop
 
     def inline(fn):
         token = parsing_inline.set(True)
@@ -98,10 +98,15 @@ def test_a_long_prompt_or_many_turns_leave_the_loop_before_anything_is_kept(load
         finally:
             parsing_inline.reset(token)
 
-    long = "many words " * (INLINE_TOKENIZE_CHARS // 10)
+    long = "many words " * (INLINE_TEXT_CHARS // 10)
     with pytest.raises(OffLoop):
         inline(lambda: prompts.tokenize_completion(tokenizer, long))
     assert prompts.tokenize_completion(tokenizer, long) == list(tokenizer.encode(long))
     turns = [{"role": "user", "content": "hi"}] * (prompts.MAX_INLINE_MESSAGES + 1)
     with pytest.raises(OffLoop):
         inline(lambda: prompts.render_chat(tokenizer, turns, None, {}, add_generation_prompt=True))
+    from mlxq.server import structured
+
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(4000)}}
+    with pytest.raises(OffLoop):  # compiled in a worker thread (checked before the grammar library runs)
+        inline(lambda: structured._json_grammar("json_schema", schema, None, "response_format"))
