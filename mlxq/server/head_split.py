@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 
 from mlxq.server.offload import INLINE_TEXT_CHARS, leave_loop_if
-from mlxq.server.system_heads import keep, kept
+from mlxq.server.system_heads import keep, kept, renew
 
 log = logging.getLogger("mlxq.server")
 
@@ -56,6 +56,7 @@ def encode_chat(tokenizer, text: str, system: list, tools, template_kwargs: dict
         if split.exact and text.startswith(split.text) and text.startswith(split.token, len(split.text)):
             ids = list(split.ids)  # shared int objects (``shared_ids``)
             ids += encode(tokenizer, text[len(split.text):])
+            renew(tokenizer, "split", parts)  # true of this chat: kept on while agents use it
             return ids
         return shared_ids(encode(tokenizer, text))
     leave_loop_if(len(text) >= INLINE_TEXT_CHARS)  # before keeping anything: the parse starts over

@@ -9,7 +9,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from mlxq.server.errors import APIError, invalid
 from mlxq.server.head_split import encode, encode_chat, shared_ids
 from mlxq.server.offload import INLINE_TEXT_CHARS, leave_loop_if, parsing_inline
-from mlxq.server.system_heads import system_head
+from mlxq.server.system_heads import renew, system_head
 from mlxq.server.token_bound import token_lower_bound
 
 # The model's own template (a client cannot supply one: server/template_kwargs.py) still runs with a budget,
@@ -166,10 +166,16 @@ def system_prefix_length(tokenizer, messages, tools, template_kwargs: dict, prom
     head = system_head(tokenizer, messages[:leading], tools, template_kwargs, render_head)
     if head is None:
         return None
-    return _common_length(head, prompt_ids) or None
+    common = _common_length(head, prompt_ids)
+    if common >= len(head) - NEAR_END:  # the chat parts from it where chats do: kept on while in use
+        renew(tokenizer, "head", [messages[:leading], tools, template_kwargs])
+    return common or None
 
 
-def _common_length(head: list[int], prompt_ids: list[int], near_end: int = 32) -> int:
+NEAR_END = 32  # a chat parts from its system head within the head's last this many tokens (its empty user turn)
+
+
+def _common_length(head: list[int], prompt_ids: list[int], near_end: int = NEAR_END) -> int:
     """How many leading ids ``head`` and ``prompt_ids`` share. The head ends with an empty user turn, so a
     chat parts from it within its last few tokens: one list comparison in C up to there, then a short walk
     (0.06 ms on a 6.7k-token head, where a walk from the start took 0.15 ms, on the event loop). A head

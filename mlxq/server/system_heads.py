@@ -8,8 +8,9 @@ and again, so the second render and its tokenization (about half of a
 request's parsing, done on the server's threads under the GIL before the
 request reaches the engine) are kept here, per tokenizer, keyed by the
 system messages, tools and template arguments. An entry lives
-``MAX_AGE_S`` (templates may render the date) and at most ``KEPT`` are
-kept (least recently used out). A stale or colliding entry can only move
+``MAX_AGE_S`` (templates may render the date) from when it was kept or
+last found true of a chat (``renew``), and at most ``KEPT`` are kept
+(least recently used out). A stale or colliding entry can only move
 the snapshot point: the caller keeps the common prefix with the prompt.
 Where chats on a head are cut for tokenizing (server/head_split.py) is
 kept alike, apart.
@@ -64,6 +65,22 @@ def kept(tokenizer, kind: str, parts: list, default=None):
             return default
         entries.move_to_end(key)
         return found[1]
+
+
+def renew(tokenizer, kind: str, parts: list) -> None:
+    """Start ``MAX_AGE_S`` again for what is kept for ``parts``: its caller found it still true of a
+    chat (an entry in use lives on; one a template's changing text no longer matches runs out)."""
+    key = _key(kind, parts)
+    if key is None:
+        return
+    with _lock:
+        try:
+            entries = _STORES[kind].get(tokenizer)
+        except TypeError:  # a tokenizer that takes no weak reference: nothing was kept
+            return
+        found = None if entries is None else entries.get(key)
+        if found is not None:
+            entries[key] = (time.monotonic(), found[1])
 
 
 def keep(tokenizer, kind: str, parts: list, value) -> None:

@@ -9,6 +9,8 @@ snapshot point as a fresh render.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from mlxq.server import system_heads
@@ -110,3 +112,28 @@ def test_a_head_shares_its_leading_ids_with_the_chats_cut_on_it(load_tiny):
     system_heads._heads.clear()
     system_heads._splits.clear()
     assert point == snapshot_at(tokenizer, later) == _walked(head, prompt)
+
+
+def test_a_head_and_its_split_in_use_live_on_and_unused_ones_run_out(load_tiny, monkeypatch):
+    """Agents resending a system prompt for longer than ``MAX_AGE_S`` keep its head and split (each
+    chat they are found true of starts their age again); a whole age without such a chat renders anew."""
+    _, tokenizer = load_tiny("llama")
+    system_heads._splits.clear()
+    now = [1000.0]
+    monkeypatch.setattr(system_heads, "time", SimpleNamespace(monotonic=lambda: now[0]))
+
+    def kept_now() -> tuple[object, object]:
+        [(_, head)] = system_heads._heads[tokenizer].values()
+        [(_, split)] = system_heads._splits[tokenizer].values()
+        return head, split
+
+    point = snapshot_at(tokenizer, messages(SYSTEM, "Question zero?"))
+    head, split = kept_now()
+    for i in range(4):  # a chat every 0.6 of the age: 2.4 ages in all
+        now[0] += 0.6 * system_heads.MAX_AGE_S
+        assert snapshot_at(tokenizer, messages(SYSTEM, f"Question {i}: what now?")) == point
+        assert kept_now()[0] is head and kept_now()[1] is split
+    now[0] += system_heads.MAX_AGE_S
+    assert snapshot_at(tokenizer, messages(SYSTEM, "Question five?")) == point
+    assert kept_now()[0] is not head and kept_now()[1] is not split  # ran out: found again
+    system_heads._splits.clear()
