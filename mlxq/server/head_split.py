@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
-from mlxq.server.system_heads import keep, kept
+from mlxq.server.offload import INLINE_TEXT_CHARS, leave_loop_if
+from mlxq.server.system_heads import keep, kept, renew
 
 log = logging.getLogger("mlxq.server")
 
@@ -52,10 +54,14 @@ def encode_chat(tokenizer, text: str, system: list, tools, template_kwargs: dict
     split = kept(tokenizer, "split", parts)
     if split is not None:
         if split.exact and text.startswith(split.text) and text.startswith(split.token, len(split.text)):
-            return list(split.ids) + encode(tokenizer, text[len(split.text):])
-        return encode(tokenizer, text)
+            ids = list(split.ids)  # shared int objects (``shared_ids``)
+            ids += encode(tokenizer, text[len(split.text):])
+            renew(tokenizer, "split", parts)  # true of this chat: kept on while agents use it
+            return ids
+        return shared_ids(encode(tokenizer, text))
+    leave_loop_if(len(text) >= INLINE_TEXT_CHARS)  # before keeping anything: the parse starts over
     keep(tokenizer, "split", parts, NO_SPLIT)  # a burst's other first chats tokenize whole meanwhile
-    ids = encode(tokenizer, text)
+    ids = shared_ids(encode(tokenizer, text))
     try:
         head = head_text()
         found = find_split(tokenizer, head, text, ids) if head else None
@@ -67,7 +73,27 @@ def encode_chat(tokenizer, text: str, system: list, tools, template_kwargs: dict
 
 
 def encode(tokenizer, text: str) -> list[int]:
+    leave_loop_if(len(text) >= INLINE_TEXT_CHARS)  # a long text is tokenized in a worker thread
     return list(tokenizer.encode(text, add_special_tokens=False))  # what apply_chat_template(tokenize=True) does
+
+
+def shared_ids(ids: list[int]) -> list[int]:
+    """``ids`` made of one int object per token id, the same in every prompt built here: a chat's ids,
+    its head's (``prompts._common_length``) and the engine's prefix tree (built from earlier prompts)
+    are then compared by identity, not by value, for their common part (16k ids: ~3x faster). Costs
+    ~0.2 ms per 16k ids, paid where a text is tokenized whole (once per system prompt, or a burst's
+    first chats)."""
+    top = max(ids, default=-1)
+    if top >= len(_INTS):
+        with _ints_lock:
+            _INTS.extend(range(len(_INTS), top + 1))
+    if ids and min(ids) < 0:
+        return ids
+    return list(map(_INTS.__getitem__, ids))
+
+
+_INTS: list[int] = []  # token id -> its shared int object
+_ints_lock = threading.Lock()
 
 
 def find_split(tokenizer, head: str, text: str, ids: list[int]) -> HeadSplit | None:
@@ -79,7 +105,7 @@ def find_split(tokenizer, head: str, text: str, ids: list[int]) -> HeadSplit | N
     if not starts:
         return None
     cut, token = max(starts)
-    before = encode(tokenizer, text[:cut])
+    before = shared_ids(encode(tokenizer, text[:cut]))
     return HeadSplit(text[:cut], tuple(before), before + encode(tokenizer, text[cut:]) == ids, token)
 
 

@@ -9,11 +9,19 @@ large body the worker also drops the body and hands freed heap pages back to
 the OS (``malloc_trim``, which runs without the GIL), so one big request does
 not leave gigabytes of resident memory behind.
 
-A small body is parsed on the loop itself: an agent's chat on a kept system
-head (~10 KB) parses in ~0.4 ms, while a hop to a worker thread and back is
-two GIL hand-offs, each of which waits up to the switch interval (5 ms)
-whenever another thread (the engine's, planning a burst's admissions) runs
-Python. Its chat template renders on the loop too (``parsing_inline``).
+A body under ``INLINE_PARSE_BYTES`` is parsed on the loop itself: an
+agent's chat on a kept system head parses in well under a millisecond
+(its system prompt's tokens are kept: server/head_split.py), while a hop
+to a worker thread and back is two GIL hand-offs, each of which waits up
+to the switch interval (5 ms) whenever another thread (the engine's,
+planning a burst's admissions) runs Python. Its chat template renders on
+the loop too (``parsing_inline``). What would take long on the loop (a
+text of ``INLINE_TEXT_CHARS`` or more to tokenize, such as a system
+prompt seen for the first time, a large JSON schema to compile, or a chat
+of many turns to render) raises
+``OffLoop`` where it is about to start (``leave_loop_if``), and the parse
+starts over in a worker thread: so the size of a body alone does not send
+a cached agent's chat off the loop.
 """
 
 from __future__ import annotations
@@ -29,11 +37,26 @@ from starlette.requests import Request as HTTPRequest
 
 from mlxq.server.json_body import LARGE_REQUEST_BYTES, parse_json_body, read_body
 
-# Bodies under this many bytes are parsed on the event loop. MLXQ_PARSE_INLINE_BYTES=0 sends every body to
-# the thread pool (an A/B lever).
-INLINE_PARSE_BYTES = int(os.environ.get("MLXQ_PARSE_INLINE_BYTES", 64 * 1024))
+# Bodies under this many bytes are parsed on the event loop (until work too long for it starts: OffLoop).
+# MLXQ_PARSE_INLINE_BYTES=0 sends every body to the thread pool (an A/B lever).
+INLINE_PARSE_BYTES = int(os.environ.get("MLXQ_PARSE_INLINE_BYTES", LARGE_REQUEST_BYTES))
+# A parse on the loop tokenizes (or compiles into a grammar) texts shorter than this there; a longer one sends
+# the parse to a worker thread.
+INLINE_TEXT_CHARS = 64 * 1024
 # True while a small body is parsed on the loop: its chat template renders there too (server/prompts.py).
 parsing_inline: contextvars.ContextVar[bool] = contextvars.ContextVar("parsing_inline", default=False)
+
+
+class OffLoop(Exception):
+    """Raised in a parse on the event loop where work too long for the loop would start: the parse
+    starts over in a worker thread (``off_loop_unless_small``)."""
+
+
+def leave_loop_if(too_long: bool) -> None:
+    """Raise ``OffLoop`` when ``too_long`` and the caller is parsing on the event loop. Call it before
+    the work starts, and before anything is kept for other requests (the parse runs again)."""
+    if too_long and parsing_inline.get():
+        raise OffLoop
 
 
 async def parse_request(http: HTTPRequest, limit: int, parse, *args, **kwargs):
@@ -49,14 +72,17 @@ async def off_loop(fn, *args, **kwargs):
 
 
 async def off_loop_unless_small(num_bytes: int, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` for a request of ``num_bytes``: on the loop when small, else in a worker thread."""
-    if num_bytes >= INLINE_PARSE_BYTES:
-        return await run_in_threadpool(fn, *args, **kwargs)
-    token = parsing_inline.set(True)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        parsing_inline.reset(token)
+    """``fn(*args, **kwargs)`` for a request of ``num_bytes``: on the loop when small, else in a worker thread;
+    and there too when it raised ``OffLoop`` on the loop (``fn`` runs again from the start)."""
+    if num_bytes < INLINE_PARSE_BYTES:
+        token = parsing_inline.set(True)
+        try:
+            return fn(*args, **kwargs)
+        except OffLoop:
+            pass
+        finally:
+            parsing_inline.reset(token)
+    return await run_in_threadpool(fn, *args, **kwargs)
 
 
 def _parse_and_release(raw: list, parse):
@@ -69,7 +95,8 @@ def _parse_and_release(raw: list, parse):
 
 
 def _parse(raw: list, parse):
-    body = parse_json_body(raw.pop())
+    # On the loop the bytes stay: a parse that leaves the loop (OffLoop) starts over from them.
+    body = parse_json_body(raw[0] if parsing_inline.get() else raw.pop())
     return parse(body)  # ``body`` is garbage once this returns; only the parse result stays
 
 

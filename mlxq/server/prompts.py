@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from mlxq.server.errors import APIError, invalid
-from mlxq.server.head_split import encode, encode_chat
-from mlxq.server.offload import parsing_inline
-from mlxq.server.system_heads import system_head
+from mlxq.server.head_split import encode, encode_chat, shared_ids
+from mlxq.server.offload import INLINE_TEXT_CHARS, leave_loop_if, parsing_inline
+from mlxq.server.system_heads import renew, system_head
 from mlxq.server.token_bound import token_lower_bound
 
 # The model's own template (a client cannot supply one: server/template_kwargs.py) still runs with a budget,
@@ -107,7 +107,8 @@ def render_chat(tokenizer, messages, tools, template_kwargs: dict, *, add_genera
     A short chat in a small body (parsed on the event loop: server/offload.py) renders on the calling thread."""
     render = functools.partial(tokenizer.apply_chat_template, messages, tools=tools,
                                add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs)
-    inline = parsing_inline.get() and len(messages) <= MAX_INLINE_MESSAGES
+    inline = parsing_inline.get()
+    leave_loop_if(len(messages) > MAX_INLINE_MESSAGES)  # many turns: in a worker thread, within the budget
     try:
         text = render() if inline else _renderers.submit(render).result(timeout=RENDER_TIMEOUT_S)
     except FutureTimeout:
@@ -141,6 +142,7 @@ def tokenize_completion(tokenizer, prompt, context_length: int | None = None) ->
         if not prompt:
             raise invalid("'prompt' must not be empty", "prompt")
         refuse_if_it_cannot_fit(tokenizer, prompt, context_length, "prompt")
+        leave_loop_if(len(prompt) >= INLINE_TEXT_CHARS)
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
@@ -159,18 +161,26 @@ def system_prefix_length(tokenizer, messages, tools, template_kwargs: dict, prom
 
     def render_head() -> list[int] | None:
         text = _head_text(tokenizer, messages[:leading], tools, template_kwargs)
-        return None if text is None else tokenizer.encode(text, add_special_tokens=False)
+        return None if text is None else shared_ids(encode(tokenizer, text))
 
     head = system_head(tokenizer, messages[:leading], tools, template_kwargs, render_head)
     if head is None:
         return None
-    return _common_length(head, prompt_ids) or None
+    common = _common_length(head, prompt_ids)
+    if common >= len(head) - NEAR_END:  # the chat parts from it where chats do: kept on while in use
+        renew(tokenizer, "head", [messages[:leading], tools, template_kwargs])
+    return common or None
 
 
-def _common_length(head: list[int], prompt_ids: list[int], near_end: int = 32) -> int:
+NEAR_END = 32  # a chat parts from its system head within the head's last this many tokens (its empty user turn)
+
+
+def _common_length(head: list[int], prompt_ids: list[int], near_end: int = NEAR_END) -> int:
     """How many leading ids ``head`` and ``prompt_ids`` share. The head ends with an empty user turn, so a
     chat parts from it within its last few tokens: one list comparison in C up to there, then a short walk
-    (0.06 ms on a 6.7k-token head, where a walk from the start took 0.15 ms, on the event loop)."""
+    (0.06 ms on a 6.7k-token head, where a walk from the start took 0.15 ms, on the event loop). A head
+    and a chat on it hold the same int objects (``head_split.shared_ids``): the comparison passes them
+    by identity."""
     n = min(len(head), len(prompt_ids))
     at = max(0, n - near_end)
     if head[:at] != prompt_ids[:at]:

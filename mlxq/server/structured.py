@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from mlxq.engine.grammar import llg_tokenizer
 from mlxq.engine.types import GrammarSpec
 from mlxq.server.errors import invalid
+from mlxq.server.offload import INLINE_TEXT_CHARS, leave_loop_if
 
 # Tool-call formats whose payload is {"name": ..., "arguments": {...}} JSON between two markers.
 JSON_PAYLOAD_PARSERS = frozenset({"mlx_lm.tool_parsers.json_tools"})
@@ -123,8 +124,10 @@ def _marker(text: str, tokenizer, vocab_size: int) -> str:
 def _json_grammar(kind: str, schema: dict, lm, param: str) -> GrammarSpec:
     import llguidance
 
+    schema_text = json.dumps(schema)
+    leave_loop_if(len(schema_text) >= INLINE_TEXT_CHARS)  # a large schema compiles in a worker thread
     try:
-        text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        text = llguidance.LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
     except (TypeError, ValueError) as exc:
         raise invalid(f"the JSON schema cannot be used: {exc}", param) from None
     return _validated(GrammarSpec(kind, text), lm, param)
@@ -134,6 +137,7 @@ def _validated(spec: GrammarSpec, lm, param: str) -> GrammarSpec:
     """A 400 naming what the grammar library refuses (an unknown keyword, a look-around regex...)."""
     import llguidance
 
+    leave_loop_if(len(spec.grammar) >= INLINE_TEXT_CHARS)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         spec.grammar, llg_tokenizer(lm.tokenizer, lm.vocab_size))
     if failed:
