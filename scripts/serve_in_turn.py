@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import httpx
+from shared_prefix_serving import sharing_counters  # scripts/ is on the path when run as a script
 
 from mlxq.bench.client import LoadConfig
 from mlxq.bench.servers import ServeProcess
@@ -42,13 +43,6 @@ DATASETS = {"cached": "shared-prefix", "fresh": "random"}
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def shared_prefix(url: str) -> dict:
-    try:
-        return httpx.get(url + "/stats", timeout=10).json()["batch"]["shared_prefix"]
-    except (httpx.HTTPError, KeyError, ValueError) as e:
-        return {"error": repr(e)}
 
 
 def first_request(url: str) -> float:
@@ -69,14 +63,14 @@ def run_part(part: str, url: str, args) -> dict:
     cfg = LoadConfig(url=url, max_tokens=args.max_tokens, ignore_eos=True, timeout_s=args.part_timeout)
     work = Workload(DATASETS[dataset], requests, int(words), num_groups=1, question_len=args.question_len,
                     keep_systems=dataset == "cached")
-    before, t = shared_prefix(url), time.perf_counter()
+    before, t = sharing_counters(url), time.perf_counter()
     try:
         runs = asyncio.run(asyncio.wait_for(sweep(cfg, work, [int(level)], None, rounds, True, ("server", "")),
                                             args.part_timeout))["a"]
         error = None
     except (TimeoutError, httpx.HTTPError, OSError) as e:
         runs, error = [], f"{type(e).__name__}: {e}"
-    after = shared_prefix(url)
+    after = sharing_counters(url)
     result = {"part": part, "wall_s": round(time.perf_counter() - t, 1),
               "shared_steps": after.get("steps", 0) - before.get("steps", 0),
               "auto_declined_joins": after.get("auto_declined_joins", 0) - before.get("auto_declined_joins", 0),
@@ -113,7 +107,7 @@ def serve_one(mode: str, turn: int, args, results: dict) -> None:
         with server:
             entry["ready_s"] = round(time.perf_counter() - began, 1)
             entry["first_request_s"] = first_request(server.url)
-            entry["shared_prefix"] = shared_prefix(server.url)
+            entry["shared_prefix"] = sharing_counters(server.url)
             log(f"{mode} (turn {turn}): ready after {entry['ready_s']}s, first request {entry['first_request_s']}s, "
                 f"kernel checks {entry['shared_prefix'].get('kernel_checks')}, declined "
                 f"{entry['shared_prefix'].get('declined')}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxq.kv.decode_kernel import max_error_vs_mlx
-from mlxq.kv.kernel_inputs import constant, row_shares, row_starts, scale_array, sinks_array
+from mlxq.kv.kernel_inputs import constant, prefix_inputs, row_shares, row_starts, scale_array, sinks_array
 
 LOADS = 2  # 16-byte loads per thread and key (its share of the head dimension): 2 measured faster than 1
 _SHARED_BYTES = 40 * 1024  # the slots' partials, under the 48 KiB a block may take without opting in
@@ -231,10 +231,9 @@ def _launch(queries, keys, values, starts, scale: float, sinks=None, shares=None
     batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
     threads = block_threads(queries.dtype, dim, heads // kv_heads)
-    none = constant(("no prefix", queries.dtype), lambda: mx.zeros((1, 1, 1, 1), queries.dtype))
     no_levels = constant(("no levels",), lambda: mx.zeros((1, 1, 1, 1), mx.float32))
     return _compiled()(
-        inputs=[mx.contiguous(queries), *(prefix or (none, none)), keys, values,
+        inputs=[mx.contiguous(queries), *prefix_inputs(prefix, queries.dtype), keys, values,
                 row_starts(starts), scale_array(scale), sinks_array(sinks), row_shares(shares, batch),
                 *(mx.contiguous(x) for x in levels or (no_levels,) * 3)],
         template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("NT", threads), ("LOADS", LOADS),

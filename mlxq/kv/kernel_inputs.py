@@ -1,4 +1,4 @@
-"""Small inputs every CUDA kernel of kv/ takes, each device array made once per value.
+"""Small inputs every kernel of kv/ takes (CUDA and Metal), each device array made once per value.
 
 The kernels read the softmax scale (and a few integers) from memory rather
 than as template arguments, so one compiled kernel serves every model;
@@ -53,3 +53,12 @@ def row_shares(shares: mx.array | None, rows: int) -> mx.array:
     if shares is not None:
         return mx.contiguous(shares.astype(mx.int32))
     return constant(("everyone", rows), lambda: mx.ones((rows,), mx.int32))
+
+
+def prefix_inputs(prefix: tuple[mx.array, mx.array] | None, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """A decode kernel's prefix keys and values, or [1, 1, 1, 1] placeholders of ``dtype`` when it walks
+    the rows' own keys only (its ``HAS_PREFIX`` template flag is false)."""
+    if prefix is not None:
+        return prefix
+    none = constant(("no prefix", dtype), lambda: mx.zeros((1, 1, 1, 1), dtype))
+    return none, none

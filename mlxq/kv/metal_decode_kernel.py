@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxq.kv.kernel_inputs import constant, row_shares, row_starts, scale_array, sinks_array
+from mlxq.kv.kernel_inputs import prefix_inputs, row_shares, row_starts, scale_array, sinks_array
 from mlxq.kv.shared_prefix_attention import shared_prefix_attention
 
 SIMDGROUPS = 8  # per threadgroup (256 threads; not measured: see the module docstring)
@@ -183,10 +183,9 @@ def metal_shared_prefix_decode(queries, prefix_keys, prefix_values, tail_keys, t
 def _launch(queries, keys, values, starts, scale: float, sinks=None, shares=None, prefix=None) -> mx.array:
     batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
-    none = constant(("no prefix", queries.dtype), lambda: mx.zeros((1, 1, 1, 1), queries.dtype))
     threads = SIMDGROUPS * LANES
     return _compiled()(
-        inputs=[mx.contiguous(queries), *(prefix or (none, none)), keys, values, row_starts(starts),
+        inputs=[mx.contiguous(queries), *prefix_inputs(prefix, queries.dtype), keys, values, row_starts(starts),
                 scale_array(scale), sinks_array(sinks), row_shares(shares, batch)],
         template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("SG", SIMDGROUPS),
                   ("HAS_PREFIX", prefix is not None), ("HAS_SINKS", sinks is not None)],
