@@ -13,9 +13,12 @@ to the last token.
 A round is one such load on each server. ``--mode sequential`` (the
 default) loads one server at a time, the order alternating round by round
 (on, off / off, on / on, off ...: ABBA, so a drift of the machine over the
-run weighs on both alike): on a dedicated machine the fair side by side,
-since with both loaded at once on one GPU any stall of one server hands
-device time to the other, and the ratio counts it about twice. ``--mode
+run weighs on both alike), each load followed by its server's flush
+(``--settle``, the default: what a server writes behind once its load is
+done must not land in the other server's load): on a dedicated machine
+the fair side by side, since with both loaded at once on one GPU any
+stall of one server hands device time to the other, and the ratio counts
+it about twice. ``--mode
 together`` (or ``--together``) loads both at once in each round: on a
 shared, busy machine both then see the same background load. ``--mode
 both`` runs the sequential rounds, then the together rounds, on the same
@@ -116,9 +119,24 @@ def checkpoint_delta(before: dict, after: dict) -> dict:
             "bytes": a["written_bytes"] - b["written_bytes"]}
 
 
+def settle(url: str) -> dict:
+    """Flush a server's SSD tier (``POST /admin/cache/flush``, the durability barrier) once its load is done:
+    each server writes its finished requests' entries behind (while its engine is idle), and a server that
+    wrote behind into the next server's load slowed that load (by up to a quarter on the H200: in ABBA
+    rounds, whichever server ran after the checkpoint-less one was slow). The flush's time and the bytes it
+    wrote, so the write-behind each load leaves is on record."""
+    before = httpx.get(url + "/stats").json().get("ssd_cache") or {}
+    start = time.perf_counter()
+    flushed = httpx.post(url + "/admin/cache/flush", timeout=600)
+    flushed.raise_for_status()
+    after = httpx.get(url + "/stats").json().get("ssd_cache") or {}
+    return {"flush_s": round(time.perf_counter() - start, 3), "durable": flushed.json().get("durable"),
+            "written_bytes": after.get("written_bytes", 0) - before.get("written_bytes", 0)}
+
+
 def load_servers(servers: dict, names: list[str], args, tag: str) -> dict:
     """One load (``--rows`` requests of ``--tokens``) on each server in ``names`` at once; per server its
-    requests' decode tok/s and its decode steps over the load."""
+    requests' decode tok/s and its decode steps over the load, then (``--settle``) its flush."""
     before = {n: server_totals(servers[n].url, n == "on") for n in names}
     rates: dict[str, list[float]] = {n: [] for n in names}
     loads = [threading.Thread(target=lambda n=n: rates[n].extend(
@@ -134,6 +152,9 @@ def load_servers(servers: dict, names: list[str], args, tag: str) -> dict:
                   "per_request_tok_s": [round(x, 2) for x in rates[n]], "step": per_step_ms(before[n], after)}
         if n == "on":
             out[n]["checkpoints"] = checkpoint_delta(before[n], after)
+    if args.settle:
+        for n in names:
+            out[n]["settle"] = settle(servers[n].url)
     return out
 
 
@@ -159,7 +180,11 @@ def one_pair(servers: dict, args, r: int, together: bool) -> dict:
           f"on {on['tok_s']} tok/s, {on['step'].get('step_ms')} ms/step (output {on['step'].get('output_ms')}); "
           f"off {off['tok_s']} tok/s, {off['step'].get('step_ms')} ms/step (output {off['step'].get('output_ms')}); "
           f"on/off {record['on_over_off']}, step off/on {record.get('step_off_over_on')}; "
-          f"links {ck['written']} (kernel {ck['kernel_links']}, dropped {ck['dropped']})", flush=True)
+          f"links {ck['written']} (kernel {ck['kernel_links']}, dropped {ck['dropped']})"
+          + "".join(f"; {n} settled in {loaded[n]['settle']['flush_s']} s "
+                    f"({loaded[n]['settle']['written_bytes'] / 2**20:.0f} MiB)"
+                    for n in order if "settle" in loaded[n]),
+          flush=True)
     return record
 
 
@@ -257,6 +282,8 @@ def main() -> None:
     ap.add_argument("--mode", choices=sorted(MODES), default="sequential")
     ap.add_argument("--together", action="store_const", const="together", dest="mode",
                     help="--mode together: each round loads both servers at once")
+    ap.add_argument("--settle", action=argparse.BooleanOptionalAction, default=True,
+                    help="flush each server's SSD tier after its load, before the next load starts (default)")
     ap.add_argument("--resume", type=int, default=0, help="measure a resume after this many tokens instead")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -279,7 +306,7 @@ def main() -> None:
                    "off": ServeProcess(*off_args, env=env, log_path=logs["off"])}
         name = f"checkpoints-b{args.batch}-r{args.rows}-{args.mode}.json"
         head = {"model": str(args.model or f"tiny llama {args.preset}"), "tokens": args.tokens, "rows": args.rows,
-                "batch": args.batch, "interval": args.interval, "rounds": args.rounds}
+                "batch": args.batch, "interval": args.interval, "rounds": args.rounds, "settle": args.settle}
         modes: dict = {}
 
         def save(partial: dict | None = None, mode: str | None = None) -> None:
@@ -292,6 +319,8 @@ def main() -> None:
                 for server in servers.values():  # first-request costs out of the measured rounds
                     one_round(server.url, 1, 16, "warm")
                     one_round(server.url, args.rows, 32, "warm-rows")  # the batch at its width once
+                    if args.settle:
+                        settle(server.url)
                 print(f"servers up and warm in {time.monotonic() - t0:.0f} s", flush=True)
                 deadline = t0 + args.seconds if args.seconds else float("inf")
                 for m in MODES[args.mode]:

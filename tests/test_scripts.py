@@ -202,6 +202,7 @@ def test_bench_checkpoints_rounds(small_model, tmp_path):
         assert r["on"]["step"]["steps"] >= 20 and r["off"]["step"]["steps"] >= 20
         assert r["on"]["checkpoints"]["written"] >= 4 and r["on"]["checkpoints"]["dropped"] == 0
         assert r["on_over_off"] > 0
+        assert r["on"]["settle"]["durable"] is True and r["off"]["settle"]["durable"] is True  # flushed after each load
     assert mode["on_over_off"]["n"] == 2 and mode["on_over_off"]["min"] <= mode["on_over_off"]["median"]
     assert mode["checkpoints_written"] == sum(r["on"]["checkpoints"]["written"] for r in mode["rounds"])
 

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 from mlx.utils import tree_map
 
+from mlxq.store import xxh3
 from mlxq.store.mlxkv import DTYPES, EntryHeader, MlxkvError, read_exactly
 from mlxq.store.ssd_tree import FileNode
 from mlxq.store.tensor_view import TensorPiece, load_pieces, read_pool
@@ -112,7 +112,7 @@ def _read_whole(fd: int, header: EntryHeader, t: dict, node: FileNode) -> mx.arr
     view = memoryview(array).cast("B") if t["nbytes"] else memoryview(bytearray())
     if read_exactly(fd, view, header.data_start + t["offset"]) != t["nbytes"]:
         raise FileFailed(node, MlxkvError(f"tensor {t['name']!r} is truncated"))
-    if xxhash.xxh3_128_hexdigest(view) != t["xxh3"]:
+    if xxh3.hexdigest(view) != t["xxh3"]:
         raise FileFailed(node, MlxkvError(f"tensor {t['name']!r} fails its checksum"))
     return array
 
@@ -124,7 +124,7 @@ def _read_rows(fd: int, header: EntryHeader, layer: int, k: int, node: FileNode,
     t = header.layers[layer]["tensors"][k]
     span = t["shape"][-2]
     fits = min(span, end - start)
-    hasher = xxhash.xxh3_128()
+    hasher = xxh3.Hasher()
     at = header.data_start + t["offset"]
     spill = np.empty((span - fits) * row, np.uint8)
     for o in range(rows.shape[0]):

@@ -1,8 +1,9 @@
 """A CUDA restore's checksums, computed by a thread pool while the restore loads the same bytes.
 
 Every tensor of every file a restore reads is hashed (xxh3-128, as written)
-from its own read of the file, on a pool of threads: xxhash and ``os.preadv``
-release the GIL, so the hashing runs on other cores while the engine thread
+from its own read of the file, on a pool of threads: ``os.preadv`` and the
+hash (store/xxh3.py: python-xxhash would hold the GIL) release the GIL, so
+the hashing runs on other cores while the engine thread
 loads the tensors into MLX (store/tensor_view.py) and keeps serving. Both
 reads see the same bytes: a node file is never rewritten in place (a new file
 is renamed over it, and an open descriptor keeps the old one). The restore's
@@ -20,8 +21,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import xxhash
-
+from mlxq.store import xxh3
 from mlxq.store.tensor_view import READ_CHUNK, process_pool
 
 THREADS = max(1, min(8, os.cpu_count() or 1))  # hashing runs at ~10 GB/s per core: 8 outrun any page cache
@@ -84,7 +84,7 @@ def _hash_and_compare(check: TensorCheck) -> tuple[object, str] | None:
     scratch = getattr(_scratch, "buffer", None)
     if scratch is None:
         scratch = _scratch.buffer = memoryview(bytearray(READ_CHUNK))
-    hasher = xxhash.xxh3_128()
+    hasher = xxh3.Hasher()
     done = 0
     while done < check.nbytes:
         want = scratch[: min(READ_CHUNK, check.nbytes - done)]

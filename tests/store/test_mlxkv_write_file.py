@@ -53,3 +53,20 @@ def test_gil_free_digest_equals_python_xxhash():
     shaped = np.arange(2**17, dtype=np.float32).reshape(256, 512)  # a 2-D buffer of 512 KiB
     assert xxh3.hexdigest(shaped) == xxhash.xxh3_128_hexdigest(shaped.tobytes())
     assert xxh3.GIL_FREE  # the xxhash extension exports XXH3_128bits_withSeed here
+
+
+def test_streamed_digest_equals_python_xxhash():
+    data = os.urandom(9 * 2**20 + 11)
+    for cuts in ((), (1,), (1000, 5 * 2**20), tuple(range(0, len(data), 4 << 20))):
+        hasher, reference, start = xxh3.Hasher(), xxhash.xxh3_128(), 0
+        for end in (*cuts, len(data)):
+            hasher.update(memoryview(data)[start:end])
+            reference.update(data[start:end])
+            start = end
+        assert hasher.hexdigest() == reference.hexdigest()
+    shaped = np.arange(2**17, dtype=np.float32).reshape(256, 512)
+    hasher = xxh3.Hasher()
+    hasher.update(shaped)
+    assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(shaped.tobytes())
+    assert xxh3.Hasher()._state  # the extension exports the streaming calls here: the GIL-free path runs
+
