@@ -109,7 +109,7 @@ def serve_one(mode: str, turn: int, args, results: dict) -> None:
             entry["first_request_s"] = first_request(server.url)
             entry["shared_prefix"] = sharing_counters(server.url)
             log(f"{mode} (turn {turn}): ready after {entry['ready_s']}s, first request {entry['first_request_s']}s, "
-                f"kernel checks {entry['shared_prefix'].get('kernel_checks')}, declined "
+                f"kernel checks {(entry['shared_prefix'].get('kernels') or {}).get('check')}, declined "
                 f"{entry['shared_prefix'].get('declined')}")
             args.out.joinpath("serve_in_turn.json").write_text(json.dumps(results, indent=1))
             for part in args.parts.split(","):

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from mlxq.kv.shared_prefix_decode import check_failed, check_report, not_worth_sharing, worth_sharing
+from mlxq.kv.shared_prefix_decode import check_failed, not_worth_sharing, worth_sharing
 from mlxq.kv.sharing_plan import SharingPlan
 from mlxq.store.lease import Lease
 from mlxq.store.prefix_tree import Node
@@ -213,7 +213,7 @@ class SharingStats:
         return {
             "mode": policy.mode if policy else "off",
             "declined": policy.declined() if policy else "batch lane off",
-            "kernels": kernel_status(),  # the attention kernels that may run, or why one was turned down
+            "kernels": kernel_status(),  # the kernels that may run, why one was turned down, the CUDA check
             "steps": self.steps,
             "share_of_steps": self.steps / total_steps if total_steps else 0.0,
             "groups_built": self.groups,
@@ -225,7 +225,6 @@ class SharingStats:
             "groups": len(groups),
             "group_rows": sum(group.rows for group in groups),
             "prefix_tokens": [group.prefix_length for group in groups],
-            "kernel_checks": check_report(),  # the start-up self-check: layout, seconds, passing paths (CUDA)
         }
 
 

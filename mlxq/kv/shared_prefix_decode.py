@@ -521,6 +521,7 @@ def enable_metal() -> bool:
 
 
 def kernel_status() -> dict:
-    """/stats.batch.shared_prefix.kernels: the kernel paths that may run (none before the first
-    group's check) and why a backend's kernel was turned down (on Metal; None otherwise)."""
-    return {"paths": sorted(_kernels), "declined": _declined}
+    """/stats.batch.shared_prefix.kernels: the kernel paths that may run (none before their check),
+    why a backend's kernel was turned down (on Metal; None otherwise) and what the CUDA start-up
+    self-check ran, took and found (``check_report``; None where it did not run)."""
+    return {"paths": sorted(_kernels), "declined": _declined, "check": _report}
