@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 
 import mlx.core as mx
@@ -35,6 +36,12 @@ from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import boundary_snapshot, system_snapshot
 
 log = logging.getLogger("mlxq.scheduler")
+# A held burst's forward admits what arrives while it runs (``Prefilling._meanwhile``): the engine thread takes
+# in arrivals this often, up to this share of the forward's expected time. MLXQ_BURST_MEANWHILE=0 turns it off
+# (an A/B lever).
+MEANWHILE = os.environ.get("MLXQ_BURST_MEANWHILE", "1") != "0"
+MEANWHILE_POLL_S = 0.003
+MEANWHILE_SHARE = 0.8
 
 
 def _plain_spans(node) -> bool:
@@ -148,6 +155,7 @@ class Prefilling:
         longest = max(lengths)
         chunks = [j.prompt[j.done : j.done + n] for j, n in zip(group, lengths, strict=True)]
         last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
+        started = time.perf_counter()
         with mx.stream(generation_stream):
             sources = self._lease_sources(group)
             shared = self._shared_tails(group, lengths) if last else None
@@ -162,7 +170,10 @@ class Prefilling:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
                 self._right_padded_forward(group, caches, shared, chunks, lengths)
+            timed = self._meanwhile(caches, shared, len(group) * longest, started)
             self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
+            if timed is not None:
+                self._learn_forward(*timed)
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
             # rows build theirs only if read); on a shared prefix their own caches (the prefix) are read
             # no more: they join with this batch.
@@ -181,6 +192,44 @@ class Prefilling:
             elif rows is not None:
                 joiner.caches = rows[i]
             self._advanced(joiner, n)
+
+    def _meanwhile(self, caches: list, shared, tokens: int, started: float) -> tuple | None:
+        """While a held burst's tails' forward runs on the device (tails on a shared prefix, on a GPU:
+        ``BurstHold.window_s``), admit what arrived meanwhile (``take_in_meanwhile``): until
+        ``MEANWHILE_SHARE`` of the time this forward should take from ``started`` (its graph's
+        building included), the engine thread takes in arrivals every ``MEANWHILE_POLL_S``, sleeping
+        between. That time is the largest such forward's so far on a prefix of that size, scaled by
+        query tokens (``_largest_forward``: fixed costs make smaller ones dearer per token, so the
+        estimate errs short and the polling never outlasts the forward). The rest of a burst split by
+        the hold's window is then admitted as this forward ends, not after it. Returns what
+        ``_learn_forward`` keeps (None: not taken)."""
+        if shared is None or not (MEANWHILE and self.config.burst.window_s > 0):
+            return None
+        self.faults.run("prefill", lambda: mx.async_eval(evaluable(caches)))  # on the device now, however built
+        self._take_in()
+        key = shared.group.prefix_length.bit_length()  # per power of two of the prefix: its attention's share
+        largest = self._largest_forward.get(key)
+        if largest is not None:
+            until = started + MEANWHILE_SHARE * largest[1] * tokens / largest[0]
+            while time.perf_counter() + MEANWHILE_POLL_S < until:
+                time.sleep(MEANWHILE_POLL_S)
+                self._take_in()
+        return key, started, tokens
+
+    def _take_in(self) -> None:
+        """``take_in_meanwhile``; a failure there is logged and fails no row of the forward running."""
+        try:
+            self.take_in_meanwhile()
+        except Exception:
+            log.warning("taking in arrivals during a forward failed; they wait for the next step", exc_info=True)
+
+    def _learn_forward(self, key: int, started: float, tokens: int) -> None:
+        """After ``_meanwhile``'s forward was evaluated: kept when it is the largest on its key so far
+        (query tokens, seconds from its start; a repeat of that size keeps the quicker)."""
+        seconds = time.perf_counter() - started
+        kept = self._largest_forward.get(key)
+        if kept is None or tokens > kept[0] or (tokens == kept[0] and seconds < kept[1]):
+            self._largest_forward[key] = (tokens, seconds)
 
     def _placed_forward(self, group: list[Joiner], caches: list, layout, chunks: list, shared=None) -> None:
         """The chunks left-padded on caches laid out for them; the padding's K/V never written. On a

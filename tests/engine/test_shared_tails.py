@@ -226,3 +226,65 @@ def test_quantized_tails_are_never_recomputed_on_empty_plain_tails(load_tiny):
     run_wave(scheduler, cached)
     assert scheduler.sharing_stats.tails_recomputed == 0
     assert all(finished[r.request_id][2] is FinishReason.LENGTH for r in cold + cached)
+
+
+def test_agents_arriving_during_a_held_bursts_forward_are_admitted_meanwhile_and_join_its_group(load_tiny):
+    """With bursts held (a GPU's default), the tails' forward of a burst's first part admits what
+    arrives while it runs (``take_in_meanwhile``, the engine's inbox): here four agents handed over
+    during the forward of the first six. They are joiners when that step ends, prefill on the prefix
+    by reference in one more forward once their own hold is over, and join the running group; every
+    row's greedy tokens equal the serial lane's. The forward's time per query token is kept for the
+    next ones (how long to take in arrivals meanwhile)."""
+    import time
+    from dataclasses import replace
+
+    from mlxq.engine.burst_hold import BurstHold
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    scheduler.config = replace(scheduler.config, burst=BurstHold(window_s=0.15, gap_s=0.02))
+    cold, cached = wave(tokenizer, shared, "cold", 2, "Agent"), wave(tokenizer, shared, "cached", 10, "Please")
+    run_wave(scheduler, cold)
+    now = [time.monotonic() + 100.0]
+    scheduler.clock = lambda: now[0]
+    before = counters(scheduler)
+    for r in cached[:6]:
+        scheduler.add(replace(r), lambda e: None)
+    late = list(cached[6:])
+    taken = []
+
+    def meanwhile():
+        taken.append(len(scheduler.joiners))
+        while late:
+            scheduler.add(replace(late.pop(0)), lambda e: None)
+
+    scheduler.take_in_meanwhile = meanwhile
+    now[0] += 1.0  # the first six's hold is over
+    scheduler.step()
+    assert taken == [6] and not late  # called once, during the six's forward (nothing timed before it)
+    assert len(scheduler.batch.groups) == 1 and scheduler.batch.groups[0].rows == 6
+    assert len(scheduler.joiners) == 4 and not any(j.is_prefilled for j in scheduler.joiners)
+    assert [tokens > 0 < seconds for tokens, seconds in scheduler._largest_forward.values()] == [True]
+    scheduler.take_in_meanwhile = lambda: None
+    now[0] += 1.0
+    while not scheduler.is_idle:
+        scheduler.step()
+    change = delta(counters(scheduler), before)
+    assert change["referenced"] == 10 and change["joined"] == 4 and change["groups"] == 1, change
+    assert change["prefill_steps"] == 2, change
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_a_forward_without_a_held_burst_takes_nothing_in_meanwhile(load_tiny):
+    """Bursts not held (the CPU's default): the engine's inbox is read between steps only."""
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    calls = []
+    scheduler.take_in_meanwhile = lambda: calls.append(1)
+    run_wave(scheduler, wave(tokenizer, shared, "cold", 2, "Agent"))
+    run_wave(scheduler, wave(tokenizer, shared, "cached", 4, "Please"))
+    assert not calls and not scheduler._largest_forward
