@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -42,6 +43,10 @@ log = logging.getLogger("mlxq.scheduler")
 MEANWHILE = os.environ.get("MLXQ_BURST_MEANWHILE", "1") != "0"
 MEANWHILE_POLL_S = 0.003
 MEANWHILE_SHARE = 0.8
+# Token 0 of joiners whose tails run on a shared prefix, placed (on a GPU: token 0 in the decode step) drawn
+# from that forward's last position, the last prompt token run with the tails, instead of a decode step after
+# the join (``Prefilling._tails_token0``). Not measured on a GPU yet: MLXQ_TAILS_TOKEN0=1 turns it on.
+TOKEN0_IN_TAILS = os.environ.get("MLXQ_TAILS_TOKEN0", "0") == "1"
 
 
 def _plain_spans(node) -> bool:
@@ -156,22 +161,27 @@ class Prefilling:
         chunks = [j.prompt[j.done : j.done + n] for j, n in zip(group, lengths, strict=True)]
         last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
         started = time.perf_counter()
+        token0 = last and TOKEN0_IN_TAILS and self.config.token0_in_decode
+        last_logits = None
         with mx.stream(generation_stream):
             sources = self._lease_sources(group)
-            shared = self._shared_tails(group, lengths) if last else None
+            shared = self._shared_tails(group, [n + token0 for n in lengths]) if last else None
             placed = None if shared is not None else self._placed(group, lengths, last)
             if placed is not None:  # every row written where it stays (engine/tail_placement.py)
                 caches, layout = placed
                 self._placed_forward(group, caches, layout, chunks)
             elif shared is not None and shared.layout is not None:  # the tails placed alike
                 caches = shared.caches
-                self._placed_forward(group, caches, shared.layout, shared.tokens(group, chunks), shared)
+                run = [c + j.prompt[-1:] for c, j in zip(chunks, group, strict=True)] if token0 else chunks
+                out = self._placed_forward(group, caches, shared.layout, shared.tokens(group, run), shared)
+                last_logits = out[:, -1, :] if token0 else None  # left-padded: every row's last prompt token
             else:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
                 self._right_padded_forward(group, caches, shared, chunks, lengths)
             timed = self._meanwhile(caches, shared, len(group) * longest, started)
-            self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
+            self.faults.run("prefill", lambda: mx.eval(evaluable(caches) + ([] if last_logits is None
+                                                                             else [last_logits])))
             if timed is not None:
                 self._learn_forward(*timed)
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
@@ -180,9 +190,7 @@ class Prefilling:
             kept = PlacedRows(caches, layout) if last and placed is not None else None
             rows = (None if shared or kept else view_rows(caches, len(group)) if last
                     else [extract_row(caches, i) for i in range(len(group))])
-        if last:
-            self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
-        else:
+        if not last:
             self.batch.copies.extracted += len(group)
         if placed is None and not shared:
             self.batch.copies.broadcast += same_as_previous(sources)
@@ -192,6 +200,25 @@ class Prefilling:
             elif rows is not None:
                 joiner.caches = rows[i]
             self._advanced(joiner, n)
+        if last_logits is not None:  # after ``_advanced``: each row's history holds its prompt but the last
+            try:
+                shared = replace(shared, first=self._tails_token0(group, last_logits))
+            except Exception as exc:  # their caches hold their last prompt token: no decode step can redo it
+                self._fail_joiners(group, "first token", exc)
+                return
+        if last:
+            self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
+
+    def _tails_token0(self, group: list[Joiner], logits: mx.array) -> tuple:
+        """(tokens [rows], per-row logprobs) drawn from the tails' forward's last position ``logits``
+        [rows, V], each row as its decode step would draw it (its sampler, processors and grammar
+        fed its last prompt token), evaluated."""
+        lasts = mx.array([j.prompt[-1] for j in group])
+        drawn = [j.row.sample(logits[i : i + 1], lasts[i : i + 1]) for i, j in enumerate(group)]
+        tokens = mx.concatenate([token for token, _ in drawn])
+        logprobs = [lp.squeeze(0) for _, lp in drawn]
+        self.faults.run("token0", lambda: mx.eval(tokens, logprobs))
+        return tokens, logprobs
 
     def _meanwhile(self, caches: list, shared, tokens: int, started: float) -> tuple | None:
         """While a held burst's tails' forward runs on the device (tails on a shared prefix, on a GPU:
@@ -231,9 +258,10 @@ class Prefilling:
         if kept is None or tokens > kept[0] or (tokens == kept[0] and seconds < kept[1]):
             self._largest_forward[key] = (tokens, seconds)
 
-    def _placed_forward(self, group: list[Joiner], caches: list, layout, chunks: list, shared=None) -> None:
+    def _placed_forward(self, group: list[Joiner], caches: list, layout, chunks: list, shared=None) -> mx.array:
         """The chunks left-padded on caches laid out for them; the padding's K/V never written. On a
-        shared prefix (``shared``) the layout is the tails' and the attention goes through its seam."""
+        shared prefix (``shared``) the layout is the tails' and the attention goes through its seam.
+        Returns the forward's logits (lazy: computed only if read)."""
         tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
         evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
         written = [c.tail for c in caches] if shared is not None else caches
@@ -244,7 +272,7 @@ class Prefilling:
         submit = lambda arrays: self.faults.run("prefill", lambda: mx.async_eval(arrays))  # noqa: E731
         with (adapter_rows(self.model, [j.row.request.adapter for j in group]), keeping, self._routed(shared),
               submitted_by_layers(caches, submit)):
-            self.model(tokens, cache=caches)
+            return self.model(tokens, cache=caches)
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):
         """mlx-lm's way: chunks right-padded, the caches told the real lengths (``prepare``/``finalize``, so
