@@ -43,10 +43,11 @@ log = logging.getLogger("mlxq.scheduler")
 MEANWHILE = os.environ.get("MLXQ_BURST_MEANWHILE", "1") != "0"
 MEANWHILE_POLL_S = 0.003
 MEANWHILE_SHARE = 0.8
-# Token 0 of joiners whose tails run on a shared prefix, placed (on a GPU: token 0 in the decode step) drawn
-# from that forward's last position, the last prompt token run with the tails, instead of a decode step after
-# the join (``Prefilling._tails_token0``). Not measured on a GPU yet: MLXQ_TAILS_TOKEN0=1 turns it on.
-TOKEN0_IN_TAILS = os.environ.get("MLXQ_TAILS_TOKEN0", "0") == "1"
+# Token 0 of joiners whose tails run placed on a shared prefix (on a GPU: token 0 in the decode step) drawn from
+# that forward's last position, the last prompt token run with the tails, instead of from a decode step after the
+# join (``Prefilling._tails_token0``; on the H200 a cached 64-agent burst's `first` phase, 22-33 ms, went).
+# MLXQ_TAILS_TOKEN0=0 turns it off (an A/B lever).
+TOKEN0_IN_TAILS = os.environ.get("MLXQ_TAILS_TOKEN0", "1") != "0"
 
 
 def _plain_spans(node) -> bool:

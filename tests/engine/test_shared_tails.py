@@ -296,7 +296,7 @@ def test_a_forward_without_a_held_burst_takes_nothing_in_meanwhile(load_tiny):
 
 @pytest.mark.parametrize("ends_at_token0", [0, 3])
 def test_token_0_drawn_from_the_tails_forward_gives_the_serial_lanes_tokens(load_tiny, monkeypatch, ends_at_token0):
-    """``MLXQ_TAILS_TOKEN0``: a cached burst's tails run their last prompt token too and token 0 is
+    """``MLXQ_TAILS_TOKEN0`` (on by default): a cached burst's tails run their last prompt token too and token 0 is
     drawn from that forward's last position, handed out as the rows join (no decode step computes
     it); rows that end at token 0 (``max_tokens`` 1 here) leave at the join. Every row's greedy
     tokens equal the serial lane's, the tails still read the prefix by reference, in one forward."""
