@@ -30,6 +30,7 @@ from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.prefix_gather import Piece, RowPrefix, own_piece
 from mlxq.engine.shared_tails import evaluable
 from mlxq.engine.step_plan import PrefillPlan
+from mlxq.engine.step_sampling import sample_step
 from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, submitted_by_layers, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
@@ -211,14 +212,14 @@ class Prefilling:
             self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
 
     def _tails_token0(self, group: list[Joiner], logits: mx.array) -> tuple:
-        """(tokens [rows], per-row logprobs) drawn from the tails' forward's last position ``logits``
-        [rows, V], each row as its decode step would draw it (its sampler, processors and grammar
-        fed its last prompt token), evaluated."""
+        """(tokens [rows], per-row logprobs or None) drawn from the tails' forward's last position
+        ``logits`` [rows, V] as a decode step draws them (``sample_step``: plain greedy rows in one
+        argmax, others by their sampler, processors and grammar, fed their last prompt token),
+        evaluated."""
         lasts = mx.array([j.prompt[-1] for j in group])
-        drawn = [j.row.sample(logits[i : i + 1], lasts[i : i + 1]) for i, j in enumerate(group)]
-        tokens = mx.concatenate([token for token, _ in drawn])
-        logprobs = [lp.squeeze(0) for _, lp in drawn]
-        self.faults.run("token0", lambda: mx.eval(tokens, logprobs))
+        start = lambda *arrays: self.faults.run("token0", lambda: mx.async_eval(*arrays))  # noqa: E731
+        tokens, logprobs = sample_step([j.row for j in group], logits, lasts, start, self.grammar_timing)
+        self.faults.run("token0", lambda: mx.eval(tokens, [lp for lp in logprobs if lp is not None]))
         return tokens, logprobs
 
     def _meanwhile(self, caches: list, shared, tokens: int, started: float) -> tuple | None:

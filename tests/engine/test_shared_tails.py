@@ -294,8 +294,9 @@ def test_a_forward_without_a_held_burst_takes_nothing_in_meanwhile(load_tiny):
     assert not calls and not scheduler._largest_forward
 
 
-@pytest.mark.parametrize("ends_at_token0", [0, 3])
-def test_token_0_drawn_from_the_tails_forward_gives_the_serial_lanes_tokens(load_tiny, monkeypatch, ends_at_token0):
+@pytest.mark.parametrize(("ends_at_token0", "with_logprobs"), [(0, False), (3, False), (0, True)])
+def test_token_0_drawn_from_the_tails_forward_gives_the_serial_lanes_tokens(load_tiny, monkeypatch, ends_at_token0,
+                                                                            with_logprobs):
     """``MLXQ_TAILS_TOKEN0`` (on by default): a cached burst's tails run their last prompt token too and token 0 is
     drawn from that forward's last position, handed out as the rows join (no decode step computes
     it); rows that end at token 0 (``max_tokens`` 1 here) leave at the join. Every row's greedy
@@ -310,10 +311,13 @@ def test_token_0_drawn_from_the_tails_forward_gives_the_serial_lanes_tokens(load
     scheduler, finished = sharing_scheduler(model, tokenizer)
     cold, cached = wave(tokenizer, shared, "cold", 2, "Agent"), wave(tokenizer, shared, "cached", 8, "Please")
     cached = [replace(r, max_tokens=1) if i < ends_at_token0 else r for i, r in enumerate(cached)]
+    if with_logprobs:  # rows that are not plain greedy: each drawn by its own sampler, its logprob handed out
+        cached = [replace(r, logprobs=True) if i % 2 else r for i, r in enumerate(cached)]
     run_wave(scheduler, cold)
     before = counters(scheduler)
+    events: dict[str, list] = {}
     for r in cached:
-        scheduler.add(replace(r), lambda e: None)
+        scheduler.add(replace(r), lambda e: events.setdefault(e.request_id, []).append(e))
     drawn = []
     draw = scheduler._tails_token0
     monkeypatch.setattr(scheduler, "_tails_token0",
@@ -323,6 +327,8 @@ def test_token_0_drawn_from_the_tails_forward_gives_the_serial_lanes_tokens(load
     assert drawn == [8] and scheduler.timing.steps - decode_steps == 1
     assert len(scheduler.batch.rows) == 8 - ends_at_token0
     assert all(len(row.output.tokens) == 1 for row in scheduler.batch.rows)
+    if with_logprobs:  # token 0's event carries its logprob exactly where it was asked for
+        assert all((events[r.request_id][0].logprob is not None) == r.logprobs for r in cached)
     assert all(len(finished[r.request_id][0]) == 1 for r in cached[:ends_at_token0])
     while not scheduler.is_idle:
         scheduler.step()
