@@ -333,3 +333,31 @@ def test_shared_prefix_checks_runs_without_a_device():
     assert done.returncode == 0, done.stderr[-2000:]
     assert [json.loads(line)["step"] for line in done.stdout.splitlines()] == [
         "device", "layout", "default_extra", "layout_again"]
+
+
+def test_burst_timeline_groups_a_wave_by_forward(tmp_path):
+    """Two waves read from a JSON request log: each request placed on its wave's axis, the rows
+    whose forward started together as one group (the second wave's tails in two forwards)."""
+    def record(received: float, queue: float, wait: float, prefill: float, ttft: float) -> str:
+        return "log prefix " + json.dumps({
+            "id": f"r{received}", "lane": "continuous", "received_monotonic_s": received, "parse_ms": 1.0,
+            "queue_ms": queue, "ttft_ms": ttft, "ttft_lease_ms": 0.5, "ttft_wait_ms": wait,
+            "ttft_prefill_ms": prefill, "ttft_first_ms": 20.0})
+
+    lines = [record(10.0, 0.0, 0.5, 100.0, 130.0),
+             record(20.000, 5.0, 50.0, 300.0, 380.0), record(20.040, 1.0, 14.0, 300.0, 340.0),
+             record(20.100, 280.0, 9.0, 100.0, 415.0),
+             '{"level": "info", "message": "not a request"}']
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "timeline.json"
+    run("burst_timeline.py", str(log), "--json", str(out))
+    first, second = json.loads(out.read_text())
+    assert first["requests"] == 1 and len(first["groups"]) == 1
+    assert second["requests"] == 3
+    assert [g["rows"] for g in second["groups"]] == [2, 1]
+    together, late = second["groups"]
+    assert together["forward"] == [56.5, 356.5]  # parse 1 + queue 5 + lease 0.5 + wait 50, then 300
+    assert together["received"] == [0.0, 40.0]
+    assert late["token0"] == [516.0, 516.0]  # read at 100, parsed 1, ttft 415
+    assert second["last_token0_ms"] == 516.0

@@ -173,6 +173,7 @@ class Engine:
         self.checkpoints = None  # engine.checkpointing.Checkpointing, with --ssd-cache and --checkpoint-interval > 0
         self._flushes: list[_Flush] = []
         self._inbox: queue.Queue[_Work | _Flush | EngineCall | None] = queue.Queue()
+        self._put_back: list = []  # taken from the inbox during a forward and left for the next intake, in order
         self._newest_arrival = 0.0  # the newest submission's time.monotonic (see _await_burst)
         self.on_the_way = OnTheWay()  # the server counts requests read and not yet submitted here
         self._calls: list[EngineCall] = []  # taken in, run when the loop stands between iterations
@@ -390,6 +391,7 @@ class Engine:
             )
             self.scheduler.await_arrival = self._await_burst
             self.scheduler.on_the_way = self.on_the_way.pending
+            self.scheduler.take_in_meanwhile = self._take_in_meanwhile
 
     def _burst_hold(self):
         """A burst of agents' tails waits for the rest of it on a GPU (one forward for the wave);
@@ -612,6 +614,26 @@ class Engine:
             nap = ON_THE_WAY_POLL_S if on_the_way else (TAKE_IN_EVERY_S or left)
             time.sleep(min(left, nap))
 
+    def _take_in_meanwhile(self) -> None:
+        """While a held burst's forward runs (``Prefilling._meanwhile``, engine thread): requests
+        submitted since go into the FIFO, and the continuous-lane ones at its head into the scheduler
+        while they fit. Nothing else is taken in here: from the first item that is not a plain
+        request (a stop, a flush, an engine call, an adapter's request) the inbox's items wait, in
+        order, for the loop's next intake; nothing is rejected and no step runs."""
+        if self.lockstep is not None or self._put_back or not self._inbox.qsize():
+            return
+        for work in self._drain_inbox(block=False):
+            if self._put_back or not isinstance(work, _Work) or work.request.adapter:
+                self._put_back.append(work)
+            else:
+                self._admit_to_fifo(work)
+        while self._waiting and self._waiting[0].placement.lane is Lane.CONTINUOUS:
+            head = self._waiting[0]
+            if head.request.cancelled.is_set() or not self.scheduler.can_admit(head.request):
+                return
+            self._waiting.popleft()
+            self.scheduler.add(head.request, head.emit, arrived=head.arrived)
+
     def _take_flush(self, flush: _Flush) -> None:
         if self.scheduler is not None:
             self.scheduler.publish_staged()  # so the checkpoint flush after this one covers them
@@ -630,7 +652,10 @@ class Engine:
 
     def _drain_inbox(self, block: bool, timeout: float = INBOX_POLL_S) -> list[_Work | _Flush | None]:
         """What was submitted, up to a stop (None); waits up to ``timeout`` for the first item when ``block``."""
-        taken = []
+        taken, self._put_back = self._put_back, []  # first what a forward's take-in left, in order
+        if any(work is None for work in taken):
+            return taken
+        block = block and not taken
         try:
             work = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
             while True:

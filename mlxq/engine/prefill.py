@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -28,6 +30,7 @@ from mlxq.engine.preempt import split_prefill_group
 from mlxq.engine.prefix_gather import Piece, RowPrefix, own_piece
 from mlxq.engine.shared_tails import evaluable
 from mlxq.engine.step_plan import PrefillPlan
+from mlxq.engine.step_sampling import sample_step
 from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, submitted_by_layers, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
 from mlxq.kv.batch_ops import extract_row, view_rows
@@ -35,6 +38,17 @@ from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import boundary_snapshot, system_snapshot
 
 log = logging.getLogger("mlxq.scheduler")
+# A held burst's forward admits what arrives while it runs (``Prefilling._meanwhile``): the engine thread takes
+# in arrivals this often, up to this share of the forward's expected time. MLXQ_BURST_MEANWHILE=0 turns it off
+# (an A/B lever).
+MEANWHILE = os.environ.get("MLXQ_BURST_MEANWHILE", "1") != "0"
+MEANWHILE_POLL_S = 0.003
+MEANWHILE_SHARE = 0.8
+# Token 0 of joiners whose tails run placed on a shared prefix (on a GPU: token 0 in the decode step) drawn from
+# that forward's last position, the last prompt token run with the tails, instead of from a decode step after the
+# join (``Prefilling._tails_token0``; on the H200 a cached 64-agent burst's `first` phase, 22-33 ms, went).
+# MLXQ_TAILS_TOKEN0=0 turns it off (an A/B lever).
+TOKEN0_IN_TAILS = os.environ.get("MLXQ_TAILS_TOKEN0", "1") != "0"
 
 
 def _plain_spans(node) -> bool:
@@ -148,30 +162,37 @@ class Prefilling:
         longest = max(lengths)
         chunks = [j.prompt[j.done : j.done + n] for j, n in zip(group, lengths, strict=True)]
         last = all(j.done + n >= len(j.prompt) - 1 for j, n in planned)  # they join next: keep the batch
+        started = time.perf_counter()
+        token0 = last and TOKEN0_IN_TAILS and self.config.token0_in_decode
+        last_logits = None
         with mx.stream(generation_stream):
             sources = self._lease_sources(group)
-            shared = self._shared_tails(group, lengths) if last else None
+            shared = self._shared_tails(group, [n + token0 for n in lengths]) if last else None
             placed = None if shared is not None else self._placed(group, lengths, last)
             if placed is not None:  # every row written where it stays (engine/tail_placement.py)
                 caches, layout = placed
                 self._placed_forward(group, caches, layout, chunks)
             elif shared is not None and shared.layout is not None:  # the tails placed alike
                 caches = shared.caches
-                self._placed_forward(group, caches, shared.layout, shared.tokens(group, chunks), shared)
+                run = [c + j.prompt[-1:] for c, j in zip(chunks, group, strict=True)] if token0 else chunks
+                out = self._placed_forward(group, caches, shared.layout, shared.tokens(group, run), shared)
+                last_logits = out[:, -1, :] if token0 else None  # left-padded: every row's last prompt token
             else:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
                 self._right_padded_forward(group, caches, shared, chunks, lengths)
-            self.faults.run("prefill", lambda: mx.eval(evaluable(caches)))
+            timed = self._meanwhile(caches, shared, len(group) * longest, started)
+            self.faults.run("prefill", lambda: mx.eval(evaluable(caches) + ([] if last_logits is None
+                                                                             else [last_logits])))
+            if timed is not None:
+                self._learn_forward(*timed)
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
             # rows build theirs only if read); on a shared prefix their own caches (the prefix) are read
             # no more: they join with this batch.
             kept = PlacedRows(caches, layout) if last and placed is not None else None
             rows = (None if shared or kept else view_rows(caches, len(group)) if last
                     else [extract_row(caches, i) for i in range(len(group))])
-        if last:
-            self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
-        else:
+        if not last:
             self.batch.copies.extracted += len(group)
         if placed is None and not shared:
             self.batch.copies.broadcast += same_as_previous(sources)
@@ -181,10 +202,68 @@ class Prefilling:
             elif rows is not None:
                 joiner.caches = rows[i]
             self._advanced(joiner, n)
+        if last_logits is not None:  # after ``_advanced``: each row's history holds its prompt but the last
+            try:
+                shared = replace(shared, first=self._tails_token0(group, last_logits))
+            except Exception as exc:  # their caches hold their last prompt token: no decode step can redo it
+                self._fail_joiners(group, "first token", exc)
+                return
+        if last:
+            self._prefilled_together = PrefilledTogether(tuple(group), caches, shared)
 
-    def _placed_forward(self, group: list[Joiner], caches: list, layout, chunks: list, shared=None) -> None:
+    def _tails_token0(self, group: list[Joiner], logits: mx.array) -> tuple:
+        """(tokens [rows], per-row logprobs or None) drawn from the tails' forward's last position
+        ``logits`` [rows, V] as a decode step draws them (``sample_step``: plain greedy rows in one
+        argmax, others by their sampler, processors and grammar, fed their last prompt token),
+        evaluated."""
+        lasts = mx.array([j.prompt[-1] for j in group])
+        start = lambda *arrays: self.faults.run("token0", lambda: mx.async_eval(*arrays))  # noqa: E731
+        tokens, logprobs = sample_step([j.row for j in group], logits, lasts, start, self.grammar_timing)
+        self.faults.run("token0", lambda: mx.eval(tokens, [lp for lp in logprobs if lp is not None]))
+        return tokens, logprobs
+
+    def _meanwhile(self, caches: list, shared, tokens: int, started: float) -> tuple | None:
+        """While a held burst's tails' forward runs on the device (tails on a shared prefix, on a GPU:
+        ``BurstHold.window_s``), admit what arrived meanwhile (``take_in_meanwhile``): until
+        ``MEANWHILE_SHARE`` of the time this forward should take from ``started`` (its graph's
+        building included), the engine thread takes in arrivals every ``MEANWHILE_POLL_S``, sleeping
+        between. That time is the largest such forward's so far on a prefix of that size, scaled by
+        query tokens (``_largest_forward``: fixed costs make smaller ones dearer per token, so the
+        estimate errs short and the polling never outlasts the forward). The rest of a burst split by
+        the hold's window is then admitted as this forward ends, not after it. Returns what
+        ``_learn_forward`` keeps (None: not taken)."""
+        if shared is None or not (MEANWHILE and self.config.burst.window_s > 0):
+            return None
+        self.faults.run("prefill", lambda: mx.async_eval(evaluable(caches)))  # on the device now, however built
+        self._take_in()
+        key = shared.group.prefix_length.bit_length()  # per power of two of the prefix: its attention's share
+        largest = self._largest_forward.get(key)
+        if largest is not None:
+            until = started + MEANWHILE_SHARE * largest[1] * tokens / largest[0]
+            while time.perf_counter() + MEANWHILE_POLL_S < until:
+                time.sleep(MEANWHILE_POLL_S)
+                self._take_in()
+        return key, started, tokens
+
+    def _take_in(self) -> None:
+        """``take_in_meanwhile``; a failure there is logged and fails no row of the forward running."""
+        try:
+            self.take_in_meanwhile()
+        except Exception:
+            log.warning("taking in arrivals during a forward failed; they wait for the next step", exc_info=True)
+
+    def _learn_forward(self, key: int, started: float, tokens: int) -> None:
+        """After ``_meanwhile``'s forward was evaluated: kept when it is the largest on its key so far
+        (query tokens, seconds from its start; a repeat of that size keeps the quicker)."""
+        seconds = time.perf_counter() - started
+        kept = self._largest_forward.get(key)
+        if kept is None or tokens > kept[0] or (tokens == kept[0] and seconds < kept[1]):
+            self._largest_forward[key] = (tokens, seconds)
+
+    def _placed_forward(self, group: list[Joiner], caches: list, layout, chunks: list, shared=None) -> mx.array:
         """The chunks left-padded on caches laid out for them; the padding's K/V never written. On a
-        shared prefix (``shared``) the layout is the tails' and the attention goes through its seam."""
+        shared prefix (``shared``) the layout is the tails' and the attention goes through its seam.
+        Returns the forward's logits (lazy: computed only if read)."""
         tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
         evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
         written = [c.tail for c in caches] if shared is not None else caches
@@ -195,7 +274,7 @@ class Prefilling:
         submit = lambda arrays: self.faults.run("prefill", lambda: mx.async_eval(arrays))  # noqa: E731
         with (adapter_rows(self.model, [j.row.request.adapter for j in group]), keeping, self._routed(shared),
               submitted_by_layers(caches, submit)):
-            self.model(tokens, cache=caches)
+            return self.model(tokens, cache=caches)
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):
         """mlx-lm's way: chunks right-padded, the caches told the real lengths (``prepare``/``finalize``, so

@@ -157,6 +157,10 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         # (the engine sleeps through the burst's arrivals; alone, a short sleep and the caller steps again).
         self.await_arrival: Callable[[HeldUntil], None] = self._sleep_briefly
         self.on_the_way: Callable[[float], int] = lambda now: 0  # requests the server read, not yet submitted
+        # While a held burst's forward runs on the device: admit what arrived meanwhile (engine/engine.py), so
+        # the rest of the burst is admitted by the time that forward ends (engine/prefill.py, ``_meanwhile``).
+        self.take_in_meanwhile: Callable[[], None] = lambda: None
+        self._largest_forward: dict[int, tuple[int, float]] = {}  # held bursts' tails: (query tokens, seconds)
         self._admissions: tuple[float, ...] = ()  # the last two arrival times (engine/intake.py)
         self._steps = 0  # bumped as each step starts and ends (what ``_between`` is valid between)
         self._between: _Between | None = None

@@ -65,6 +65,9 @@ class SharedTails:
     # Per row, its own leased tokens past the prefix that the forward computes again before its chunk
     # (the tails start empty); None: the tails hold them already.
     recomputed: tuple[int, ...] | None = None
+    # Token 0 drawn from the forward's last position (``TOKEN0_IN_TAILS``): (tokens [rows], per-row
+    # logprobs); the forward ran each row's last prompt token too. None: the decode step computes it.
+    first: tuple | None = None
 
     def tokens(self, joiners: list, chunks: list[list[int]]) -> list[list[int]]:
         """What each row's forward runs: its recomputed own tokens, then its chunk."""
@@ -223,7 +226,14 @@ class TailSharing:
             for row, own in zip(rows, shared.recomputed, strict=True):
                 row.output.cached_tokens -= own  # computed again, not served from the cache
             self.sharing_stats.tails_recomputed += sum(shared.recomputed)
-        pending = Pending.prompt_ends([j.prompt for j in group])
+        ended: set[int] = set()
+        if shared.first is None:
+            pending = Pending.prompt_ends([j.prompt for j in group])
+        else:  # token 0 came with the forward: handed out now, fed to the next decode step
+            tokens, logprobs = shared.first
+            ended = {id(row) for row, token, lp in zip(rows, tokens.tolist(), logprobs, strict=True)
+                     if not self._emit(row, token, lp)}
+            pending = Pending(tokens, logprobs, [True] * len(rows))
         if shared.into is None:
             self.batch.adopt_grouped(rows, shared.caches, (shared.group,), pending)
             self.sharing_stats.groups += 1
@@ -232,3 +242,5 @@ class TailSharing:
             self.sharing_stats.rows_joined += len(rows)
         self.batch.copies.kept += len(rows)
         self.batch.copies.referenced += len(rows)
+        if ended:  # rows that ended at token 0 leave as a decode step's finished rows do
+            self._evict([i for i, row in enumerate(self.batch.rows) if id(row) not in ended])

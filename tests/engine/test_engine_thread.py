@@ -119,3 +119,41 @@ def run_serial_tokens(loaded, prompt: list[int]) -> list[int]:
 
     request = Request("solo", prompt, SamplingParams(), 8, ignore_eos=True)
     return run_serial(loaded.model, loaded.tokenizer, request, lambda e: None, prefill_step_size=2048).tokens
+
+
+def test_a_forwards_take_in_admits_plain_requests_and_leaves_the_rest_for_the_loop_in_order():
+    """``Engine._take_in_meanwhile`` (a held burst's forward running): requests handed over are
+    admitted while the scheduler takes them; from the first item that is not a plain request (a
+    flush, a stop) everything waits, in order, for the loop's next intake; the loop's own intake then
+    reads those first."""
+    from mlxq.engine.engine import _Flush, _Work
+    from mlxq.engine.gateway import Lane, Placement, RequestShape
+
+    class Admitting:
+        def __init__(self, room: int):
+            self.room, self.added = room, []
+
+        def can_admit(self, request) -> bool:
+            return len(self.added) < self.room
+
+        def add(self, request, emit, arrived=None) -> None:
+            self.added.append(request.request_id)
+
+    def work(name: str) -> _Work:
+        request = Request(name, [1, 2, 3], SamplingParams(), 4)
+        return _Work(request, lambda e: None, Placement(RequestShape.of(request), Lane.CONTINUOUS, "test"))
+
+    engine = Engine(lambda: None, EngineConfig(max_rows=8))
+    engine.scheduler = Admitting(room=3)
+    flush = _Flush()
+    for item in (work("a"), work("b"), flush, work("c"), None):
+        engine._inbox.put(item)
+    engine._take_in_meanwhile()
+    assert engine.scheduler.added == ["a", "b"]
+    assert engine._put_back == [flush, engine._put_back[1], None] and engine._put_back[1].request.request_id == "c"
+    engine._take_in_meanwhile()  # something waits for the loop: nothing more is taken here
+    assert engine.scheduler.added == ["a", "b"]
+    engine._inbox.put(work("d"))
+    taken = engine._drain_inbox(block=True, timeout=0.01)
+    assert [getattr(getattr(t, "request", None), "request_id", t) for t in taken] == [flush, "c", None]
+    assert engine._put_back == [] and engine._inbox.qsize() == 1  # "d" after the stop: not read

@@ -226,3 +226,114 @@ def test_quantized_tails_are_never_recomputed_on_empty_plain_tails(load_tiny):
     run_wave(scheduler, cached)
     assert scheduler.sharing_stats.tails_recomputed == 0
     assert all(finished[r.request_id][2] is FinishReason.LENGTH for r in cold + cached)
+
+
+@pytest.mark.parametrize("token0_in_tails", [False, True])
+def test_agents_arriving_during_a_held_bursts_forward_are_admitted_meanwhile_and_join_its_group(
+        load_tiny, monkeypatch, token0_in_tails):
+    """With bursts held (a GPU's default), the tails' forward of a burst's first part admits what
+    arrives while it runs (``take_in_meanwhile``, the engine's inbox): here four agents handed over
+    during the forward of the first six. They are joiners when that step ends, prefill on the prefix
+    by reference in one more forward once their own hold is over, and join the running group; every
+    row's greedy tokens equal the serial lane's. The forward's time per query token is kept for the
+    next ones (how long to take in arrivals meanwhile)."""
+    import time
+    from dataclasses import replace
+
+    from mlxq.engine import prefill
+    from mlxq.engine.burst_hold import BurstHold
+
+    monkeypatch.setattr(prefill, "TOKEN0_IN_TAILS", token0_in_tails)  # also: token 0 from each tails' forward
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    scheduler.config = replace(scheduler.config, burst=BurstHold(window_s=0.15, gap_s=0.02))
+    cold, cached = wave(tokenizer, shared, "cold", 2, "Agent"), wave(tokenizer, shared, "cached", 10, "Please")
+    run_wave(scheduler, cold)
+    now = [time.monotonic() + 100.0]
+    scheduler.clock = lambda: now[0]
+    before = counters(scheduler)
+    for r in cached[:6]:
+        scheduler.add(replace(r), lambda e: None)
+    late = list(cached[6:])
+    taken = []
+
+    def meanwhile():
+        taken.append(len(scheduler.joiners))
+        while late:
+            scheduler.add(replace(late.pop(0)), lambda e: None)
+
+    scheduler.take_in_meanwhile = meanwhile
+    now[0] += 1.0  # the first six's hold is over
+    scheduler.step()
+    assert taken == [6] and not late  # called once, during the six's forward (nothing timed before it)
+    assert len(scheduler.batch.groups) == 1 and scheduler.batch.groups[0].rows == 6
+    assert len(scheduler.joiners) == 4 and not any(j.is_prefilled for j in scheduler.joiners)
+    assert [tokens > 0 < seconds for tokens, seconds in scheduler._largest_forward.values()] == [True]
+    scheduler.take_in_meanwhile = lambda: None
+    now[0] += 1.0
+    while not scheduler.is_idle:
+        scheduler.step()
+    change = delta(counters(scheduler), before)
+    assert change["referenced"] == 10 and change["joined"] == 4 and change["groups"] == 1, change
+    assert change["prefill_steps"] == 2, change
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
+def test_a_forward_without_a_held_burst_takes_nothing_in_meanwhile(load_tiny):
+    """Bursts not held (the CPU's default): the engine's inbox is read between steps only."""
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    calls = []
+    scheduler.take_in_meanwhile = lambda: calls.append(1)
+    run_wave(scheduler, wave(tokenizer, shared, "cold", 2, "Agent"))
+    run_wave(scheduler, wave(tokenizer, shared, "cached", 4, "Please"))
+    assert not calls and not scheduler._largest_forward
+
+
+@pytest.mark.parametrize(("ends_at_token0", "with_logprobs"), [(0, False), (3, False), (0, True)])
+def test_token_0_drawn_from_the_tails_forward_gives_the_serial_lanes_tokens(load_tiny, monkeypatch, ends_at_token0,
+                                                                            with_logprobs):
+    """``MLXQ_TAILS_TOKEN0`` (on by default): a cached burst's tails run their last prompt token too and token 0 is
+    drawn from that forward's last position, handed out as the rows join (no decode step computes
+    it); rows that end at token 0 (``max_tokens`` 1 here) leave at the join. Every row's greedy
+    tokens equal the serial lane's, the tails still read the prefix by reference, in one forward."""
+    from dataclasses import replace
+
+    from mlxq.engine import prefill
+
+    monkeypatch.setattr(prefill, "TOKEN0_IN_TAILS", True)
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    cold, cached = wave(tokenizer, shared, "cold", 2, "Agent"), wave(tokenizer, shared, "cached", 8, "Please")
+    cached = [replace(r, max_tokens=1) if i < ends_at_token0 else r for i, r in enumerate(cached)]
+    if with_logprobs:  # rows that are not plain greedy: each drawn by its own sampler, its logprob handed out
+        cached = [replace(r, logprobs=True) if i % 2 else r for i, r in enumerate(cached)]
+    run_wave(scheduler, cold)
+    before = counters(scheduler)
+    events: dict[str, list] = {}
+    for r in cached:
+        scheduler.add(replace(r), lambda e: events.setdefault(e.request_id, []).append(e))
+    drawn = []
+    draw = scheduler._tails_token0
+    monkeypatch.setattr(scheduler, "_tails_token0",
+                        lambda group, logits: drawn.append(len(group)) or draw(group, logits))
+    decode_steps = scheduler.timing.steps
+    scheduler.step()  # the tails' forward with token 0, the join, then one decode step (token 1, handed out next)
+    assert drawn == [8] and scheduler.timing.steps - decode_steps == 1
+    assert len(scheduler.batch.rows) == 8 - ends_at_token0
+    assert all(len(row.output.tokens) == 1 for row in scheduler.batch.rows)
+    if with_logprobs:  # token 0's event carries its logprob exactly where it was asked for
+        assert all((events[r.request_id][0].logprob is not None) == r.logprobs for r in cached)
+    assert all(len(finished[r.request_id][0]) == 1 for r in cached[:ends_at_token0])
+    while not scheduler.is_idle:
+        scheduler.step()
+    change = delta(counters(scheduler), before)
+    assert change["prefill_steps"] == 1 and change["referenced"] == 8, change
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
