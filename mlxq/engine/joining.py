@@ -49,7 +49,7 @@ def _let_go_of_solo_caches(joiners: list[Joiner]) -> None:
     recompute their KV). Those of a wave that joins in the batch its tails prefilled in are views into
     that batch (tail_placement.PlacedRows): alive at the token-0 forward, they made MLX copy every
     layer's whole batch instead of writing its K/V in place (on the CPU, 7 agents on a ~520-token
-    prompt: ~125-170 ms for the forward against ~55 ms without them, docs/benchmarks.md)."""
+    prompt: 124-169 ms for the forward against 55-58 ms without them, docs/benchmarks.md)."""
     for joiner in joiners:
         joiner.caches = None
 
