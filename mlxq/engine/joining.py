@@ -43,6 +43,17 @@ def _gathered(joiners: list[Joiner]) -> tuple[list, bool]:
     return merge_solo_rows([j.caches for j in joiners]), True
 
 
+def _let_go_of_solo_caches(joiners: list[Joiner]) -> None:
+    """Joiners about to take token 0 in one batch let go of their own caches: nothing reads them after
+    (a row that ends at token 0 is stored only when it ran alone; a failed forward requeues rows, which
+    recompute their KV). Those of a wave that joins in the batch its tails prefilled in are views into
+    that batch (tail_placement.PlacedRows): alive at the token-0 forward, they made MLX copy every
+    layer's whole batch instead of writing its K/V in place (on the CPU, 7 agents on a ~520-token
+    prompt: 124-169 ms for the forward against 55-58 ms without them, docs/benchmarks.md)."""
+    for joiner in joiners:
+        joiner.caches = None
+
+
 class Joining:
     """Token 0 and the join (mixed into BatchScheduler)."""
 
@@ -87,6 +98,8 @@ class Joining:
         keys = [j.row.key for j in ready]
         try:
             caches, batched = self._joining_caches(ready)
+            if batched:
+                _let_go_of_solo_caches(ready)
             lasts = mx.array([j.prompt[-1] for j in ready])
             with mx.stream(generation_stream), adapter_rows(self.model, [j.row.request.adapter for j in ready]):
                 logits = self.model(lasts[:, None], cache=caches)[:, -1, :]

@@ -120,6 +120,47 @@ def test_no_view_into_the_placed_batch_is_alive_when_its_first_decode_step_write
     assert len(made) == 1 and alive_at_decode == [0]
 
 
+def test_no_view_into_the_placed_batch_is_alive_when_the_token0_forward_writes(load_tiny, monkeypatch):
+    """On the CPU token 0 comes from a forward of the joiners before they join (joining._first_tokens),
+    on the batch their tails prefilled in: the joiners' row views of it are let go of before that
+    forward writes, so MLX writes its K/V in place, and every row still computes the serial lane's
+    tokens."""
+    import weakref
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=False)
+    scheduler, finished = recording_scheduler(model, tokenizer, config)
+    cold = wave(tokenizer, shared, "cold", 2, "Agent")
+    run_wave(scheduler, cold)
+    made = []
+
+    class Recorded(tail_placement.PlacedRows):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(prefill, "PlacedRows", Recorded)
+    alive_at_token0 = []
+
+    class Watched:
+        def __call__(self, tokens, cache):
+            if tokens.shape[1] == 1 and made and not alive_at_token0:  # the first one-token forward
+                alive_at_token0.append(sum(r() is not None for r in made))
+            return model(tokens, cache=cache)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    monkeypatch.setattr(scheduler, "model", Watched())
+    cached = wave(tokenizer, shared, "cached", 4, "Please")
+    run_wave(scheduler, cached)
+    assert len(made) == 1 and alive_at_token0 == [0]
+    expected = serial_with_cache(model, tokenizer, cold + cached)
+    for r in cold + cached:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
 def test_rows_move_right_by_their_padding_as_mlx_lm_rolls_them():
     import mlx.core as mx
     from mlx_lm.models.cache import dynamic_roll
