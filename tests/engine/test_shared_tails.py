@@ -47,6 +47,13 @@ def counters(scheduler) -> dict:
                                                "joined": scheduler.sharing_stats.rows_joined}
 
 
+def assert_serial_tokens(model, tokenizer, requests: list, finished: dict) -> None:
+    """Every request's tokens are the serial lane's on the same prompt cache."""
+    expected = serial_with_cache(model, tokenizer, requests)
+    for r in requests:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
 def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
@@ -65,9 +72,7 @@ def test_a_cached_burst_prefills_its_tails_on_the_stored_prefix_and_decodes_as_o
     assert change["broadcast"] == change["gathered"] == change["batch_extends"] == 0, change
     assert change["groups"] == 1, change
     assert scheduler._prefilled_together is None
-    expected = serial_with_cache(model, tokenizer, cold + cached)
-    for r in cold + cached:
-        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+    assert_serial_tokens(model, tokenizer, cold + cached, finished)
     for r in cached:
         assert finished[r.request_id][1] >= len(shared)  # the prefix came from the RAM tier
 
@@ -87,9 +92,7 @@ def test_agents_arriving_while_their_group_decodes_join_it_by_reference(load_tin
     change = delta(counters(scheduler), before)
     assert change["referenced"] == 10 and change["joined"] == 4 and change["groups"] == 1, change
     assert change["gathered"] == change["batch_extends"] == 0, change
-    expected = serial_with_cache(model, tokenizer, cold + cached)
-    for r in cold + cached:
-        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+    assert_serial_tokens(model, tokenizer, cold + cached, finished)
 
 
 def test_a_lone_agent_on_its_own_copy_is_grouped_when_a_burst_on_its_prefix_arrives(load_tiny):
@@ -106,9 +109,7 @@ def test_a_lone_agent_on_its_own_copy_is_grouped_when_a_burst_on_its_prefix_arri
     change = delta(counters(scheduler), before)
     assert change["referenced"] == 5 and change["joined"] == 5 and change["groups"] == 1, change
     assert change["gathered"] == change["batch_extends"] == 0, change
-    expected = serial_with_cache(model, tokenizer, cold + cached)
-    for r in cold + cached:
-        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+    assert_serial_tokens(model, tokenizer, cold + cached, finished)
 
 
 def test_a_failed_join_of_shared_tails_fails_those_rows_and_the_scheduler_goes_on(load_tiny, monkeypatch):
@@ -153,9 +154,7 @@ def test_tails_of_different_lengths_move_by_one_take_never_by_mlx_lm_finalize(lo
     before = counters(scheduler)
     run_wave(scheduler, cached)
     assert delta(counters(scheduler), before)["referenced"] == 5
-    expected = serial_with_cache(model, tokenizer, cold + cached)
-    for r in cold + cached:
-        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+    assert_serial_tokens(model, tokenizer, cold + cached, finished)
 
 
 def asking_waves(tokenizer, shared: list[int]):
@@ -207,9 +206,7 @@ def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered
     assert len({finished[r.request_id][1] for r in cached}) == 1  # each row cached the group's prefix alone
     assert len(set(leased.values())) > 1  # while their leases lent different lengths
     assert len(submitted) == len(model.layers) - 1  # one forward, submitted layer by layer
-    expected = serial_with_cache(model, tokenizer, cold + cached)
-    for r in cold + cached:
-        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+    assert_serial_tokens(model, tokenizer, cold + cached, finished)
 
 
 def test_quantized_tails_are_never_recomputed_on_empty_plain_tails(load_tiny):
@@ -277,9 +274,7 @@ def test_agents_arriving_during_a_held_bursts_forward_are_admitted_meanwhile_and
     change = delta(counters(scheduler), before)
     assert change["referenced"] == 10 and change["joined"] == 4 and change["groups"] == 1, change
     assert change["prefill_steps"] == 2, change
-    expected = serial_with_cache(model, tokenizer, cold + cached)
-    for r in cold + cached:
-        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+    assert_serial_tokens(model, tokenizer, cold + cached, finished)
 
 
 def test_a_forward_without_a_held_burst_takes_nothing_in_meanwhile(load_tiny):
@@ -334,6 +329,4 @@ def test_token_0_drawn_from_the_tails_forward_gives_the_serial_lanes_tokens(load
         scheduler.step()
     change = delta(counters(scheduler), before)
     assert change["prefill_steps"] == 1 and change["referenced"] == 8, change
-    expected = serial_with_cache(model, tokenizer, cold + cached)
-    for r in cold + cached:
-        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+    assert_serial_tokens(model, tokenizer, cold + cached, finished)

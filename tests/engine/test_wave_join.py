@@ -94,14 +94,11 @@ def test_a_cached_wave_joins_in_its_prefill_batch_and_leaves_through_views(load_
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
 
 
-def test_no_view_into_the_placed_batch_is_alive_when_its_first_decode_step_writes(load_tiny, monkeypatch):
-    """The joiners' lazy row views (tail_placement.PlacedRows) hold slices of the batch's arrays: were
-    one alive at the decode step that computes token 0, MLX could not write that step's K/V in place
-    and would copy every layer's whole batch. They are gone by then."""
+def record_placed_rows(monkeypatch) -> list:
+    """From here on, a weak reference to every joiners' row view the prefill makes
+    (tail_placement.PlacedRows): which of them are still alive at a given moment."""
     import weakref
 
-    _, tokenizer, shared, scheduler, _ = token0_scheduler(load_tiny)
-    run_wave(scheduler, wave(tokenizer, shared, "cold", 2, "Agent"))
     made = []
 
     class Recorded(tail_placement.PlacedRows):
@@ -110,6 +107,16 @@ def test_no_view_into_the_placed_batch_is_alive_when_its_first_decode_step_write
             made.append(weakref.ref(self))
 
     monkeypatch.setattr(prefill, "PlacedRows", Recorded)
+    return made
+
+
+def test_no_view_into_the_placed_batch_is_alive_when_its_first_decode_step_writes(load_tiny, monkeypatch):
+    """The joiners' lazy row views (tail_placement.PlacedRows) hold slices of the batch's arrays: were
+    one alive at the decode step that computes token 0, MLX could not write that step's K/V in place
+    and would copy every layer's whole batch. They are gone by then."""
+    _, tokenizer, shared, scheduler, _ = token0_scheduler(load_tiny)
+    run_wave(scheduler, wave(tokenizer, shared, "cold", 2, "Agent"))
+    made = record_placed_rows(monkeypatch)
     alive_at_decode = []
     decode = scheduler._decode_or_shed
     monkeypatch.setattr(scheduler, "_decode_or_shed",
@@ -125,22 +132,13 @@ def test_no_view_into_the_placed_batch_is_alive_when_the_token0_forward_writes(l
     on the batch their tails prefilled in: the joiners' row views of it are let go of before that
     forward writes, so MLX writes its K/V in place, and every row still computes the serial lane's
     tokens."""
-    import weakref
-
     model, tokenizer = load_tiny("llama")
     shared = tokenizer.encode(LONG + " " + LONG)
     config = SchedulerConfig(8, 4, 2048, None, token0_in_decode=False)
     scheduler, finished = recording_scheduler(model, tokenizer, config)
     cold = wave(tokenizer, shared, "cold", 2, "Agent")
     run_wave(scheduler, cold)
-    made = []
-
-    class Recorded(tail_placement.PlacedRows):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(weakref.ref(self))
-
-    monkeypatch.setattr(prefill, "PlacedRows", Recorded)
+    made = record_placed_rows(monkeypatch)
     alive_at_token0 = []
 
     class Watched:
