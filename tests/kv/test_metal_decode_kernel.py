@@ -104,7 +104,7 @@ def test_the_environment_keeps_the_plain_path_without_a_check(unchecked, monkeyp
     monkeypatch.setattr(metal_decode_kernel, "on_metal", lambda: True)
     monkeypatch.setenv("MLXQ_METAL_ATTENTION", "mlx")
     assert decode.enable() is False
-    assert decode.kernel_status() == {"paths": [], "declined": "MLXQ_METAL_ATTENTION=mlx"}
+    assert decode.kernel_status() == {"paths": [], "declined": "MLXQ_METAL_ATTENTION=mlx", "check": None}
 
 
 def test_a_disagreement_is_named_by_dtype():
@@ -142,6 +142,6 @@ def test_the_kernel_equals_the_plain_path_on_every_tiny_shape(heads, kv_heads, d
 @NEEDS_METAL
 def test_the_start_up_check_passes_and_turns_the_kernel_on(unchecked):
     assert not metal_decode_kernel.disagreeing(metal_decode_kernel.self_check())
-    assert decode.enable() is True and decode.kernel_status() == {"paths": ["metal"], "declined": None}
+    assert decode.enable() is True and decode.kernel_status() == {"paths": ["metal"], "declined": None, "check": None}
     q, pk, _, tk, tv, _, _ = metal_decode_kernel.check_inputs(mx.bfloat16)
     assert decode.choose(q, pk, tk, tv) == "metal"
