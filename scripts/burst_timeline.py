@@ -21,21 +21,14 @@ import argparse
 import json
 from pathlib import Path
 
+from mlxq.bench.request_phases import logged_requests
+
 PHASES = ("lease", "wait", "prefill", "ready", "join", "first")
 
 
 def records(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        start = line.find("{")
-        if start < 0:
-            continue
-        try:
-            fields = json.loads(line[start:])
-        except ValueError:
-            continue
-        if "received_monotonic_s" in fields and "ttft_ms" in fields and "queue_ms" in fields:
-            out.append(fields)
+    """The batch lane's request-log records (they carry the arrival and the TTFT), in order of arrival."""
+    out = [r for r in logged_requests(path) if "received_monotonic_s" in r and "ttft_ms" in r]
     return sorted(out, key=lambda r: r["received_monotonic_s"])
 
 
