@@ -20,3 +20,10 @@ def test_ci_runs_the_readme_test_command():
     test = readme_commands()[1]
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test in ci_lines
+
+
+def test_ci_also_runs_the_slow_suites_the_readme_command_leaves_out():
+    test = readme_commands()[1]
+    assert test.endswith('pytest -q -m "not slow"')
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci_lines.index("pytest -q -m slow") > ci_lines.index(test)

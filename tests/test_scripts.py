@@ -18,6 +18,10 @@ import pytest
 
 from mlxq.models.tiny import build_tiny_model
 
+# Each test runs a measurement script end to end, most with a server: about 6 minutes in all on two cores.
+# Run them (`pytest -m slow tests/test_scripts.py`) before a script goes to a GPU.
+pytestmark = pytest.mark.slow
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from mlxq.bench.matrix import Cell, _gate_logprobs, _gate_reference
@@ -11,6 +12,7 @@ from mlxq.bench.metrics import RequestRecord
 from mlxq.cli.main import app
 
 
+@pytest.mark.slow  # six benchmark cells, each with its own server: about 23 s on two cores
 def test_matrix_runs_six_cells_and_gates_pass(tiny_model_dirs, tmp_path):
     out, png = tmp_path / "m.json", tmp_path / "m.png"
     result = CliRunner().invoke(app, [

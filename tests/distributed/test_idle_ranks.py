@@ -62,6 +62,7 @@ def _idle_then_wake(url: str) -> tuple[list[float], dict, list[str]]:
     return share, stats, [first, _complete(url, "wake up")]
 
 
+@pytest.mark.slow  # samples idle CPU time for seconds: about 18 s
 def test_idle_ranks_use_no_cpu_and_wake_for_the_next_request(llama):
     with ServerProcess("--model", llama, *SERVE) as one:
         alone = [_complete(one.url, p) for p in ("Idle ranks", "wake up")]

@@ -71,6 +71,7 @@ def pipeline_model_and_adapters(tmp_path_factory) -> tuple[str, list[str]]:
     return str(model), [f"all={everywhere}", f"qv={some}"]
 
 
+@pytest.mark.slow  # two pipeline ranks with adapters: about 14 s
 def test_a_mixed_adapter_batch_on_two_pipeline_ranks_equals_one_process(pipeline_model_and_adapters):
     model, adapters = pipeline_model_and_adapters
     flags = [arg for spec in adapters for arg in ("--adapter", spec)]

@@ -66,6 +66,7 @@ def _cached(response: dict) -> int:
     return response["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.slow  # two ranks started three times: about 55 s on two cores
 def test_a_restart_restores_on_both_ranks_or_on_neither(llama, tmp_path):
     with ServerProcess("--model", llama, *SERVE) as one:
         alone = _complete(one.url)
@@ -128,6 +129,7 @@ def test_a_restart_restores_on_both_ranks_or_on_neither(llama, tmp_path):
     assert sorted(_rank_files(directory)) == ["tp2-rank0"]
 
 
+@pytest.mark.slow  # pipeline ranks started twice: about 35 s
 def test_pipeline_ranks_restore_their_own_layers_together_or_not_at_all(qwen3_next, tmp_path):
     with ServerProcess("--model", qwen3_next, *SERVE) as one:
         alone = _complete(one.url)

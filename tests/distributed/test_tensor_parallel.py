@@ -117,6 +117,7 @@ def _cached_run(url: str, prompts: list[str]) -> list[tuple[str, int]]:
     return out
 
 
+@pytest.mark.slow  # two pipeline ranks and one process: about 22 s
 def test_pipeline_ranks_generate_and_cache_what_one_process_does(uneven_pipeline):
     model = str(uneven_pipeline)
     with ServerProcess("--model", model, *SERVE) as one:
@@ -209,6 +210,7 @@ def test_killed_rank_fails_clients_and_the_server(shardable):
     assert f"rank 1 (pid {rank1}) exited with signal 9" in output
 
 
+@pytest.mark.slow  # waits out the stall timeout: about 17 s
 def test_a_hung_rank_ends_the_server_after_the_stall_timeout(shardable):
     server = ServerProcess("--model", str(shardable["llama"]), "--tensor-parallel", "2", "--stall-timeout", "4",
                            *SERVE)

@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RING_ORDER_ROUNDING = 1e-5
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma3_text", marks=pytest.mark.slow),  # ~15 s each
+                                  pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_batched_rows_are_bit_exact_under_reference_blas(arch, tiny_model_dirs):
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engine.strict_parity_probe", str(tiny_model_dirs[arch])],

@@ -103,6 +103,7 @@ def test_bad_load_requests_are_400_in_openai_shape(llama_server, body, message):
     assert message in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.slow  # waits out a long request on two servers: about 25 s on two cores
 def test_an_adapter_with_a_running_request_is_not_unloaded(tiny_model_dirs, adapters, load_tiny):
     """The unload is refused while a row runs on the adapter; the row finishes exactly as it would have."""
     prompt = load_tiny("llama")[1].encode(LONG)[:30]

@@ -60,7 +60,7 @@ def test_a_request_the_client_left_resumes_from_its_last_token(tiny_model_dirs, 
     assert stats["checkpoints"]["restored"] == 2
 
 
-@pytest.mark.parametrize("batch, sampling", [("1", GREEDY), ("4", SEEDED)])
+@pytest.mark.parametrize("batch, sampling", [("1", GREEDY), pytest.param("4", SEEDED, marks=pytest.mark.slow)])  # ~13 s
 def test_sigterm_publishes_a_running_request_last_checkpoint(tiny_model_dirs, tmp_path, batch, sampling):
     """An interval longer than the generation: only the checkpoint at SIGTERM can exist, and the SIGTERM
     flush makes it durable (no flush asked for)."""

@@ -8,6 +8,7 @@ import shutil
 import signal
 
 import httpx
+import pytest
 
 from tests.server.test_checkpoints import (
     GREEDY,
@@ -36,6 +37,7 @@ def corrupt_last_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow  # a long generation restored three times: about 20 s on two cores
 def test_a_chain_of_links_restores_exactly_and_a_corrupt_middle_link_is_a_miss(tiny_model_dirs, tmp_path):
     model, payload = tiny_model_dirs["llama"], body(GREEDY)
     cache, corrupted = tmp_path / "cache", tmp_path / "corrupted"

@@ -113,10 +113,17 @@ def interrupt(model, cache, payload: dict, how: str, *extra: str, reference: boo
     return text, flushed, log
 
 
+# The cross's other architectures restart servers for 15-45 s each on two cores: in the slow set.
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("arch, sampling, how, kv_quant", [
-    ("llama", GREEDY, "kill", "off"), ("llama", SEEDED, "term", "off"), ("gemma3_text", SEEDED, "kill", "off"),
-    ("gemma3_text", GREEDY, "term", "off"), ("qwen3_next", SEEDED, "term", "off"),
-    ("qwen3_next", GREEDY, "kill", "off"), ("gemma3_text", SEEDED, "kill", "8"),
+    ("llama", GREEDY, "kill", "off"), ("llama", SEEDED, "term", "off"),
+    pytest.param("gemma3_text", SEEDED, "kill", "off", marks=SLOW),
+    pytest.param("gemma3_text", GREEDY, "term", "off", marks=SLOW),
+    pytest.param("qwen3_next", SEEDED, "term", "off", marks=SLOW),
+    pytest.param("qwen3_next", GREEDY, "kill", "off", marks=SLOW),
+    pytest.param("gemma3_text", SEEDED, "kill", "8", marks=SLOW),
 ])
 def test_an_interrupted_generation_resumes_to_the_uninterrupted_text(tiny_model_dirs, tmp_path, arch, sampling,
                                                                        how, kv_quant):
@@ -181,6 +188,7 @@ def test_cancelled_keeps_completed_drops_and_logprobs_are_never_checkpointed(tin
     assert not list(tmp_path.rglob("checkpoints/*.mlxkv"))
 
 
+@pytest.mark.slow  # kills a server during writes, again and again: about 30 s on two cores
 def test_kill_during_checkpoint_writes_never_restores_wrong_output(tiny_model_dirs, tmp_path):
     """Checkpoints every 4 tokens are being written all the time: kill -9 at two points, never a flush."""
     model, payload = tiny_model_dirs["gemma3_text"], body(SEEDED, 160)
@@ -226,7 +234,8 @@ def counter(metrics: str, name: str) -> float:
     return values[0]
 
 
-@pytest.mark.parametrize("arch, sampling", [("llama", GREEDY), ("gemma3_text", SEEDED), ("qwen3_next", SEEDED)])
+@pytest.mark.parametrize("arch, sampling", [("llama", GREEDY), pytest.param("gemma3_text", SEEDED, marks=SLOW),
+                                            pytest.param("qwen3_next", SEEDED, marks=SLOW)])
 def test_rows_of_a_batch_publish_and_a_restored_row_joins_a_batch(tiny_model_dirs, tmp_path, arch, sampling):
     """A batch of 4 with other rows joining and leaving, killed mid-generation; the restart resumes the row
     next to other rows and returns the text of the request run alone."""

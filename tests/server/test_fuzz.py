@@ -39,17 +39,31 @@ def fuzz_server(tiny_model_dirs):
         yield server
 
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
-def test_generated_bodies_never_5xx(fuzz_server, body, path):
+def _never_5xx(server: ServerProcess, body, path: str) -> None:
     try:
-        r = httpx.post(fuzz_server.url + path, json=body, timeout=30)
+        r = httpx.post(server.url + path, json=body, timeout=30)
     except ValueError:  # httpx cannot encode NaN/inf or lone surrogates; raw NaN is in test_bad_input
         return
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         error = r.json()["error"]
         assert error["message"] and error["type"]
+
+
+PATHS = st.sampled_from(["/v1/chat/completions", "/v1/completions"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies, path=PATHS)
+def test_generated_bodies_never_5xx(fuzz_server, body, path):
+    _never_5xx(fuzz_server, body, path)
+
+
+@pytest.mark.slow  # 2,000 bodies: about 160 s on two cores
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies, path=PATHS)
+def test_many_generated_bodies_never_5xx(fuzz_server, body, path):
+    _never_5xx(fuzz_server, body, path)
 
 
 def test_server_is_healthy_after_the_fuzz(fuzz_server):

@@ -75,7 +75,7 @@ def conversation(url: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
-@pytest.mark.parametrize("batch", ["8", "1"])
+@pytest.mark.parametrize("batch", ["8", pytest.param("1", marks=pytest.mark.slow)])  # ~10 s each on two cores
 def test_next_turn_hits_a_boundary_snapshot_on_untrimmable_models(tiny_model_dirs, arch, batch):
     model = str(tiny_model_dirs[arch])
     with ServerProcess("--model", model, "--batch", batch) as server:
