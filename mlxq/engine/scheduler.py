@@ -43,7 +43,7 @@ from mlxq.engine.joiners import Joiners
 from mlxq.engine.joining import Joining
 from mlxq.engine.preempt import SHED_AT, LoadCaps
 from mlxq.engine.prefill import Prefilling
-from mlxq.engine.prefix_sharing import SharingPolicy, SharingStats
+from mlxq.engine.prefix_sharing import GroupTally, SharingPolicy, SharingStats
 from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending, RunningBatch
 from mlxq.engine.shared_accounting import TailTerms, credited, credits, shares_layers
@@ -91,6 +91,9 @@ class _Between:
     short: int = 0  # joiners with a short prefill of their own
     joiner_ids: list[str] = field(default_factory=list)
     on_copy: list[bool] = field(default_factory=list)  # shared accounting only: the tail runs on a copy
+    tally: GroupTally | None = None  # shared accounting only: the rows' and joiners' leases per node
+    splits: int = 0  # PromptCache.splits when ``tally`` counted its leases (a split changes their chains)
+    credited: dict = field(default_factory=dict)  # shared_accounting.credited's extents of these rows, kept
 
     @property
     def count(self) -> int:
@@ -251,13 +254,27 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
             rows = kept.running_ids + kept.joiner_ids
             on_copy = [False] * len(kept.running) + kept.on_copy
         leases = [self._leases.get(r) for r in rows]
+        tally = self._tally(kept, leases) if between else None
         if held is not None:
             nodes, cached = held
             leases.append(Lease(cached, None, nodes[-1]) if nodes else None)  # unpinned: a view to compare
         if held is not None:  # a request asking in: a fresh lease, nothing of its own computed yet
             on_copy.append(not TailTerms(self.config.token0_in_decode, all(self.sharing.plan.shared), True,
                                          False).by_reference)
-        return credited(load, extent, credits(leases, len(self.batch.rows), self.batch.groups, self.sharing, on_copy))
+        given = credits(leases, len(self.batch.rows), self.batch.groups, self.sharing, on_copy, tally)
+        return credited(load, extent, given, kept.credited if between else None)
+
+    def _tally(self, kept: _Between, leases: list[Lease | None]) -> GroupTally:
+        """``kept``'s count of ``leases`` per node (prefix_sharing.GroupTally), brought up to date: counted
+        anew when a lease it counted was replaced or the tree split a node since, else extended."""
+        tally, splits = kept.tally, self.prompt_cache.splits
+        if (tally is None or kept.splits != splits or tally.count > len(leases)
+                or any(a is not b for a, b in zip(tally.leases, leases, strict=False))):
+            tally = kept.tally = GroupTally()
+            kept.splits = splits
+        for lease in leases[tally.count :]:
+            tally.add(lease)
+        return tally
 
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes
