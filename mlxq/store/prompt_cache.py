@@ -96,7 +96,7 @@ class PromptCache:
         self._leaves: set[Node] = set()
         self.nodes = 0
         self.splits = 0  # nodes cut in two: the only change to a held lease's chain (admission's tallies)
-        self.changes = 0  # stores and removals: what a lookup found may differ after one
+        self.changes = 0  # stores, splits, removals, dropped snapshots: a lookup may find otherwise after one
         self._last_lookup: tuple | None = None  # (changes, prompt, its length, namespace, what _lookup found)
         self.bytes = 0  # what the tree holds: each span once
         self.entry_bytes = 0  # what the entries would hold as separate copies
@@ -113,7 +113,8 @@ class PromptCache:
         memo = self._last_lookup
         if memo is not None and memo[0] == self.changes and memo[1] is prompt and memo[2] == len(prompt) \
                 and memo[3] == namespace:
-            return memo[4]
+            nodes, holder, n = memo[4]
+            return list(nodes), holder, n  # the caller's own list, as a walk gives it
         found = self._lookup_anew(namespace, prompt)
         # Admission asks for a request's path (``held_path``), then leases it: one walk of its 16k
         # tokens, not two. Kept for the same list object, unchanged in length, and an unchanged tree.
@@ -287,6 +288,7 @@ class PromptCache:
         if found.partial is not None:
             self.nodes += 1
             self.splits += 1
+            self.changes += 1
             return split(found.partial, found.length - found.partial.depth, self._evaluate)
         return found.path[-1] if found.path else tree.root
 
@@ -345,6 +347,7 @@ class PromptCache:
 
     def _set_snapshot(self, node: Node, snapshot: list | None) -> None:
         """``node``'s snapshot replaced (None: dropped), the tree's byte count with it."""
+        self.changes += 1
         self.bytes -= self._bytes_of(node)
         node.snapshot = snapshot
         self.bytes += self._bytes_of(node)

@@ -221,7 +221,7 @@ def test_a_path_asked_twice_is_walked_once_and_anew_after_the_tree_changes(load_
     pc.put("", PREFIX + tail(0), prefilled(model, PREFIX + tail(0)))
     prompt = PREFIX + tail(1)
     nodes, n = pc.held_path("", prompt)
-    assert n == len(PREFIX) and pc._lookup("", prompt) is pc._lookup("", prompt)  # kept
+    assert n == len(PREFIX) and pc._last_lookup[1] is prompt  # kept for the lease
     assert pc._lookup("", list(prompt))[2] == n  # another list: walked anew, same answer
     lease = pc.lease("", prompt)
     assert lease.cached == n and lease.node is nodes[-1]
