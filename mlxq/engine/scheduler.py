@@ -303,10 +303,12 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
 
     # --- one iteration ------------------------------------------------------------
     def step(self) -> None:
+        before = (self.joiners.version, self._steps)
         self._steps += 1
+        quiet = False
         try:
             if self.joiners or self._preempted:  # else nothing to plan: a steady decode step costs no planning
-                self._plan_and_prefill()
+                quiet = self._plan_and_prefill()
             if len(self.batch.rows) > 1:
                 self._shed_before_decode()
             if self.batch.rows:
@@ -315,21 +317,28 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
                 self.caps.reset()
         finally:
             self._steps += 1
+            kept = self._between
+            if quiet and kept is not None and kept.key == before:
+                # The step only held a burst (nothing decodes, no joiner changed): what admission kept
+                # stays true. A burst taken in as it arrives holds once per take-in, and each take-in
+                # would otherwise read every row and joiner again (quadratic in the burst).
+                kept.key = (self.joiners.version, self._steps)
 
-    def _plan_and_prefill(self) -> None:
+    def _plan_and_prefill(self) -> bool:
+        """True when the step only held a burst: no intake changed a joiner, nothing decodes."""
         preempted = [(Extent(*resumed_size(r)), r.request.cancelled.is_set()) for r in self._preempted]
         views = self.joiners.views(self._chunk_len)
         intake = plan_intake(views, preempted, self._load(views).running, self._limits(), self.sizing)
         self._intake(intake)
         if not self.joiners:
-            return
+            return False
         if intake.changes_joiners:  # it dropped, released or readmitted joiners: a held burst's steps do not
             views = self.joiners.views(self._chunk_len)
         now = self.clock()
         if hold_for_burst(views, self._admissions, now, self.config.burst, self.on_the_way(now)):
             if not self.batch:  # nothing decodes meanwhile: leave the GIL to the server threads parsing the rest
                 self.await_arrival(held_until(views, self._admissions, self.config.burst))
-            return
+            return not self.batch and not intake.changes_joiners
         self.timing.interrupt()  # prefill work sits between these decode steps
         self._prefilled_together = None  # set by this step's forward when it ends its joiners' prompts
         self._prefill(plan_prefill(views, self._limits(), self.scheme.quantized))
