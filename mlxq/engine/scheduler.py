@@ -142,6 +142,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         self._on_finish = finished
         self.joiners = Joiners()  # rows prefilling on their own caches, FIFO
         self._prefilled_together: PrefilledTogether | None = None  # this step's joiners' batch (engine/wave_caches.py)
+        self._rest_of_burst_next = False  # this step skips its decode: the burst's rest runs first
+        self._skipped_decode = False  # the last join skipped a decode step (never two in a row)
         self.batch = RunningBatch()  # rows decoding together
         self._leases: dict[str, Lease] = {}  # request id -> the prompt-cache prefix its row holds
         self.timing = DecodeTiming()  # each decode step timed in its parts (/stats.batch.decode_timing)
@@ -309,6 +311,9 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         try:
             if self.joiners or self._preempted:  # else nothing to plan: a steady decode step costs no planning
                 quiet = self._plan_and_prefill()
+            if self._rest_of_burst_next:
+                self._rest_of_burst_next = False
+                return  # the rest of the burst's tails run first (``_rest_of_burst_waits``)
             if len(self.batch.rows) > 1:
                 self._shed_before_decode()
             if self.batch.rows:
@@ -352,7 +357,27 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
                 joiner.row.output.phases.mark("joined")
                 self._leases.get(joiner.row.request.request_id, Lease(0, None)).joined()
             self.phases.add_join(time.perf_counter() - start)
+            self._rest_of_burst_next = self._rest_of_burst_waits(ready)
         self._prefilled_together = None  # joined with, or not needed: never held past its step
+        return False
+
+    def _rest_of_burst_waits(self, ready: list) -> bool:
+        """Whether this step's decode waits for the next step's forward: the rows that just joined are a
+        held burst's tails whose token 0 came from their forward (none awaits a first token), and joiners
+        admitted meanwhile, the rest of that burst split by the hold's window, each have only a short
+        tail left. Their forward then follows at once, not after a decode step and its join (on the
+        H200 44-57 ms between a split burst's two forwards); the rows that joined get their next token
+        one forward later. Never twice in a row: rows already decoding lose at most one step per burst."""
+        skipped, self._skipped_decode = self._skipped_decode, False
+        if skipped or self.config.burst.window_s <= 0 or not self.joiners:
+            return False
+        if not all(j.row.output.num_generated > 0 or j.row.output.finished is not None for j in ready):
+            return False
+        views = self.joiners.views(self._chunk_len)
+        if not all(v.finishes_short_tail and not (v.following or v.restoring or v.cancelled) for v in views):
+            return False
+        self._skipped_decode = True
+        return True
 
     def _decode_or_shed(self) -> None:
         keys = [row.key for row in self.batch.rows]  # sampler state before this step, should it be redone
