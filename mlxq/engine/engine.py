@@ -44,9 +44,10 @@ log = logging.getLogger("mlxq.engine")
 INBOX_POLL_S = 0.25  # an idle engine waits this long for work before another loop iteration
 ON_THE_WAY_POLL_S = 0.002  # a held burst's engine thread looks this often whether the server submitted the rest
 # A held burst's engine thread takes in what arrived at most this often while the rest still arrives (0: only once
-# it stopped arriving), so its admission overlaps the arrivals instead of following the burst's end (on the H200
-# 64 requests took 15-35 ms to admit after it). MLXQ_BURST_TAKE_IN_MS sets it (an A/B lever).
-TAKE_IN_EVERY_S = float(os.environ.get("MLXQ_BURST_TAKE_IN_MS", "5")) / 1000
+# it stopped arriving). 0: on the H200 a take-in every 5 ms slowed the event loop reading the rest of a 64-agent
+# burst (the last request read at 178-213 ms against 106-144 with 0), past the hold's window, and the burst split
+# in two forwards; admitted at its end it took ~40 ms. MLXQ_BURST_TAKE_IN_MS sets it (an A/B lever).
+TAKE_IN_EVERY_S = float(os.environ.get("MLXQ_BURST_TAKE_IN_MS", "0")) / 1000
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from mlxq.engine.joiners import Joiners
 from mlxq.engine.joining import Joining
 from mlxq.engine.preempt import SHED_AT, LoadCaps
 from mlxq.engine.prefill import Prefilling
-from mlxq.engine.prefix_sharing import SharingPolicy, SharingStats
+from mlxq.engine.prefix_sharing import GroupTally, SharingPolicy, SharingStats
 from mlxq.engine.rows import Row
 from mlxq.engine.running_batch import Pending, RunningBatch
 from mlxq.engine.shared_accounting import TailTerms, credited, credits, shares_layers
@@ -91,6 +91,9 @@ class _Between:
     short: int = 0  # joiners with a short prefill of their own
     joiner_ids: list[str] = field(default_factory=list)
     on_copy: list[bool] = field(default_factory=list)  # shared accounting only: the tail runs on a copy
+    tally: GroupTally | None = None  # shared accounting only: the rows' and joiners' leases per node
+    splits: int = 0  # PromptCache.splits when ``tally`` counted its leases (a split changes their chains)
+    credited: dict = field(default_factory=dict)  # shared_accounting.credited's extents of these rows, kept
 
     @property
     def count(self) -> int:
@@ -139,6 +142,8 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         self._on_finish = finished
         self.joiners = Joiners()  # rows prefilling on their own caches, FIFO
         self._prefilled_together: PrefilledTogether | None = None  # this step's joiners' batch (engine/wave_caches.py)
+        self._rest_of_burst_next = False  # this step skips its decode: the burst's rest runs first
+        self._skipped_decode = False  # the last join skipped a decode step (never two in a row)
         self.batch = RunningBatch()  # rows decoding together
         self._leases: dict[str, Lease] = {}  # request id -> the prompt-cache prefix its row holds
         self.timing = DecodeTiming()  # each decode step timed in its parts (/stats.batch.decode_timing)
@@ -251,13 +256,27 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
             rows = kept.running_ids + kept.joiner_ids
             on_copy = [False] * len(kept.running) + kept.on_copy
         leases = [self._leases.get(r) for r in rows]
+        tally = self._tally(kept, leases) if between else None
         if held is not None:
             nodes, cached = held
             leases.append(Lease(cached, None, nodes[-1]) if nodes else None)  # unpinned: a view to compare
         if held is not None:  # a request asking in: a fresh lease, nothing of its own computed yet
             on_copy.append(not TailTerms(self.config.token0_in_decode, all(self.sharing.plan.shared), True,
                                          False).by_reference)
-        return credited(load, extent, credits(leases, len(self.batch.rows), self.batch.groups, self.sharing, on_copy))
+        given = credits(leases, len(self.batch.rows), self.batch.groups, self.sharing, on_copy, tally)
+        return credited(load, extent, given, kept.credited if between else None)
+
+    def _tally(self, kept: _Between, leases: list[Lease | None]) -> GroupTally:
+        """``kept``'s count of ``leases`` per node (prefix_sharing.GroupTally), brought up to date: counted
+        anew when a lease it counted was replaced or the tree split a node since, else extended."""
+        tally, splits = kept.tally, self.prompt_cache.splits
+        if (tally is None or kept.splits != splits or tally.count > len(leases)
+                or any(a is not b for a, b in zip(tally.leases, leases, strict=False))):
+            tally = kept.tally = GroupTally()
+            kept.splits = splits
+        for lease in leases[tally.count :]:
+            tally.add(lease)
+        return tally
 
     def _limits(self) -> Limits:
         limit = self.config.memory_limit_bytes
@@ -286,10 +305,15 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
 
     # --- one iteration ------------------------------------------------------------
     def step(self) -> None:
+        before = (self.joiners.version, self._steps)
         self._steps += 1
+        quiet = False
         try:
             if self.joiners or self._preempted:  # else nothing to plan: a steady decode step costs no planning
-                self._plan_and_prefill()
+                quiet = self._plan_and_prefill()
+            if self._rest_of_burst_next:
+                self._rest_of_burst_next = False
+                return  # the rest of the burst's tails run first (``_rest_of_burst_waits``)
             if len(self.batch.rows) > 1:
                 self._shed_before_decode()
             if self.batch.rows:
@@ -298,21 +322,28 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
                 self.caps.reset()
         finally:
             self._steps += 1
+            kept = self._between
+            if quiet and kept is not None and kept.key == before:
+                # The step only held a burst (nothing decodes, no joiner changed): what admission kept
+                # stays true. A burst taken in as it arrives holds once per take-in, and each take-in
+                # would otherwise read every row and joiner again (quadratic in the burst).
+                kept.key = (self.joiners.version, self._steps)
 
-    def _plan_and_prefill(self) -> None:
+    def _plan_and_prefill(self) -> bool:
+        """True when the step only held a burst: no intake changed a joiner, nothing decodes."""
         preempted = [(Extent(*resumed_size(r)), r.request.cancelled.is_set()) for r in self._preempted]
         views = self.joiners.views(self._chunk_len)
         intake = plan_intake(views, preempted, self._load(views).running, self._limits(), self.sizing)
         self._intake(intake)
         if not self.joiners:
-            return
+            return False
         if intake.changes_joiners:  # it dropped, released or readmitted joiners: a held burst's steps do not
             views = self.joiners.views(self._chunk_len)
         now = self.clock()
         if hold_for_burst(views, self._admissions, now, self.config.burst, self.on_the_way(now)):
             if not self.batch:  # nothing decodes meanwhile: leave the GIL to the server threads parsing the rest
                 self.await_arrival(held_until(views, self._admissions, self.config.burst))
-            return
+            return not self.batch and not intake.changes_joiners
         self.timing.interrupt()  # prefill work sits between these decode steps
         self._prefilled_together = None  # set by this step's forward when it ends its joiners' prompts
         self._prefill(plan_prefill(views, self._limits(), self.scheme.quantized))
@@ -326,7 +357,27 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
                 joiner.row.output.phases.mark("joined")
                 self._leases.get(joiner.row.request.request_id, Lease(0, None)).joined()
             self.phases.add_join(time.perf_counter() - start)
+            self._rest_of_burst_next = self._rest_of_burst_waits(ready)
         self._prefilled_together = None  # joined with, or not needed: never held past its step
+        return False
+
+    def _rest_of_burst_waits(self, ready: list) -> bool:
+        """Whether this step's decode waits for the next step's forward: the rows that just joined are a
+        held burst's tails whose token 0 came from their forward (none awaits a first token), and joiners
+        admitted meanwhile, the rest of that burst split by the hold's window, each have only a short
+        tail left. Their forward then follows at once, not after a decode step and its join (on the
+        H200 44-57 ms between a split burst's two forwards); the rows that joined get their next token
+        one forward later. Never twice in a row: rows already decoding lose at most one step per burst."""
+        skipped, self._skipped_decode = self._skipped_decode, False
+        if skipped or self.config.burst.window_s <= 0 or not self.joiners:
+            return False
+        if not all(j.row.output.num_generated > 0 or j.row.output.finished is not None for j in ready):
+            return False
+        views = self.joiners.views(self._chunk_len)
+        if not all(v.finishes_short_tail and not (v.following or v.restoring or v.cancelled) for v in views):
+            return False
+        self._skipped_decode = True
+        return True
 
     def _decode_or_shed(self) -> None:
         keys = [row.key for row in self.batch.rows]  # sampler state before this step, should it be redone

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from mlxq.engine.prefix_sharing import Group, SharingPolicy, choose_groups
+from mlxq.engine.prefix_sharing import Group, GroupTally, SharingPolicy, choose_groups
 from mlxq.engine.step_plan import Extent, Load
 from mlxq.store.lease import Lease
 
@@ -71,21 +71,24 @@ def running_credits(groups: tuple[Group, ...], rows: int) -> list[Credit]:
 
 
 def credits(leases: Sequence[Lease | None], running: int, groups: tuple[Group, ...],
-            policy: SharingPolicy | None, on_copy: Sequence[bool] = ()) -> list[Credit]:
+            policy: SharingPolicy | None, on_copy: Sequence[bool] = (), tally: GroupTally | None = None
+            ) -> list[Credit]:
     """Per row (``running`` rows first, then joiners, then requests asking in): what it reads by reference.
 
     ``on_copy``: per row (missing ones False), its tail would be prefilled on its own copy
-    (``TailTerms.by_reference`` declines it): a joiner credited so holds that copy until it joins."""
+    (``TailTerms.by_reference`` declines it): a joiner credited so holds that copy until it joins.
+    ``tally``: the first ``tally.count`` leases already counted per node (the same answer, read
+    from the counts: admission asks once per arriving request)."""
     if not shares_layers(policy):
         return [NO_CREDIT] * len(leases)
     return [(shared, prefix, prefix is not None and row < len(on_copy) and on_copy[row])
-            for row, (shared, prefix, _) in enumerate(_credits(leases, running, groups, policy))]
+            for row, (shared, prefix, _) in enumerate(_credits(leases, running, groups, policy, tally))]
 
 
 def _credits(leases: Sequence[Lease | None], running: int, groups: tuple[Group, ...],
-             policy: SharingPolicy) -> list[Credit]:
+             policy: SharingPolicy, tally: GroupTally | None = None) -> list[Credit]:
     if not groups:
-        predicted = choose_groups(list(leases), policy)
+        predicted = choose_groups(list(leases), policy, tally)
         return running_credits(predicted, len(leases))
     out = running_credits(groups, running) + [NO_CREDIT] * (len(leases) - running)
     for g, group in enumerate(groups):
@@ -98,10 +101,28 @@ def _credits(leases: Sequence[Lease | None], running: int, groups: tuple[Group, 
     return out
 
 
-def credited(load: Load, candidate: Extent | None, given: list[Credit]) -> tuple[Load, Extent | None]:
-    """``load`` (running rows, joiners) and ``candidate`` with ``given`` applied in that order."""
+def credited(load: Load, candidate: Extent | None, given: list[Credit],
+             kept: dict | None = None) -> tuple[Load, Extent | None]:
+    """``load`` (running rows, joiners) and ``candidate`` with ``given`` applied in that order.
+
+    ``kept``: the credited extents of ``load``'s rows from earlier calls, by (extent, credit); the
+    caller keeps those extents alive and the dict with them (admission, one call per arrival)."""
     extents = [*load.running, *load.prefilling, *([candidate] if candidate is not None else [])]
-    shared = [e.sharing(*credit) for e, credit in zip(extents, given, strict=True)]
+    if kept is None:
+        shared = [e.sharing(*credit) for e, credit in zip(extents, given, strict=True)]
+    else:
+        shared = [_kept_sharing(kept, e, credit) for e, credit in zip(extents[: len(extents) - (candidate is not None)],
+                                                                      given, strict=False)]
+        if candidate is not None:
+            shared.append(candidate.sharing(*given[-1]))
     running, rest = len(load.running), len(load.running) + len(load.prefilling)
     out = replace(load, running=tuple(shared[:running]), prefilling=tuple(shared[running:rest]))
     return out, shared[rest] if candidate is not None else None
+
+
+def _kept_sharing(kept: dict, extent: Extent, credit: Credit) -> Extent:
+    key = (id(extent), credit)
+    out = kept.get(key)
+    if out is None:
+        out = kept[key] = extent.sharing(*credit)
+    return out

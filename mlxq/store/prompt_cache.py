@@ -95,6 +95,9 @@ class PromptCache:
         self._entries: dict[Key, TreeEntry] = {}
         self._leaves: set[Node] = set()
         self.nodes = 0
+        self.splits = 0  # nodes cut in two: the only change to a held lease's chain (admission's tallies)
+        self.changes = 0  # stores, splits, removals, dropped snapshots: a lookup may find otherwise after one
+        self._last_lookup: tuple | None = None  # (changes, prompt, its length, namespace, what _lookup found)
         self.bytes = 0  # what the tree holds: each span once
         self.entry_bytes = 0  # what the entries would hold as separate copies
         self.stats = PromptCacheStats()
@@ -107,6 +110,18 @@ class PromptCache:
     # --- lookups ----------------------------------------------------------------------
     def _lookup(self, namespace: str, prompt: list[int]) -> tuple[list[Node], Node | None, int]:
         """(nodes to assemble from, the snapshot node or None, tokens served) for the longest usable prefix."""
+        memo = self._last_lookup
+        if memo is not None and memo[0] == self.changes and memo[1] is prompt and memo[2] == len(prompt) \
+                and memo[3] == namespace:
+            nodes, holder, n = memo[4]
+            return list(nodes), holder, n  # the caller's own list, as a walk gives it
+        found = self._lookup_anew(namespace, prompt)
+        # Admission asks for a request's path (``held_path``), then leases it: one walk of its 16k
+        # tokens, not two. Kept for the same list object, unchanged in length, and an unchanged tree.
+        self._last_lookup = (self.changes, prompt, len(prompt), namespace, found)
+        return found
+
+    def _lookup_anew(self, namespace: str, prompt: list[int]) -> tuple[list[Node], Node | None, int]:
         tree = self._trees.get(namespace)
         limit = len(prompt) - 1
         if tree is None or limit <= 0:
@@ -195,6 +210,7 @@ class PromptCache:
             self.stats.puts += 1
 
     def _store(self, namespace: str, tokens: list[int], caches: list, *, durable: bool) -> bool:
+        self.changes += 1
         n = len(tokens)
         if n == 0 or not all(holds(c, n) for c in caches) or self._entry_bytes(caches, n) > self.max_bytes:
             return False
@@ -271,6 +287,8 @@ class PromptCache:
         of that node split there."""
         if found.partial is not None:
             self.nodes += 1
+            self.splits += 1
+            self.changes += 1
             return split(found.partial, found.length - found.partial.depth, self._evaluate)
         return found.path[-1] if found.path else tree.root
 
@@ -305,6 +323,7 @@ class PromptCache:
 
     def _remove_leaf(self, leaf: Node, reason: str) -> None:
         """Detach an unpinned leaf, then any ancestor it leaves as an unmarked, unpinned leaf."""
+        self.changes += 1
         if leaf.mark is not None:
             if reason == "evicted":
                 self.stats.evictions += 1
@@ -328,6 +347,7 @@ class PromptCache:
 
     def _set_snapshot(self, node: Node, snapshot: list | None) -> None:
         """``node``'s snapshot replaced (None: dropped), the tree's byte count with it."""
+        self.changes += 1
         self.bytes -= self._bytes_of(node)
         node.snapshot = snapshot
         self.bytes += self._bytes_of(node)

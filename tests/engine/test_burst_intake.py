@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from mlxq.engine.burst_hold import BurstHold
 from mlxq.engine.step_plan import Extent
 from mlxq.golden.cases import LONG
 from mlxq.kv import attention_route
@@ -67,3 +68,29 @@ def test_a_burst_admitted_in_one_pass_reads_the_load_as_if_anew(load_tiny):
     assert scheduler._kv_load(probe, held, between=True) == scheduler._kv_load(probe, held)
     assert all(len(finished[r.request_id][0]) == r.max_tokens for r in cold + cached + again + [lone, last])
     run_wave(scheduler, [replace(r, request_id=f"{r.request_id}-next") for r in cached])
+
+
+def test_steps_that_only_hold_a_burst_keep_what_admission_read(load_tiny):
+    """A burst taken in as it arrives: a step that only holds it (nothing decodes, no joiner changed)
+    keeps admission's terms for the next take-in, which still read as if anew; the burst then runs."""
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    run_wave(scheduler, [replace(r) for r in wave(tokenizer, shared, "cold", 2, "Agent")])  # the prefix stored
+    config = scheduler.config
+    scheduler.config = replace(config, burst=BurstHold(window_s=600.0, gap_s=600.0))
+    scheduler.await_arrival = lambda held: None  # the engine thread would sleep through the rest here
+    cached = [replace(r) for r in wave(tokenizer, shared, "cached", 6, "Please")]
+    for start in range(0, 6, 2):
+        for kept, anew in admit_in_one_pass(scheduler, cached[start : start + 2]):
+            assert kept == anew
+        read = scheduler._between
+        scheduler.step()  # held
+        assert scheduler.num_rows == 0 and len(scheduler.joiners) == start + 2
+        assert read.key == (scheduler.joiners.version, scheduler._steps)  # still true: the next take-in reads on
+    scheduler.config = config
+    scheduler.step()  # the hold ends: the burst runs, and what admission kept is read anew next time
+    assert read.key != (scheduler.joiners.version, scheduler._steps)
+    while not scheduler.is_idle:
+        scheduler.step()
+    assert all(len(finished[r.request_id][0]) == r.max_tokens for r in cached)

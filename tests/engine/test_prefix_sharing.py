@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mlxq.engine.prefix_sharing import (
     Group,
+    GroupTally,
     SharingPolicy,
     TailsGroup,
     choose_group,
@@ -127,3 +128,32 @@ def test_auto_counts_the_joiners_still_waiting_on_the_prefix(monkeypatch):
     joining, waiting = [Lease(100, None, b), Lease(80, None, b)], [Lease(90, None, b)] * 3
     assert tails_group((), [], joining, [], auto) is None  # 2 x 80: per-row copies decode faster
     assert tails_group((), [], joining, waiting, auto).group.prefix_length == 80  # the wave's other three follow
+
+
+def test_a_tally_kept_over_growing_leases_picks_what_choose_groups_picks():
+    """Admission counts a burst's leases once (GroupTally) and asks with each arrival on top: every
+    prefix of every order of these leases, with none, one or two asking, gives choose_groups' answer
+    (the same node, length and rows; ties to the row met first)."""
+    import itertools
+
+    a, b, c = tree()
+    pool = [Lease(100, None, b), Lease(80, None, b), Lease(60, None, c), None, Lease(0, None, None),
+            Lease(40, None, a), Lease(70, None, c), Lease(45, None, b)]
+    policies = [SharingPolicy("on", PLAN), SharingPolicy("on", PLAN, min_prefix=61), SharingPolicy("off", None)]
+    orders = [pool, pool[::-1], pool[2:] + pool[:2], [pool[i] for i in (5, 2, 6, 0, 7, 1, 3, 4)]]
+    checked = 0
+    for policy, order in itertools.product(policies, orders):
+        tally = GroupTally()
+        for counted in range(len(order) + 1):
+            for extra in (0, 1, 2):
+                leases = order[: counted + extra]
+                if counted + extra > len(order):
+                    continue
+                expected = choose_groups(leases, policy)
+                got = choose_groups(leases, policy, tally)
+                assert [(g.node, g.prefix_length, g.shares) for g in got] == \
+                    [(g.node, g.prefix_length, g.shares) for g in expected], (policy.mode, counted, extra)
+                checked += 1
+            if counted < len(order):
+                tally.add(order[counted])
+    assert checked > 200

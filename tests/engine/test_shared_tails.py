@@ -269,6 +269,15 @@ def test_agents_arriving_during_a_held_bursts_forward_are_admitted_meanwhile_and
     assert [tokens > 0 < seconds for tokens, seconds in scheduler._largest_forward.values()] == [True]
     scheduler.take_in_meanwhile = lambda: None
     now[0] += 1.0
+    generated = lambda rows: [row.output.num_generated for row in rows]  # noqa: E731
+    first_six = list(scheduler.batch.rows)
+    if token0_in_tails:  # token 0 is out: the four's forward runs before the six's next decode step
+        assert generated(first_six) == [1] * 6
+        scheduler.step()
+        assert not scheduler.joiners and generated(first_six) == [1] * 6  # no decode step between
+        assert generated(scheduler.batch.rows[6:]) == [1] * 4  # the four's token 0, from their forward
+        scheduler.step()
+        assert generated(first_six) == [2] * 6
     while not scheduler.is_idle:
         scheduler.step()
     change = delta(counters(scheduler), before)

@@ -211,3 +211,24 @@ def test_a_lease_builds_its_caches_when_first_read_even_after_a_split_of_its_cha
     assert node.depth == len(PREFIX) + 3 and len(lease.chain()) == 3
     assert same_state(lease.caches, prefilled(model, PREFIX + tail(0)[:7]))
     assert lease.caches is lease.caches  # built once
+
+
+def test_a_path_asked_twice_is_walked_once_and_anew_after_the_tree_changes(load_tiny):
+    """Admission asks ``held_path`` then ``lease`` for one prompt: the second answer is the first's
+    (one walk of the prompt), until a store or a removal changes the tree."""
+    model, _ = load_tiny("llama")
+    pc = PromptCache(1 << 30)
+    pc.put("", PREFIX + tail(0), prefilled(model, PREFIX + tail(0)))
+    prompt = PREFIX + tail(1)
+    nodes, n = pc.held_path("", prompt)
+    assert n == len(PREFIX) and pc._last_lookup[1] is prompt  # kept for the lease
+    assert pc._lookup("", list(prompt))[2] == n  # another list: walked anew, same answer
+    lease = pc.lease("", prompt)
+    assert lease.cached == n and lease.node is nodes[-1]
+    lease.release()
+    pc.put("", prompt, prefilled(model, prompt))  # the tree changed: the prompt's own entry serves more
+    assert pc.held_path("", prompt)[1] == len(prompt) - 1
+    grown = prompt + [9]
+    assert pc.held_path("", grown)[1] == len(prompt)
+    grown.append(11)  # the same list, longer: walked anew
+    assert pc.held_path("", grown)[1] == len(prompt)
