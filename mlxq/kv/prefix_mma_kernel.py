@@ -25,6 +25,8 @@ product rounded to bf16, as the plain path's ``weights.astype(values.dtype)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from mlxq.kv.kernel_inputs import int_array, scale_array
@@ -107,6 +109,272 @@ __device__ __forceinline__ void stage_keys(__nv_bfloat16* dst, const __nv_bfloat
         copy16_async(dst + row * PAD + piece * 8, from, valid);
     }
 }
+"""
+
+_TILED_HEADER = r"""
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Stage rows [first, first + KB) of one head into shared rows of PAD elements; rows past ``end`` are zeros.
+template <int D, int KB, int PAD, int NT>
+__device__ __forceinline__ void stage_rows(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride, int first,
+                                           int end) {
+    constexpr int PER_ROW = D / 8;
+#pragma unroll
+    for (int c = threadIdx.x; c < KB * PER_ROW; c += NT) {
+        const int row = c / PER_ROW;
+        const int piece = c % PER_ROW;
+        const bool valid = first + row < end;
+        const __nv_bfloat16* from = src + (valid ? (int64_t)(first + row) * stride + piece * 8 : 0);
+        copy16_async(dst + row * PAD + piece * 8, from, valid);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void wait_pending() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+"""
+
+_TILED_SOURCE = r"""
+    // Template: D, WARPS, MT (16-row tiles per warp), KB (keys per stage), STAGES, QSMEM.
+    constexpr int NT = 32 * WARPS;
+    constexpr int ROWS = 16 * MT * WARPS;  // query rows per block
+    constexpr int PAD = D + 8;
+    constexpr int KSTEPS = D / 16;
+    constexpr int DTILES = D / 8;
+    constexpr int NTILES = KB / 8;
+    constexpr int TILE = KB * PAD;  // elements of one staged K (or V) block
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    __nv_bfloat16* key_tiles = reinterpret_cast<__nv_bfloat16*>(shared_bytes);
+    __nv_bfloat16* value_tiles = key_tiles + STAGES * TILE;
+    __nv_bfloat16* query_tile = value_tiles + STAGES * TILE;  // ROWS x PAD when QSMEM
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int kvh = blockIdx.z;
+    const int split = blockIdx.y;
+    const int splits = gridDim.y;
+    const int heads = queries_shape[1];
+    const int group = heads / prefix_keys_shape[1];
+    const int positions = queries_shape[2];
+    const int rows = queries_shape[0] * group * positions;
+    const int length = prefix_keys_shape[2];
+    const int first = split * chunk[0];
+    const int end = min(first + chunk[0], length);
+    const int row0 = blockIdx.x * ROWS + warp * MT * 16;  // this warp's first row
+    const float scale2 = scale[0] * LOG2E;  // scores in log2 units
+    const __nv_bfloat16* kbase = prefix_keys + kvh * prefix_keys_strides[1];
+    const __nv_bfloat16* vbase = prefix_values + kvh * prefix_values_strides[1];
+    const int64_t kstride = prefix_keys_strides[2];
+    const int64_t vstride = prefix_values_strides[2];
+    const int per_row = group * positions;
+
+    unsigned qa[QSMEM ? 1 : MT][QSMEM ? 1 : KSTEPS][4];
+    if constexpr (QSMEM) {
+        constexpr int PER_ROW = D / 8;
+        for (int c = threadIdx.x; c < ROWS * PER_ROW; c += NT) {
+            const int r = c / PER_ROW;
+            const int m = blockIdx.x * ROWS + r;
+            const int piece = c % PER_ROW;
+            const bool valid = m < rows;
+            int64_t at = 0;
+            if (valid) {
+                const int head = kvh * group + (m % per_row) / positions;
+                at = (((int64_t)(m / per_row) * heads + head) * positions + m % positions) * D + piece * 8;
+            }
+            copy16_async(query_tile + r * PAD + piece * 8, queries + at, valid);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < MT; j++) {
+#pragma unroll
+            for (int k = 0; k < KSTEPS; k++) {
+                const int column = k * 16 + (lane % 4) * 2;
+                const int r0 = row0 + j * 16 + lane / 4;
+                qa[j][k][0] = query_word(queries, r0, rows, group, positions, heads, kvh, D, column);
+                qa[j][k][1] = query_word(queries, r0 + 8, rows, group, positions, heads, kvh, D, column);
+                qa[j][k][2] = query_word(queries, r0, rows, group, positions, heads, kvh, D, column + 8);
+                qa[j][k][3] = query_word(queries, r0 + 8, rows, group, positions, heads, kvh, D, column + 8);
+            }
+        }
+    }
+    // Prologue: stages 0 .. STAGES - 2 in flight (one commit group each, the queries in the first).
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (first + s * KB < end) {
+            stage_rows<D, KB, PAD, NT>(key_tiles + s * TILE, kbase, kstride, first + s * KB, end);
+            stage_rows<D, KB, PAD, NT>(value_tiles + s * TILE, vbase, vstride, first + s * KB, end);
+        }
+        commit_async();
+    }
+
+    float o[MT][DTILES][4];
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+#pragma unroll
+        for (int t = 0; t < DTILES; t++) {
+            o[j][t][0] = o[j][t][1] = o[j][t][2] = o[j][t][3] = 0.0f;
+        }
+    }
+    float peak[MT][2];  // raw (unscaled) scores
+    float total[MT][2];
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+        peak[j][0] = peak[j][1] = NEG_INF;
+        total[j][0] = total[j][1] = 0.0f;
+    }
+
+    int stage = 0;
+    for (int block = first; block < end; block += KB) {
+        wait_pending<STAGES - 2>();  // this block's keys and values (and the queries)
+        __syncthreads();  // visible to all; every warp is done with the stage about to be refilled
+        {
+            const int ahead = block + (STAGES - 1) * KB;
+            const int refill = (stage + STAGES - 1) % STAGES;
+            if (ahead < end) {
+                stage_rows<D, KB, PAD, NT>(key_tiles + refill * TILE, kbase, kstride, ahead, end);
+                stage_rows<D, KB, PAD, NT>(value_tiles + refill * TILE, vbase, vstride, ahead, end);
+            }
+            commit_async();
+        }
+        const __nv_bfloat16* key_tile = key_tiles + stage * TILE;
+        const __nv_bfloat16* value_tile = value_tiles + stage * TILE;
+        float s[MT][NTILES][4];
+#pragma unroll
+        for (int j = 0; j < MT; j++) {
+#pragma unroll
+            for (int n = 0; n < NTILES; n++) {
+                s[j][n][0] = s[j][n][1] = s[j][n][2] = s[j][n][3] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < KSTEPS; k += 2) {
+            unsigned a[MT][2][4];
+            if constexpr (QSMEM) {
+#pragma unroll
+                for (int j = 0; j < MT; j++) {
+                    const __nv_bfloat16* q = query_tile + (warp * MT * 16 + j * 16 + lane % 16) * PAD + (lane / 16) * 8;
+                    load_matrices(a[j][0], q + k * 16);
+                    load_matrices(a[j][1], q + k * 16 + 16);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < NTILES; n++) {
+                unsigned b[4];
+                load_matrices(b, key_tile + (n * 8 + lane % 8) * PAD + k * 16 + (lane / 8) * 8);
+#pragma unroll
+                for (int j = 0; j < MT; j++) {
+                    if constexpr (QSMEM) {
+                        mma_bf16(s[j][n], a[j][0], b[0], b[1]);
+                        mma_bf16(s[j][n], a[j][1], b[2], b[3]);
+                    } else {
+                        mma_bf16(s[j][n], qa[j][k], b[0], b[1]);
+                        mma_bf16(s[j][n], qa[j][k + 1], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        if (block + KB > end) {  // the chunk's last block is partial: keys past ``end`` weigh nothing
+#pragma unroll
+            for (int n = 0; n < NTILES; n++) {
+                const int key = block + n * 8 + (lane % 4) * 2;
+#pragma unroll
+                for (int j = 0; j < MT; j++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        s[j][n][i] = key + (i & 1) < end ? s[j][n][i] : NEG_INF;
+                    }
+                }
+            }
+        }
+        unsigned p[MT][KB / 16][4];
+#pragma unroll
+        for (int j = 0; j < MT; j++) {
+            float top[2] = {peak[j][0], peak[j][1]};
+#pragma unroll
+            for (int n = 0; n < NTILES; n++) {
+                top[0] = fmaxf(top[0], fmaxf(s[j][n][0], s[j][n][1]));
+                top[1] = fmaxf(top[1], fmaxf(s[j][n][2], s[j][n][3]));
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 1));
+                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 2));
+            }
+            const float t0 = top[0] * scale2;  // every block has a key in range: top is finite
+            const float t1 = top[1] * scale2;
+            const float f0 = fast_exp2(peak[j][0] * scale2 - t0);
+            const float f1 = fast_exp2(peak[j][1] * scale2 - t1);
+            total[j][0] *= f0;
+            total[j][1] *= f1;
+#pragma unroll
+            for (int n = 0; n < NTILES; n++) {
+                s[j][n][0] = fast_exp2(fmaf(s[j][n][0], scale2, -t0));
+                s[j][n][1] = fast_exp2(fmaf(s[j][n][1], scale2, -t0));
+                s[j][n][2] = fast_exp2(fmaf(s[j][n][2], scale2, -t1));
+                s[j][n][3] = fast_exp2(fmaf(s[j][n][3], scale2, -t1));
+                total[j][0] += s[j][n][0] + s[j][n][1];
+                total[j][1] += s[j][n][2] + s[j][n][3];
+            }
+#pragma unroll
+            for (int t = 0; t < DTILES; t++) {
+                o[j][t][0] *= f0;
+                o[j][t][1] *= f0;
+                o[j][t][2] *= f1;
+                o[j][t][3] *= f1;
+            }
+            peak[j][0] = top[0];
+            peak[j][1] = top[1];
+#pragma unroll
+            for (int k = 0; k < KB / 16; k++) {
+                p[j][k][0] = pack_bf16(s[j][2 * k][0], s[j][2 * k][1]);
+                p[j][k][1] = pack_bf16(s[j][2 * k][2], s[j][2 * k][3]);
+                p[j][k][2] = pack_bf16(s[j][2 * k + 1][0], s[j][2 * k + 1][1]);
+                p[j][k][3] = pack_bf16(s[j][2 * k + 1][2], s[j][2 * k + 1][3]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < KB / 16; k++) {
+#pragma unroll
+            for (int t = 0; t < DTILES; t += 2) {
+                unsigned b[4];
+                load_matrices_transposed(b, value_tile + (k * 16 + lane % 8 + ((lane / 8) % 2) * 8) * PAD + t * 8
+                                             + (lane / 16) * 8);
+#pragma unroll
+                for (int j = 0; j < MT; j++) {
+                    mma_bf16(o[j][t], p[j][k], b[0], b[1]);
+                    mma_bf16(o[j][t + 1], p[j][k], b[2], b[3]);
+                }
+            }
+        }
+        stage = (stage + 1) % STAGES;
+    }
+    constexpr float LN2 = 0.6931471805599453f;
+    const int64_t level = ((int64_t)kvh * splits + split) * rows;
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float sum = total[j][h];
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            const int m = row0 + j * 16 + lane / 4 + h * 8;
+            if (m >= rows) {
+                continue;
+            }
+            if (lane % 4 == 0) {
+                out_peak[level + m] = peak[j][h] * scale2 * LN2;
+                out_total[level + m] = sum;
+            }
+            float* w = out_weighted + (level + m) * D + (lane % 4) * 2;
+#pragma unroll
+            for (int t = 0; t < DTILES; t++) {
+                *reinterpret_cast<float2*>(w + t * 8) = make_float2(o[j][t][2 * h], o[j][t][2 * h + 1]);
+            }
+        }
+    }
 """
 
 _SOURCE = """
@@ -262,43 +530,98 @@ def can_run(queries: mx.array, prefix_keys: mx.array) -> bool:
             and queries.shape[1] % prefix_keys.shape[1] == 0)
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """How the tiled kernel (``_TILED_SOURCE``) cuts the work: ``warps`` per block, ``tiles`` of 16 query
+    rows per warp (the staged keys' and values' fragments serve all of a warp's tiles), ``keys`` staged
+    per step in ``stages`` buffers (loads ``stages - 1`` steps ahead, one barrier per step), and the
+    queries in shared memory (``shared_queries``) or held in registers; ``min_blocks``: blocks per SM
+    the compiler must leave room for (``__launch_bounds__``; 0: its own choice)."""
+
+    warps: int = 4
+    tiles: int = 1
+    keys: int = 64
+    stages: int = 2
+    shared_queries: bool = False
+    min_blocks: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Query rows per block."""
+        return 16 * self.tiles * self.warps
+
+    def shared_bytes(self, dim: int) -> int:
+        row = (dim + 8) * 2
+        return 2 * self.stages * self.keys * row + (self.rows * row if self.shared_queries else 0)
+
+
 def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGET_BLOCKS,
-               warps: int = WARPS) -> tuple[int, int]:
+               warps: int = WARPS, block_rows: int | None = None) -> tuple[int, int]:
     """(keys per split, splits) for ``rows`` stacked query rows per KV head over ``length`` keys: enough
-    splits that the launch has about ``target_blocks`` blocks, each a whole number of staged blocks."""
-    tiles = -(-rows // (16 * warps)) * kv_heads
+    splits that the launch has about ``target_blocks`` blocks (of ``block_rows`` query rows, else
+    16 x ``warps``), each a whole number of staged blocks."""
+    tiles = -(-rows // (block_rows or 16 * warps)) * kv_heads
     wanted = max(1, min(-(-target_blocks // tiles), -(-length // KEYS_PER_BLOCK)))
     chunk = -(-length // wanted)
     chunk = -(-chunk // KEYS_PER_BLOCK) * KEYS_PER_BLOCK
     return chunk, -(-length // chunk)
 
 
+_INPUTS = ["queries", "prefix_keys", "prefix_values", "scale", "chunk"]
+_OUTPUTS = ["out_weighted", "out_peak", "out_total"]
+_tiled: dict[tuple, object] = {}
+
+
+def _launch_bounds(threads: int, min_blocks: int) -> str:
+    """The generated kernel's ``__global__`` with ``__launch_bounds__`` (MLX writes the signature; the header
+    comes right before it): the register budget for ``min_blocks`` blocks of ``threads`` per SM."""
+    if not min_blocks:
+        return ""
+    return (f"\n#undef __global__\n#define __global__ __attribute__((global)) "
+            f"__attribute__((launch_bounds({threads}, {min_blocks})))\n")
+
+
 def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, scale: float,
-                    target_blocks: int = TARGET_BLOCKS, warps: int = WARPS) -> tuple[mx.array, mx.array, mx.array]:
+                    target_blocks: int = TARGET_BLOCKS, warps: int = WARPS,
+                    tiling: Tiling | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """Every row's queries against the prefix, one level per split (``can_run`` shapes).
 
     queries [B, Hq, L, D] (L = 1 in a decode step, a chunk's length in a prefill); prefix_* [1, Hkv,
     P, D] (last axis contiguous, rows 16-byte aligned, as caches hold them). Every query sees the
     whole prefix (it precedes them all). Returns (weighted [Hkv, S, B * group * L, D], peak and total
     [Hkv, S, B * group * L, 1]), float32, in the stacked row order of
-    kv/shared_prefix_attention.stacked_prefix_stats."""
+    kv/shared_prefix_attention.stacked_prefix_stats. ``tiling``: the tiled kernel cut so (else the
+    one-tile kernel with ``warps`` per block)."""
     global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="mlxq_prefix_mma_partials",
-            input_names=["queries", "prefix_keys", "prefix_values", "scale", "chunk"],
-            output_names=["out_weighted", "out_peak", "out_total"],
-            source=_SOURCE, header=_HEADER, ensure_row_contiguous=False)
     batch, heads, positions, dim = queries.shape
     kv_heads, length = prefix_keys.shape[1], prefix_keys.shape[2]
     rows = batch * heads // kv_heads * positions
-    chunk, splits = split_plan(rows, kv_heads, length, target_blocks, warps)
+    block_rows = tiling.rows if tiling is not None else 16 * warps
+    chunk, splits = split_plan(rows, kv_heads, length, target_blocks, block_rows=block_rows)
     level = (kv_heads, splits, rows)
-    return tuple(_kernel(
+    if tiling is None:
+        if _kernel is None:
+            _kernel = mx.fast.cuda_kernel(name="mlxq_prefix_mma_partials", input_names=_INPUTS,
+                                          output_names=_OUTPUTS, source=_SOURCE, header=_HEADER,
+                                          ensure_row_contiguous=False)
+        kernel, template = _kernel, [("D", dim), ("NT", 32 * warps)]
+    else:
+        shared = tiling.shared_bytes(dim)
+        key = (shared, tiling.warps, tiling.min_blocks)
+        if key not in _tiled:
+            _tiled[key] = mx.fast.cuda_kernel(
+                name=f"mlxq_prefix_mma_tiled_{tiling.warps}_{tiling.min_blocks}", input_names=_INPUTS,
+                output_names=_OUTPUTS, source=_TILED_SOURCE,
+                header=_HEADER + _TILED_HEADER + _launch_bounds(32 * tiling.warps, tiling.min_blocks),
+                ensure_row_contiguous=False, shared_memory=shared)
+        kernel = _tiled[key]
+        template = [("D", dim), ("WARPS", tiling.warps), ("MT", tiling.tiles), ("KB", tiling.keys),
+                    ("STAGES", tiling.stages), ("QSMEM", tiling.shared_queries)]
+    return tuple(kernel(
         inputs=[mx.contiguous(queries), prefix_keys, prefix_values, scale_array(scale), int_array(chunk)],
-        template=[("D", dim), ("NT", 32 * warps)],
-        grid=(-(-rows // (16 * warps)) * 32 * warps, splits, kv_heads),
-        threadgroup=(32 * warps, 1, 1),
+        template=template,
+        grid=(-(-rows // block_rows) * 32 * (tiling.warps if tiling is not None else warps), splits, kv_heads),
+        threadgroup=(32 * (tiling.warps if tiling is not None else warps), 1, 1),
         output_shapes=[(*level, dim), (*level, 1), (*level, 1)],
         output_dtypes=[mx.float32] * 3,
     ))
@@ -321,7 +644,7 @@ def merged(weighted: mx.array, peak: mx.array, total: mx.array) -> mx.array:
 
 
 def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int = 1000, dim: int = 128,
-               warps: int = WARPS, positions: int = 1) -> float:
+               warps: int = WARPS, positions: int = 1, tiling: Tiling | None = None) -> float:
     """Max |kernel - plain stacked GEMMs| of the normalized prefix level, bf16, for one split (a chunk of
     many staged blocks, the last one partial) and for many; rows x group not a multiple of 64; the
     prefix a strided view of a longer buffer; ``positions`` queries per row (a prefill chunk), given
@@ -334,6 +657,6 @@ def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int =
     want = weighted / total
     worst = 0.0
     for target in (1, TARGET_BLOCKS):
-        got = merged(*prefix_partials(q, keys, values, scale, target, warps))
+        got = merged(*prefix_partials(q, keys, values, scale, target, warps, tiling))
         worst = max(worst, mx.abs(got - want).max().item())
     return worst
