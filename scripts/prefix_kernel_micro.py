@@ -7,7 +7,7 @@ kv/prefix_mma_kernel.py's ``prefix_partials`` for every case (rows x prefix + qu
 a burst's tails' prefill, 1 a decode step; 8B shape: 32 query heads on 8 KV heads, head dim 128,
 bf16) and variant:
 
-- ``w4`` / ``w8``: the one-tile kernel with 4 / 8 warps per block;
+- ``w4`` / ``w8``: the build's default cut (the one-tile kernel: 4 / 8 warps per block);
 - ``tW.M.K.S.Q[.B]``: the tiled kernel (``Tiling(W, M, K, S, Q, B)``: warps, 16-row tiles per warp,
   keys per stage, stages, queries in shared memory, blocks per SM for ``__launch_bounds__``); ``@N``
   after a variant: its target blocks per launch.
@@ -26,7 +26,7 @@ import time
 
 import mlx.core as mx
 
-from mlxq.kv.prefix_mma_kernel import Tiling, merged, one_level, prefix_partials
+from mlxq.kv.prefix_mma_kernel import merged, one_level, prefix_partials
 from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
 
 CASES = "prefill:64x16018+58,prefill:64x2048+58,decode:64x2048+1,decode:64x16384+1"
@@ -34,12 +34,13 @@ VARIANTS = ("w4,w8,t4.1.64.2.0,t4.1.64.2.0.3,t4.1.64.2.1.3,t8.1.64.2.0,t4.2.32.2
             "t8.2.32.2.1,t4.2.32.3.1@2000,t4.2.32.3.1@2800,t4.1.32.3.1.3")
 
 
-def parse_variant(text: str) -> tuple[Tiling | None, int, int]:
+def parse_variant(text: str) -> tuple:
     """(tiling, warps, target blocks) of ``w4``, ``t4.2.32.3.1@528`` and the like."""
     name, _, target = text.partition("@")
     target = int(target) if target else 264
     if name.startswith("w"):
         return None, int(name[1:]), target
+    from mlxq.kv.prefix_mma_kernel import Tiling
     warps, tiles, keys, stages, shared, *blocks = (int(x) for x in name[1:].split("."))
     return Tiling(warps, tiles, keys, stages, bool(shared), *blocks), 4, target
 
@@ -77,7 +78,9 @@ def run_case(kind: str, rows: int, prefix: int, queries: int, variants: list[str
         tiling, warps, target = parse_variant(spec)
         try:
             def partials(target=target, warps=warps, tiling=tiling):
-                return prefix_partials(q, keys, values, scale, target, warps, tiling)
+                if tiling is None:  # the build's default cut (positional: any build's signature)
+                    return prefix_partials(q, keys, values, scale, target, warps)
+                return prefix_partials(q, keys, values, scale, target, warps, tiling=tiling)
 
             fn = (lambda partials=partials: one_level(*partials())) if kind == "prefill" else partials
             got = merged(*partials())[:, :stacked]

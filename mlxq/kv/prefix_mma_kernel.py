@@ -567,6 +567,15 @@ def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGE
     return chunk, -(-length // chunk)
 
 
+# The cut each query shape takes by default (None: the one-tile kernel with the caller's ``warps``).
+PREFILL_TILING: Tiling | None = None  # many queries per row (a prefill chunk)
+DECODE_TILING: Tiling | None = None  # one query per row
+
+
+def default_tiling(positions: int) -> Tiling | None:
+    return PREFILL_TILING if positions > 1 else DECODE_TILING
+
+
 _INPUTS = ["queries", "prefix_keys", "prefix_values", "scale", "chunk"]
 _OUTPUTS = ["out_weighted", "out_peak", "out_total"]
 _tiled: dict[tuple, object] = {}
@@ -590,10 +599,12 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
     P, D] (last axis contiguous, rows 16-byte aligned, as caches hold them). Every query sees the
     whole prefix (it precedes them all). Returns (weighted [Hkv, S, B * group * L, D], peak and total
     [Hkv, S, B * group * L, 1]), float32, in the stacked row order of
-    kv/shared_prefix_attention.stacked_prefix_stats. ``tiling``: the tiled kernel cut so (else the
-    one-tile kernel with ``warps`` per block)."""
+    kv/shared_prefix_attention.stacked_prefix_stats. ``tiling``: the tiled kernel cut so (None: the
+    query shape's default, ``default_tiling``; where that is None too, the one-tile kernel with
+    ``warps`` per block)."""
     global _kernel
     batch, heads, positions, dim = queries.shape
+    tiling = tiling or default_tiling(positions)
     kv_heads, length = prefix_keys.shape[1], prefix_keys.shape[2]
     rows = batch * heads // kv_heads * positions
     block_rows = tiling.rows if tiling is not None else 16 * warps
