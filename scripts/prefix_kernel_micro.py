@@ -8,9 +8,9 @@ a burst's tails' prefill, 1 a decode step; 8B shape: 32 query heads on 8 KV head
 bf16) and variant:
 
 - ``w4`` / ``w8``: the build's default cut (the one-tile kernel: 4 / 8 warps per block);
-- ``tW.M.K.S.Q[.B]``: the tiled kernel (``Tiling(W, M, K, S, Q, B)``: warps, 16-row tiles per warp,
-  keys per stage, stages, queries in shared memory, blocks per SM for ``__launch_bounds__``); ``@N``
-  after a variant: its target blocks per launch.
+- ``tW.M.K.S.Q[.B[.U]]``: the tiled kernel (``Tiling(W, M, K, S, Q, B, U)``: warps, 16-row tiles per
+  warp, keys per stage, stages, queries in shared memory, blocks per SM for ``__launch_bounds__``, keys
+  per softmax step); ``@N`` after a variant: its target blocks per launch.
 
 Prefill cases time ``one_level`` over the partials (what the prefill path runs), decode cases the
 partials alone. Each variant is wrapped: one that fails to compile or run is reported and the others
@@ -29,9 +29,9 @@ import mlx.core as mx
 from mlxq.kv.prefix_mma_kernel import merged, one_level, prefix_partials
 from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
 
-CASES = "prefill:64x16018+58,prefill:64x2048+58,decode:64x2048+1,decode:64x16384+1"
+CASES = "prefill:64x16018+58,prefill:5x1000+9,prefill:64x2048+58,decode:64x2048+1,decode:64x16384+1"
 VARIANTS = ("w4,w8,t4.1.64.2.0,t4.1.64.2.0.3,t4.1.64.2.1.3,t8.1.64.2.0,t4.2.32.2.1,t4.2.32.3.1,t4.2.64.2.1,"
-            "t8.2.32.2.1,t4.2.32.3.1@2000,t4.2.32.3.1@2800,t4.1.32.3.1.3")
+            "t4.2.64.2.1.0.32,t8.2.32.2.1,t8.2.64.2.1.0.32,t4.2.32.3.1@2000,t4.2.32.3.1@2800,t4.1.32.3.1.3")
 
 
 def parse_variant(text: str) -> tuple:

@@ -138,13 +138,14 @@ __device__ __forceinline__ void wait_pending() { asm volatile("cp.async.wait_gro
 """
 
 _TILED_SOURCE = r"""
-    // Template: D, WARPS, MT (16-row tiles per warp), KB (keys per stage), STAGES, QSMEM.
+    // Template: D, WARPS, MT (16-row tiles per warp), KB (keys per stage), STAGES, QSMEM, SUB (keys per
+    // softmax step: KB / SUB steps per staged block).
     constexpr int NT = 32 * WARPS;
     constexpr int ROWS = 16 * MT * WARPS;  // query rows per block
     constexpr int PAD = D + 8;
     constexpr int KSTEPS = D / 16;
     constexpr int DTILES = D / 8;
-    constexpr int NTILES = KB / 8;
+    constexpr int NTILES = SUB / 8;
     constexpr int TILE = KB * PAD;  // elements of one staged K (or V) block
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -239,113 +240,121 @@ _TILED_SOURCE = r"""
             }
             commit_async();
         }
-        const __nv_bfloat16* key_tile = key_tiles + stage * TILE;
-        const __nv_bfloat16* value_tile = value_tiles + stage * TILE;
-        float s[MT][NTILES][4];
-#pragma unroll
-        for (int j = 0; j < MT; j++) {
-#pragma unroll
-            for (int n = 0; n < NTILES; n++) {
-                s[j][n][0] = s[j][n][1] = s[j][n][2] = s[j][n][3] = 0.0f;
+#pragma unroll 1
+        for (int sub = 0; sub < KB; sub += SUB) {
+            const int at = block + sub;
+            if (at >= end) {
+                break;
             }
-        }
+            const __nv_bfloat16* key_tile = key_tiles + stage * TILE + sub * PAD;
+            const __nv_bfloat16* value_tile = value_tiles + stage * TILE + sub * PAD;
+            float s[MT][NTILES][4];
 #pragma unroll
-        for (int k = 0; k < KSTEPS; k += 2) {
-            unsigned a[MT][2][4];
-            if constexpr (QSMEM) {
+            for (int j = 0; j < MT; j++) {
 #pragma unroll
-                for (int j = 0; j < MT; j++) {
-                    const __nv_bfloat16* q = query_tile + (warp * MT * 16 + j * 16 + lane % 16) * PAD + (lane / 16) * 8;
-                    load_matrices(a[j][0], q + k * 16);
-                    load_matrices(a[j][1], q + k * 16 + 16);
+                for (int n = 0; n < NTILES; n++) {
+                    s[j][n][0] = s[j][n][1] = s[j][n][2] = s[j][n][3] = 0.0f;
                 }
             }
 #pragma unroll
-            for (int n = 0; n < NTILES; n++) {
-                unsigned b[4];
-                load_matrices(b, key_tile + (n * 8 + lane % 8) * PAD + k * 16 + (lane / 8) * 8);
+            for (int k = 0; k < KSTEPS; k += 2) {
+                unsigned a[MT][2][4];
+                if constexpr (QSMEM) {
 #pragma unroll
-                for (int j = 0; j < MT; j++) {
-                    if constexpr (QSMEM) {
-                        mma_bf16(s[j][n], a[j][0], b[0], b[1]);
-                        mma_bf16(s[j][n], a[j][1], b[2], b[3]);
-                    } else {
-                        mma_bf16(s[j][n], qa[j][k], b[0], b[1]);
-                        mma_bf16(s[j][n], qa[j][k + 1], b[2], b[3]);
+                    for (int j = 0; j < MT; j++) {
+                        const __nv_bfloat16* q = query_tile + (warp * MT * 16 + j * 16 + lane % 16) * PAD
+                                                 + (lane / 16) * 8;
+                        load_matrices(a[j][0], q + k * 16);
+                        load_matrices(a[j][1], q + k * 16 + 16);
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < NTILES; n++) {
+                    unsigned b[4];
+                    load_matrices(b, key_tile + (n * 8 + lane % 8) * PAD + k * 16 + (lane / 8) * 8);
+#pragma unroll
+                    for (int j = 0; j < MT; j++) {
+                        if constexpr (QSMEM) {
+                            mma_bf16(s[j][n], a[j][0], b[0], b[1]);
+                            mma_bf16(s[j][n], a[j][1], b[2], b[3]);
+                        } else {
+                            mma_bf16(s[j][n], qa[j][k], b[0], b[1]);
+                            mma_bf16(s[j][n], qa[j][k + 1], b[2], b[3]);
+                        }
                     }
                 }
             }
-        }
-        if (block + KB > end) {  // the chunk's last block is partial: keys past ``end`` weigh nothing
+            if (at + SUB > end) {  // the chunk's last block is partial: keys past ``end`` weigh nothing
 #pragma unroll
-            for (int n = 0; n < NTILES; n++) {
-                const int key = block + n * 8 + (lane % 4) * 2;
+                for (int n = 0; n < NTILES; n++) {
+                    const int key = at + n * 8 + (lane % 4) * 2;
 #pragma unroll
-                for (int j = 0; j < MT; j++) {
+                    for (int j = 0; j < MT; j++) {
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        s[j][n][i] = key + (i & 1) < end ? s[j][n][i] : NEG_INF;
+                        for (int i = 0; i < 4; i++) {
+                            s[j][n][i] = key + (i & 1) < end ? s[j][n][i] : NEG_INF;
+                        }
                     }
                 }
             }
-        }
-        unsigned p[MT][KB / 16][4];
+            unsigned p[MT][SUB / 16][4];
 #pragma unroll
-        for (int j = 0; j < MT; j++) {
-            float top[2] = {peak[j][0], peak[j][1]};
+            for (int j = 0; j < MT; j++) {
+                float top[2] = {peak[j][0], peak[j][1]};
 #pragma unroll
-            for (int n = 0; n < NTILES; n++) {
-                top[0] = fmaxf(top[0], fmaxf(s[j][n][0], s[j][n][1]));
-                top[1] = fmaxf(top[1], fmaxf(s[j][n][2], s[j][n][3]));
+                for (int n = 0; n < NTILES; n++) {
+                    top[0] = fmaxf(top[0], fmaxf(s[j][n][0], s[j][n][1]));
+                    top[1] = fmaxf(top[1], fmaxf(s[j][n][2], s[j][n][3]));
+                }
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 1));
+                    top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 2));
+                }
+                const float t0 = top[0] * scale2;  // every block has a key in range: top is finite
+                const float t1 = top[1] * scale2;
+                const float f0 = fast_exp2(peak[j][0] * scale2 - t0);
+                const float f1 = fast_exp2(peak[j][1] * scale2 - t1);
+                total[j][0] *= f0;
+                total[j][1] *= f1;
+#pragma unroll
+                for (int n = 0; n < NTILES; n++) {
+                    s[j][n][0] = fast_exp2(fmaf(s[j][n][0], scale2, -t0));
+                    s[j][n][1] = fast_exp2(fmaf(s[j][n][1], scale2, -t0));
+                    s[j][n][2] = fast_exp2(fmaf(s[j][n][2], scale2, -t1));
+                    s[j][n][3] = fast_exp2(fmaf(s[j][n][3], scale2, -t1));
+                    total[j][0] += s[j][n][0] + s[j][n][1];
+                    total[j][1] += s[j][n][2] + s[j][n][3];
+                }
+#pragma unroll
+                for (int t = 0; t < DTILES; t++) {
+                    o[j][t][0] *= f0;
+                    o[j][t][1] *= f0;
+                    o[j][t][2] *= f1;
+                    o[j][t][3] *= f1;
+                }
+                peak[j][0] = top[0];
+                peak[j][1] = top[1];
+#pragma unroll
+                for (int k = 0; k < SUB / 16; k++) {
+                    p[j][k][0] = pack_bf16(s[j][2 * k][0], s[j][2 * k][1]);
+                    p[j][k][1] = pack_bf16(s[j][2 * k][2], s[j][2 * k][3]);
+                    p[j][k][2] = pack_bf16(s[j][2 * k + 1][0], s[j][2 * k + 1][1]);
+                    p[j][k][3] = pack_bf16(s[j][2 * k + 1][2], s[j][2 * k + 1][3]);
+                }
             }
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 1));
-                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 2));
-            }
-            const float t0 = top[0] * scale2;  // every block has a key in range: top is finite
-            const float t1 = top[1] * scale2;
-            const float f0 = fast_exp2(peak[j][0] * scale2 - t0);
-            const float f1 = fast_exp2(peak[j][1] * scale2 - t1);
-            total[j][0] *= f0;
-            total[j][1] *= f1;
+            for (int k = 0; k < SUB / 16; k++) {
 #pragma unroll
-            for (int n = 0; n < NTILES; n++) {
-                s[j][n][0] = fast_exp2(fmaf(s[j][n][0], scale2, -t0));
-                s[j][n][1] = fast_exp2(fmaf(s[j][n][1], scale2, -t0));
-                s[j][n][2] = fast_exp2(fmaf(s[j][n][2], scale2, -t1));
-                s[j][n][3] = fast_exp2(fmaf(s[j][n][3], scale2, -t1));
-                total[j][0] += s[j][n][0] + s[j][n][1];
-                total[j][1] += s[j][n][2] + s[j][n][3];
-            }
+                for (int t = 0; t < DTILES; t += 2) {
+                    unsigned b[4];
+                    load_matrices_transposed(b, value_tile + (k * 16 + lane % 8 + ((lane / 8) % 2) * 8) * PAD + t * 8
+                                                 + (lane / 16) * 8);
 #pragma unroll
-            for (int t = 0; t < DTILES; t++) {
-                o[j][t][0] *= f0;
-                o[j][t][1] *= f0;
-                o[j][t][2] *= f1;
-                o[j][t][3] *= f1;
-            }
-            peak[j][0] = top[0];
-            peak[j][1] = top[1];
-#pragma unroll
-            for (int k = 0; k < KB / 16; k++) {
-                p[j][k][0] = pack_bf16(s[j][2 * k][0], s[j][2 * k][1]);
-                p[j][k][1] = pack_bf16(s[j][2 * k][2], s[j][2 * k][3]);
-                p[j][k][2] = pack_bf16(s[j][2 * k + 1][0], s[j][2 * k + 1][1]);
-                p[j][k][3] = pack_bf16(s[j][2 * k + 1][2], s[j][2 * k + 1][3]);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < KB / 16; k++) {
-#pragma unroll
-            for (int t = 0; t < DTILES; t += 2) {
-                unsigned b[4];
-                load_matrices_transposed(b, value_tile + (k * 16 + lane % 8 + ((lane / 8) % 2) * 8) * PAD + t * 8
-                                             + (lane / 16) * 8);
-#pragma unroll
-                for (int j = 0; j < MT; j++) {
-                    mma_bf16(o[j][t], p[j][k], b[0], b[1]);
-                    mma_bf16(o[j][t + 1], p[j][k], b[2], b[3]);
+                    for (int j = 0; j < MT; j++) {
+                        mma_bf16(o[j][t], p[j][k], b[0], b[1]);
+                        mma_bf16(o[j][t + 1], p[j][k], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -544,6 +553,7 @@ class Tiling:
     stages: int = 2
     shared_queries: bool = False
     min_blocks: int = 0
+    sub: int = 0  # keys per softmax step (0: ``keys``)
 
     @property
     def rows(self) -> int:
@@ -627,7 +637,7 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
                 ensure_row_contiguous=False, shared_memory=shared)
         kernel = _tiled[key]
         template = [("D", dim), ("WARPS", tiling.warps), ("MT", tiling.tiles), ("KB", tiling.keys),
-                    ("STAGES", tiling.stages), ("QSMEM", tiling.shared_queries)]
+                    ("STAGES", tiling.stages), ("QSMEM", tiling.shared_queries), ("SUB", tiling.sub or tiling.keys)]
     return tuple(kernel(
         inputs=[mx.contiguous(queries), prefix_keys, prefix_values, scale_array(scale), int_array(chunk)],
         template=template,
