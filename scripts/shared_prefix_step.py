@@ -34,7 +34,8 @@ scores), ``mma_prefill`` (the tensor-core prefix, CUDA; ``mma_prefill_w8``:
 its blocks of 8 warps instead of ``PREFILL_WARPS``), and ``copies``
 (per-row copies of the prefix through the model's own attention, where
 they fit in ``--max-copies-gb``). Median of ``--prefill-reps`` after a
-warm-up forward; logits of the last position against ``ops_whole``.
+warm-up forward; logits of the last position against ``ops_whole``
+(``--logits-out``: also saved, to compare two builds' runs).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import json
 import time
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from mlxq.kv import attention_route, cuda_attention, shared_prefix_decode
@@ -153,7 +155,7 @@ def time_prefill(model, make_caches, rows: int, length: int, vocab: int, reps: i
     return sorted(times)[len(times) // 2], logits
 
 
-def prefill_case(model, vocab, rows, prefix, length, reps, max_copies_gb, paths) -> dict:
+def prefill_case(model, vocab, rows, prefix, length, reps, max_copies_gb, paths, logits_out=None) -> dict:
     """The tails' prefill: one forward of ``length`` tokens per row on a shared ``prefix``."""
     mx.random.seed(0)
     prefix_cache = prefill_prefix(model, prefix, vocab)
@@ -179,6 +181,8 @@ def prefill_case(model, vocab, rows, prefix, length, reps, max_copies_gb, paths)
         result[f"{path}_ms"] = ms
         reference = logits if reference is None else reference
         result[f"{path}_logit_diff"] = mx.abs(logits - reference).max().item()
+        if logits_out:  # to compare builds: one file per case and path
+            np.save(f"{logits_out}-{rows}x{prefix}+{length}-{path}.npy", np.array(logits))
         print(f"  prefill {rows}x{prefix}+{length} {path}: {ms:.1f} ms", flush=True)
     return result
 
@@ -248,6 +252,7 @@ def main() -> None:
     parser.add_argument("--prefill-cases", default="", help="rows x prefix + chunk, e.g. 64x14500+56")
     parser.add_argument("--prefill-paths", default="ops_whole,ops,mma_prefill,copies")
     parser.add_argument("--prefill-reps", type=int, default=3)
+    parser.add_argument("--logits-out", help="save each prefill's last-position logits as PREFIX-CASE-PATH.npy")
     args = parser.parse_args()
     import mlx_lm
 
@@ -266,7 +271,7 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
     for case in filter(None, args.prefill_cases.split(",")):
         results.append(prefill_case(model, vocab, *parse_case(case), args.prefill_reps, args.max_copies_gb,
-                                    args.prefill_paths.split(",")))
+                                    args.prefill_paths.split(","), args.logits_out))
         print(json.dumps(results[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
