@@ -213,19 +213,35 @@ def test_the_start_up_self_check_covers_every_kernel_path():
         assert not decode.enable() and not decode.is_enabled()
 
 
+@pytest.mark.parametrize("block_rows", [64, 128, 256])
 @pytest.mark.parametrize("rows, kv_heads, length, target", [
     (256, 8, 2048, 264), (256, 8, 16384, 264), (64, 8, 12288, 264), (4, 2, 333, 264), (76, 8, 1000, 1),
-    (2048, 8, 64, 264), (1, 1, 1, 264)])
-def test_the_prefix_splits_cover_every_key_once_in_whole_staged_blocks(rows, kv_heads, length, target):
+    (2048, 8, 64, 264), (1, 1, 1, 264), (14848, 8, 16018, 264)])
+def test_the_prefix_splits_cover_every_key_once_in_whole_staged_blocks(rows, kv_heads, length, target, block_rows):
     """Every split of the tensor-core kernel has a key (its peak is finite), chunks are whole blocks of
     staged keys, and the launch stays near its target number of blocks unless the prefix is too short."""
-    from mlxq.kv.prefix_mma_kernel import KEYS_PER_BLOCK, QUERY_ROWS, split_plan
+    from mlxq.kv.prefix_mma_kernel import KEYS_PER_BLOCK, split_plan
 
-    chunk, splits = split_plan(rows, kv_heads, length, target)
+    chunk, splits = split_plan(rows, kv_heads, length, target, block_rows=block_rows)
     assert chunk % KEYS_PER_BLOCK == 0 and (splits - 1) * chunk < length <= splits * chunk
-    blocks = splits * -(-rows // QUERY_ROWS) * kv_heads
-    assert blocks <= max(target, -(-rows // QUERY_ROWS) * kv_heads) * 2
+    blocks = splits * -(-rows // block_rows) * kv_heads
+    assert blocks <= max(target, -(-rows // block_rows) * kv_heads) * 2
     assert splits == 1 or blocks >= target // 2 or chunk == KEYS_PER_BLOCK
+
+
+def test_the_kernel_cuts_fit_a_block():
+    """Every cut the kernel takes by default stages whole softmax steps of whole 16-key products, the
+    keys of a chunk in whole staged blocks, and fits the H200's shared memory per block (227 KiB)."""
+    from mlxq.kv.prefix_mma_kernel import DECODE_TILING, HEAD_DIMS, KEYS_PER_BLOCK, PREFILL_TILING, Tiling
+
+    for tiling in (PREFILL_TILING, DECODE_TILING, Tiling()):
+        if tiling is None:
+            continue
+        sub = tiling.sub or tiling.keys
+        assert sub % 16 == 0 and tiling.keys % sub == 0 and KEYS_PER_BLOCK % tiling.keys == 0
+        assert tiling.stages >= 2 and tiling.rows == 16 * tiling.tiles * tiling.warps
+        assert all(tiling.shared_bytes(dim) <= 227 * 1024 for dim in HEAD_DIMS)
+    assert Tiling(4, 2, 32, 3, True).shared_bytes(128) == (2 * 3 * 32 + 128) * 136 * 2
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
@@ -248,6 +264,11 @@ def test_the_tensor_core_prefix_kernel_matches_the_stacked_gemms():
     assert prefix_mma_kernel.self_check(rows=64, heads=32, kv_heads=8, length=2048) < 2e-2
     assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64) < 2e-2
     assert prefix_mma_kernel.self_check(rows=70, warps=8) < 2e-2  # not run on a device yet
+    for tiling in (prefix_mma_kernel.PREFILL_TILING, prefix_mma_kernel.DECODE_TILING):
+        if tiling is not None:
+            assert prefix_mma_kernel.self_check(rows=70, tiling=tiling) < 2e-2
+            assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64, tiling=tiling) < 2e-2
+            assert prefix_mma_kernel.self_check(rows=5, positions=9, tiling=tiling) < 2e-2
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
