@@ -326,12 +326,15 @@ _TILED_SOURCE = r"""
                     total[j][0] += s[j][n][0] + s[j][n][1];
                     total[j][1] += s[j][n][2] + s[j][n][3];
                 }
+                // A peak that did not move scales by exactly 1: the warp skips it when none of its rows' moved.
+                if (__any_sync(0xffffffff, top[0] != peak[j][0] || top[1] != peak[j][1])) {
 #pragma unroll
-                for (int t = 0; t < DTILES; t++) {
-                    o[j][t][0] *= f0;
-                    o[j][t][1] *= f0;
-                    o[j][t][2] *= f1;
-                    o[j][t][3] *= f1;
+                    for (int t = 0; t < DTILES; t++) {
+                        o[j][t][0] *= f0;
+                        o[j][t][1] *= f0;
+                        o[j][t][2] *= f1;
+                        o[j][t][3] *= f1;
+                    }
                 }
                 peak[j][0] = top[0];
                 peak[j][1] = top[1];
