@@ -7,7 +7,8 @@ kv/prefix_mma_kernel.py's ``prefix_partials`` for every case (rows x prefix + qu
 a burst's tails' prefill, 1 a decode step; 8B shape: 32 query heads on 8 KV heads, head dim 128,
 bf16) and variant:
 
-- ``w4`` / ``w8``: the build's default cut (the one-tile kernel: 4 / 8 warps per block);
+- ``d``: the build's own cut for the query shape (any build: the script runs on main's too);
+- ``w4`` / ``w8``: one 16-row tile per warp, 4 / 8 warps per block (main's kernel);
 - ``tW.M.K.S.Q[.B[.U]]``: the tiled kernel (``Tiling(W, M, K, S, Q, B, U)``: warps, 16-row tiles per
   warp, keys per stage, stages, queries in shared memory, blocks per SM for ``__launch_bounds__``, keys
   per softmax step); ``@N`` after a variant: its target blocks per launch.
@@ -38,11 +39,17 @@ def parse_variant(text: str) -> tuple:
     """(tiling, warps, target blocks) of ``w4``, ``t4.2.32.3.1@528`` and the like."""
     name, _, target = text.partition("@")
     target = int(target) if target else 264
+    if name == "d":
+        return None, None, target
+    from mlxq.kv import prefix_mma_kernel
+
     if name.startswith("w"):
-        return None, int(name[1:]), target
-    from mlxq.kv.prefix_mma_kernel import Tiling
+        if not hasattr(prefix_mma_kernel, "Tiling"):  # main's kernel: warps per block
+            return None, int(name[1:]), target
+        return prefix_mma_kernel.Tiling(warps=int(name[1:])), None, target
+    Tiling = prefix_mma_kernel.Tiling  # noqa: N806
     warps, tiles, keys, stages, shared, *blocks = (int(x) for x in name[1:].split("."))
-    return Tiling(warps, tiles, keys, stages, bool(shared), *blocks), 4, target
+    return Tiling(warps, tiles, keys, stages, bool(shared), *blocks), None, target
 
 
 def timed(fn, reps: int, inner: int) -> float:
@@ -78,9 +85,9 @@ def run_case(kind: str, rows: int, prefix: int, queries: int, variants: list[str
         tiling, warps, target = parse_variant(spec)
         try:
             def partials(target=target, warps=warps, tiling=tiling):
-                if tiling is None:  # the build's default cut (positional: any build's signature)
-                    return prefix_partials(q, keys, values, scale, target, warps)
-                return prefix_partials(q, keys, values, scale, target, warps, tiling=tiling)
+                if tiling is None:  # positional: any build's signature
+                    return prefix_partials(q, keys, values, scale, target, *([warps] if warps else []))
+                return prefix_partials(q, keys, values, scale, target, tiling=tiling)
 
             fn = (lambda partials=partials: one_level(*partials())) if kind == "prefill" else partials
             got = merged(*partials())[:, :stacked]

@@ -31,7 +31,7 @@ prefix (engine/shared_tails.py's forward), for ``--prefill-paths``:
 ``ops_whole`` (plain operations, the prefix's scores in one product),
 ``ops`` (the same in blocks of kv/shared_prefix_attention.SCORE_BLOCK
 scores), ``mma_prefill`` (the tensor-core prefix, CUDA; ``mma_prefill_w8``:
-its blocks of 8 warps instead of ``PREFILL_WARPS``), and ``copies``
+the one-tile cut of 8 warps instead of ``PREFILL_TILING``), and ``copies``
 (per-row copies of the prefix through the model's own attention, where
 they fit in ``--max-copies-gb``). Median of ``--prefill-reps`` after a
 warm-up forward; logits of the last position against ``ops_whole``
@@ -202,13 +202,15 @@ def _prefill_path(path: str):
         finally:
             shared_prefix_attention.SCORE_BLOCK = block
     elif path == "mma_prefill_w8":
-        warps = shared_prefix_decode.PREFILL_WARPS
-        shared_prefix_decode.PREFILL_WARPS = 8
+        from mlxq.kv import prefix_mma_kernel
+
+        tiling = prefix_mma_kernel.PREFILL_TILING
+        prefix_mma_kernel.PREFILL_TILING = prefix_mma_kernel.Tiling(warps=8)
         try:
             with shared_prefix_decode.forced("mma_prefill"):
                 yield
         finally:
-            shared_prefix_decode.PREFILL_WARPS = warps
+            prefix_mma_kernel.PREFILL_TILING = tiling
     else:
         with shared_prefix_decode.forced(path):
             yield

@@ -13,14 +13,20 @@ bf16 in, float32 accumulate) with the online softmax in registers between
 them, FlashAttention-2's shape turned to decode: the rows' queries of one
 KV head are the M axis (row b's query head kv * group + i is row
 b * group + i), the prefix is split into chunks of keys (flash-decoding),
-and one block of ``WARPS`` warps (16 query rows each) walks one chunk for
-their query rows, 64 keys at a time staged in shared memory by ``cp.async`` (the next
-block's keys load while this block's values are multiplied). Each split
-writes its partial level (weighted values, peak, total; float32, natural
-log units) and kv/tail_merge_kernel.py merges the splits with each row's
-tail and the sink in its epilogue. The probabilities enter the second
-product rounded to bf16, as the plain path's ``weights.astype(values.dtype)
-@ values`` does; their sums stay float32.
+and one block walks one chunk for its query rows (``Tiling``: warps of
+one or two 16-row tiles each, so a warp's staged key and value fragments
+serve both; the queries held in registers or read from shared memory),
+``keys`` at a time staged in shared memory by ``cp.async`` in ``stages``
+buffers (the next blocks load while this one is multiplied; one barrier
+per step). Each split writes its partial level (weighted values, peak,
+total; float32, natural log units) and kv/tail_merge_kernel.py merges the
+splits with each row's tail and the sink in its epilogue (a prefill:
+``one_level``). The probabilities enter the second product rounded to
+bf16, as the plain path's ``weights.astype(values.dtype) @ values`` does;
+their sums stay float32. A prefill chunk (64 rows x 58 queries x 4 heads
+of a group: ~15k query rows per KV head on a 16k prefix, ~31 TFLOP for an
+8B shape's 32 layers) and a decode step take different cuts
+(``default_tiling``).
 """
 
 from __future__ import annotations
@@ -33,9 +39,7 @@ from mlxq.kv.kernel_inputs import int_array, scale_array
 from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
 
 HEAD_DIMS = (64, 128)
-KEYS_PER_BLOCK = 64  # keys staged in shared memory per step (and the chunk granularity)
-WARPS = 4  # per block, 16 query rows each
-QUERY_ROWS = 16 * WARPS  # query rows per block
+KEYS_PER_BLOCK = 64  # a split's keys come in whole multiples of this (every cut's ``keys`` divides it)
 # Blocks per launch the splits aim at: two per SM of an H200 (132 SMs). Against 528 blocks and 8 warps
 # per block it was the fastest in all four 8B cases measured (docs/benchmarks.md, 2026-12-01).
 TARGET_BLOCKS = 264
@@ -56,9 +60,6 @@ __device__ __forceinline__ void copy16_async(void* dst, const void* src, bool va
 }
 
 __device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;"); }
-
-// All committed copies but the newest group are done (then a barrier makes them visible to the block).
-__device__ __forceinline__ void wait_all_but_newest() { asm volatile("cp.async.wait_group 1;"); }
 
 __device__ __forceinline__ void load_matrices(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -95,23 +96,9 @@ __device__ __forceinline__ unsigned query_word(const __nv_bfloat16* queries, int
     const int64_t at = (((int64_t)(m / per_row) * heads + head) * positions + m % positions) * dim + column;
     return *reinterpret_cast<const unsigned*>(queries + at);
 }
-
-// Stage keys [first, first + KB) of one head into shared rows of PAD elements; rows past ``end`` are zeros.
-template <int D, int KB, int PAD, int NT>
-__device__ __forceinline__ void stage_keys(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride, int first,
-                                           int end) {
-    constexpr int PER_ROW = D / 8;  // 16-byte pieces per key
-    for (int c = threadIdx.x; c < KB * PER_ROW; c += NT) {
-        const int row = c / PER_ROW;
-        const int piece = c % PER_ROW;
-        const bool valid = first + row < end;
-        const __nv_bfloat16* from = src + (valid ? (int64_t)(first + row) * stride + piece * 8 : 0);
-        copy16_async(dst + row * PAD + piece * 8, from, valid);
-    }
-}
 """
 
-_TILED_HEADER = r"""
+_HEADER_STAGING = r"""
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -137,7 +124,7 @@ template <int N>
 __device__ __forceinline__ void wait_pending() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 """
 
-_TILED_SOURCE = r"""
+_SOURCE = r"""
     // Template: D, WARPS, MT (16-row tiles per warp), KB (keys per stage), STAGES, QSMEM, SUB (keys per
     // softmax step: KB / SUB steps per staged block).
     constexpr int NT = 32 * WARPS;
@@ -389,150 +376,6 @@ _TILED_SOURCE = r"""
     }
 """
 
-_SOURCE = """
-    constexpr int KB = 64;
-    constexpr int PAD = D + 8;  // 16-byte aligned rows whose ldmatrix reads hit 32 different banks
-    constexpr int KSTEPS = D / 16;
-    constexpr int DTILES = D / 8;
-    constexpr int NTILES = KB / 8;
-    constexpr float LOG2E = 1.4426950408889634f;
-    __shared__ __align__(16) __nv_bfloat16 key_tile[KB * PAD];
-    __shared__ __align__(16) __nv_bfloat16 value_tile[KB * PAD];
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int kvh = blockIdx.z;
-    const int split = blockIdx.y;
-    const int splits = gridDim.y;
-    const int heads = queries_shape[1];
-    const int group = heads / prefix_keys_shape[1];
-    const int positions = queries_shape[2];
-    const int rows = queries_shape[0] * group * positions;
-    const int length = prefix_keys_shape[2];
-    const int first = split * chunk[0];
-    const int end = min(first + chunk[0], length);
-    const int r0 = blockIdx.x * NT / 2 + warp * 16 + lane / 4;  // 16 query rows per warp
-    const int r1 = r0 + 8;
-    const float scale2 = scale[0] * LOG2E;  // scores in log2 units: exp2f
-    const __nv_bfloat16* kbase = prefix_keys + kvh * prefix_keys_strides[1];
-    const __nv_bfloat16* vbase = prefix_values + kvh * prefix_values_strides[1];
-    const int64_t kstride = prefix_keys_strides[2];
-    const int64_t vstride = prefix_values_strides[2];
-
-    unsigned qa[KSTEPS][4];
-    for (int k = 0; k < KSTEPS; k++) {
-        const int column = k * 16 + (lane % 4) * 2;
-        qa[k][0] = query_word(queries, r0, rows, group, positions, heads, kvh, D, column);
-        qa[k][1] = query_word(queries, r1, rows, group, positions, heads, kvh, D, column);
-        qa[k][2] = query_word(queries, r0, rows, group, positions, heads, kvh, D, column + 8);
-        qa[k][3] = query_word(queries, r1, rows, group, positions, heads, kvh, D, column + 8);
-    }
-    float o[DTILES][4];
-    for (int t = 0; t < DTILES; t++) {
-        o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
-    }
-    float peak[2] = {NEG_INF, NEG_INF};
-    float total[2] = {0.0f, 0.0f};
-
-    stage_keys<D, KB, PAD, NT>(key_tile, kbase, kstride, first, end);
-    commit_async();
-    stage_keys<D, KB, PAD, NT>(value_tile, vbase, vstride, first, end);
-    commit_async();
-    for (int block = first; block < end; block += KB) {
-        wait_all_but_newest();  // this block's keys (its values may still be in flight)
-        __syncthreads();
-        float s[NTILES][4];
-        for (int n = 0; n < NTILES; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            for (int k = 0; k < KSTEPS; k += 2) {
-                unsigned b[4];
-                load_matrices(b, key_tile + (n * 8 + lane % 8) * PAD + k * 16 + (lane / 8) * 8);
-                mma_bf16(s[n], qa[k], b[0], b[1]);
-                mma_bf16(s[n], qa[k + 1], b[2], b[3]);
-            }
-        }
-        __syncthreads();  // every warp is done with the keys: the next block's may overwrite them
-        if (block + KB < end) {
-            stage_keys<D, KB, PAD, NT>(key_tile, kbase, kstride, block + KB, end);
-        }
-        commit_async();
-        float top[2] = {peak[0], peak[1]};
-        for (int n = 0; n < NTILES; n++) {
-            const int key = block + n * 8 + (lane % 4) * 2;
-            for (int i = 0; i < 4; i++) {
-                s[n][i] = key + (i & 1) < end ? s[n][i] * scale2 : NEG_INF;
-            }
-            top[0] = fmaxf(top[0], fmaxf(s[n][0], s[n][1]));
-            top[1] = fmaxf(top[1], fmaxf(s[n][2], s[n][3]));
-        }
-        for (int h = 0; h < 2; h++) {  // the quad holding a row agrees on its peak
-            top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 1));
-            top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 2));
-        }
-        const float f0 = exp2f(peak[0] - top[0]);  // every block has a key in range: top is finite
-        const float f1 = exp2f(peak[1] - top[1]);
-        total[0] *= f0;
-        total[1] *= f1;
-        for (int n = 0; n < NTILES; n++) {
-            s[n][0] = exp2f(s[n][0] - top[0]);
-            s[n][1] = exp2f(s[n][1] - top[0]);
-            s[n][2] = exp2f(s[n][2] - top[1]);
-            s[n][3] = exp2f(s[n][3] - top[1]);
-            total[0] += s[n][0] + s[n][1];
-            total[1] += s[n][2] + s[n][3];
-        }
-        for (int t = 0; t < DTILES; t++) {
-            o[t][0] *= f0;
-            o[t][1] *= f0;
-            o[t][2] *= f1;
-            o[t][3] *= f1;
-        }
-        peak[0] = top[0];
-        peak[1] = top[1];
-        wait_all_but_newest();  // this block's values
-        __syncthreads();
-        for (int k = 0; k < KB / 16; k++) {
-            const unsigned a[4] = {pack_bf16(s[2 * k][0], s[2 * k][1]), pack_bf16(s[2 * k][2], s[2 * k][3]),
-                                   pack_bf16(s[2 * k + 1][0], s[2 * k + 1][1]),
-                                   pack_bf16(s[2 * k + 1][2], s[2 * k + 1][3])};
-            for (int t = 0; t < DTILES; t += 2) {
-                unsigned b[4];
-                load_matrices_transposed(b, value_tile + (k * 16 + lane % 8 + ((lane / 8) % 2) * 8) * PAD + t * 8
-                                             + (lane / 16) * 8);
-                mma_bf16(o[t], a, b[0], b[1]);
-                mma_bf16(o[t + 1], a, b[2], b[3]);
-            }
-        }
-        __syncthreads();  // every warp is done with the values
-        if (block + KB < end) {
-            stage_keys<D, KB, PAD, NT>(value_tile, vbase, vstride, block + KB, end);
-        }
-        commit_async();
-    }
-    for (int h = 0; h < 2; h++) {  // each lane of the quad summed its own columns
-        total[h] += __shfl_xor_sync(0xffffffff, total[h], 1);
-        total[h] += __shfl_xor_sync(0xffffffff, total[h], 2);
-    }
-    constexpr float LN2 = 0.6931471805599453f;
-    const int64_t level = ((int64_t)kvh * splits + split) * rows;
-    const int mine[2] = {r0, r1};
-    for (int h = 0; h < 2; h++) {
-        if (mine[h] >= rows) {
-            continue;
-        }
-        if (lane % 4 == 0) {
-            out_peak[level + mine[h]] = peak[h] * LN2;
-            out_total[level + mine[h]] = total[h];
-        }
-        float* w = out_weighted + (level + mine[h]) * D + (lane % 4) * 2;
-        for (int t = 0; t < DTILES; t++) {
-            *reinterpret_cast<float2*>(w + t * 8) = make_float2(o[t][2 * h], o[t][2 * h + 1]);
-        }
-    }
-"""
-
-_kernel = None
-
-
 def can_run(queries: mx.array, prefix_keys: mx.array) -> bool:
     """bf16 queries (any number per row) of a head width the kernel has, a non-empty bf16 prefix,
     GQA-divisible heads (the values are the keys' shape and dtype in every cache)."""
@@ -544,7 +387,7 @@ def can_run(queries: mx.array, prefix_keys: mx.array) -> bool:
 
 @dataclass(frozen=True)
 class Tiling:
-    """How the tiled kernel (``_TILED_SOURCE``) cuts the work: ``warps`` per block, ``tiles`` of 16 query
+    """How the kernel cuts the work: ``warps`` per block, ``tiles`` of 16 query
     rows per warp (the staged keys' and values' fragments serve all of a warp's tiles), ``keys`` staged
     per step in ``stages`` buffers (loads ``stages - 1`` steps ahead, one barrier per step), and the
     queries in shared memory (``shared_queries``) or held in registers; ``min_blocks``: blocks per SM
@@ -569,29 +412,32 @@ class Tiling:
 
 
 def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGET_BLOCKS,
-               warps: int = WARPS, block_rows: int | None = None) -> tuple[int, int]:
+               block_rows: int = 128) -> tuple[int, int]:
     """(keys per split, splits) for ``rows`` stacked query rows per KV head over ``length`` keys: enough
-    splits that the launch has about ``target_blocks`` blocks (of ``block_rows`` query rows, else
-    16 x ``warps``), each a whole number of staged blocks."""
-    tiles = -(-rows // (block_rows or 16 * warps)) * kv_heads
+    splits that the launch has about ``target_blocks`` blocks of ``block_rows`` query rows, each a whole
+    number of staged blocks."""
+    tiles = -(-rows // block_rows) * kv_heads
     wanted = max(1, min(-(-target_blocks // tiles), -(-length // KEYS_PER_BLOCK)))
     chunk = -(-length // wanted)
     chunk = -(-chunk // KEYS_PER_BLOCK) * KEYS_PER_BLOCK
     return chunk, -(-length // chunk)
 
 
-# The cut each query shape takes by default (None: the one-tile kernel with the caller's ``warps``).
-PREFILL_TILING: Tiling | None = None  # many queries per row (a prefill chunk)
-DECODE_TILING: Tiling | None = None  # one query per row
+# The cut each query shape takes (docs/benchmarks.md, "H200: the prefix kernel's cuts"): 32 query rows
+# per warp on 64 staged keys in a prefill chunk; in a decode step (fewer rows, the prefix split finer)
+# 32-key steps in three stages.
+PREFILL_TILING = Tiling(warps=4, tiles=2, keys=64, stages=2, shared_queries=True)
+DECODE_TILING = Tiling(warps=4, tiles=2, keys=32, stages=3, shared_queries=True)
 
 
-def default_tiling(positions: int) -> Tiling | None:
+def default_tiling(positions: int) -> Tiling:
+    """The cut for ``positions`` queries per row."""
     return PREFILL_TILING if positions > 1 else DECODE_TILING
 
 
 _INPUTS = ["queries", "prefix_keys", "prefix_values", "scale", "chunk"]
 _OUTPUTS = ["out_weighted", "out_peak", "out_total"]
-_tiled: dict[tuple, object] = {}
+_kernels: dict[tuple, object] = {}  # by shared memory, warps and blocks per SM
 
 
 def _launch_bounds(threads: int, min_blocks: int) -> str:
@@ -604,48 +450,36 @@ def _launch_bounds(threads: int, min_blocks: int) -> str:
 
 
 def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, scale: float,
-                    target_blocks: int = TARGET_BLOCKS, warps: int = WARPS,
-                    tiling: Tiling | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                    target_blocks: int = TARGET_BLOCKS, tiling: Tiling | None = None,
+                    ) -> tuple[mx.array, mx.array, mx.array]:
     """Every row's queries against the prefix, one level per split (``can_run`` shapes).
 
     queries [B, Hq, L, D] (L = 1 in a decode step, a chunk's length in a prefill); prefix_* [1, Hkv,
     P, D] (last axis contiguous, rows 16-byte aligned, as caches hold them). Every query sees the
     whole prefix (it precedes them all). Returns (weighted [Hkv, S, B * group * L, D], peak and total
     [Hkv, S, B * group * L, 1]), float32, in the stacked row order of
-    kv/shared_prefix_attention.stacked_prefix_stats. ``tiling``: the tiled kernel cut so (None: the
-    query shape's default, ``default_tiling``; where that is None too, the one-tile kernel with
-    ``warps`` per block)."""
-    global _kernel
+    kv/shared_prefix_attention.stacked_prefix_stats. ``tiling``: the kernel's cut (None: the query
+    shape's, ``default_tiling``)."""
     batch, heads, positions, dim = queries.shape
     tiling = tiling or default_tiling(positions)
     kv_heads, length = prefix_keys.shape[1], prefix_keys.shape[2]
     rows = batch * heads // kv_heads * positions
-    block_rows = tiling.rows if tiling is not None else 16 * warps
-    chunk, splits = split_plan(rows, kv_heads, length, target_blocks, block_rows=block_rows)
+    chunk, splits = split_plan(rows, kv_heads, length, target_blocks, tiling.rows)
     level = (kv_heads, splits, rows)
-    if tiling is None:
-        if _kernel is None:
-            _kernel = mx.fast.cuda_kernel(name="mlxq_prefix_mma_partials", input_names=_INPUTS,
-                                          output_names=_OUTPUTS, source=_SOURCE, header=_HEADER,
-                                          ensure_row_contiguous=False)
-        kernel, template = _kernel, [("D", dim), ("NT", 32 * warps)]
-    else:
-        shared = tiling.shared_bytes(dim)
-        key = (shared, tiling.warps, tiling.min_blocks)
-        if key not in _tiled:
-            _tiled[key] = mx.fast.cuda_kernel(
-                name=f"mlxq_prefix_mma_tiled_{tiling.warps}_{tiling.min_blocks}", input_names=_INPUTS,
-                output_names=_OUTPUTS, source=_TILED_SOURCE,
-                header=_HEADER + _TILED_HEADER + _launch_bounds(32 * tiling.warps, tiling.min_blocks),
-                ensure_row_contiguous=False, shared_memory=shared)
-        kernel = _tiled[key]
-        template = [("D", dim), ("WARPS", tiling.warps), ("MT", tiling.tiles), ("KB", tiling.keys),
-                    ("STAGES", tiling.stages), ("QSMEM", tiling.shared_queries), ("SUB", tiling.sub or tiling.keys)]
-    return tuple(kernel(
+    shared = tiling.shared_bytes(dim)
+    key = (shared, tiling.warps, tiling.min_blocks)
+    if key not in _kernels:
+        _kernels[key] = mx.fast.cuda_kernel(
+            name=f"mlxq_prefix_mma_tiled_{tiling.warps}_{tiling.min_blocks}", input_names=_INPUTS,
+            output_names=_OUTPUTS, source=_SOURCE,
+            header=_HEADER + _HEADER_STAGING + _launch_bounds(32 * tiling.warps, tiling.min_blocks),
+            ensure_row_contiguous=False, shared_memory=shared)
+    return tuple(_kernels[key](
         inputs=[mx.contiguous(queries), prefix_keys, prefix_values, scale_array(scale), int_array(chunk)],
-        template=template,
-        grid=(-(-rows // block_rows) * 32 * (tiling.warps if tiling is not None else warps), splits, kv_heads),
-        threadgroup=(32 * (tiling.warps if tiling is not None else warps), 1, 1),
+        template=[("D", dim), ("WARPS", tiling.warps), ("MT", tiling.tiles), ("KB", tiling.keys),
+                  ("STAGES", tiling.stages), ("QSMEM", tiling.shared_queries), ("SUB", tiling.sub or tiling.keys)],
+        grid=(-(-rows // tiling.rows) * 32 * tiling.warps, splits, kv_heads),
+        threadgroup=(32 * tiling.warps, 1, 1),
         output_shapes=[(*level, dim), (*level, 1), (*level, 1)],
         output_dtypes=[mx.float32] * 3,
     ))
@@ -668,11 +502,12 @@ def merged(weighted: mx.array, peak: mx.array, total: mx.array) -> mx.array:
 
 
 def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int = 1000, dim: int = 128,
-               warps: int = WARPS, positions: int = 1, tiling: Tiling | None = None) -> float:
+               positions: int = 1, tiling: Tiling | None = None) -> float:
     """Max |kernel - plain stacked GEMMs| of the normalized prefix level, bf16, for one split (a chunk of
     many staged blocks, the last one partial) and for many; rows x group not a multiple of 64; the
     prefix a strided view of a longer buffer; ``positions`` queries per row (a prefill chunk), given
-    as the strided view mlx-lm's models hand over ([B, L, Hq, D] transposed)."""
+    as the strided view mlx-lm's models hand over ([B, L, Hq, D] transposed); ``tiling``: the cut
+    checked (None: the query shape's)."""
     q = mx.random.normal((rows, positions, heads, dim)).astype(mx.bfloat16).swapaxes(1, 2)
     buffer = mx.random.normal((2, 1, kv_heads, length + 77, dim)).astype(mx.bfloat16)
     keys, values = buffer[0, :, :, 5:length + 5], buffer[1, :, :, 5:length + 5]
@@ -681,6 +516,6 @@ def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int =
     want = weighted / total
     worst = 0.0
     for target in (1, TARGET_BLOCKS):
-        got = merged(*prefix_partials(q, keys, values, scale, target, warps, tiling))
+        got = merged(*prefix_partials(q, keys, values, scale, target, tiling))
         worst = max(worst, mx.abs(got - want).max().item())
     return worst

@@ -235,8 +235,6 @@ def test_the_kernel_cuts_fit_a_block():
     from mlxq.kv.prefix_mma_kernel import DECODE_TILING, HEAD_DIMS, KEYS_PER_BLOCK, PREFILL_TILING, Tiling
 
     for tiling in (PREFILL_TILING, DECODE_TILING, Tiling()):
-        if tiling is None:
-            continue
         sub = tiling.sub or tiling.keys
         assert sub % 16 == 0 and tiling.keys % sub == 0 and KEYS_PER_BLOCK % tiling.keys == 0
         assert tiling.stages >= 2 and tiling.rows == 16 * tiling.tiles * tiling.warps
@@ -263,12 +261,11 @@ def test_the_tensor_core_prefix_kernel_matches_the_stacked_gemms():
     assert prefix_mma_kernel.self_check() < 2e-2
     assert prefix_mma_kernel.self_check(rows=64, heads=32, kv_heads=8, length=2048) < 2e-2
     assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64) < 2e-2
-    assert prefix_mma_kernel.self_check(rows=70, warps=8) < 2e-2  # not run on a device yet
-    for tiling in (prefix_mma_kernel.PREFILL_TILING, prefix_mma_kernel.DECODE_TILING):
-        if tiling is not None:
-            assert prefix_mma_kernel.self_check(rows=70, tiling=tiling) < 2e-2
-            assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64, tiling=tiling) < 2e-2
-            assert prefix_mma_kernel.self_check(rows=5, positions=9, tiling=tiling) < 2e-2
+    for tiling in (prefix_mma_kernel.PREFILL_TILING, prefix_mma_kernel.DECODE_TILING, prefix_mma_kernel.Tiling(),
+                   prefix_mma_kernel.Tiling(warps=8, tiles=2, keys=64, sub=32)):
+        assert prefix_mma_kernel.self_check(rows=70, tiling=tiling) < 2e-2
+        assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64, tiling=tiling) < 2e-2
+        assert prefix_mma_kernel.self_check(rows=5, positions=9, tiling=tiling) < 2e-2
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
