@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxq.kv.kernel_inputs import int_array, scale_array
+from mlxq.kv.kernel_inputs import constant, scale_array
 from mlxq.kv.shared_prefix_attention import stacked_prefix_stats
 
 HEAD_DIMS = (64, 128)
@@ -148,10 +148,12 @@ _SOURCE = r"""
     const int group = heads / prefix_keys_shape[1];
     const int positions = queries_shape[2];
     const int rows = queries_shape[0] * group * positions;
+    const int row_first = chunk[1];  // this launch's stacked rows: [row_first, row_first + chunk[2])
+    const int row_end = min(rows, row_first + chunk[2]);
     const int length = prefix_keys_shape[2];
     const int first = split * chunk[0];
     const int end = min(first + chunk[0], length);
-    const int row0 = blockIdx.x * ROWS + warp * MT * 16;  // this warp's first row
+    const int row0 = row_first + blockIdx.x * ROWS + warp * MT * 16;  // this warp's first row
     const float scale2 = scale[0] * LOG2E;  // scores in log2 units
     const __nv_bfloat16* kbase = prefix_keys + kvh * prefix_keys_strides[1];
     const __nv_bfloat16* vbase = prefix_values + kvh * prefix_values_strides[1];
@@ -164,9 +166,9 @@ _SOURCE = r"""
         constexpr int PER_ROW = D / 8;
         for (int c = threadIdx.x; c < ROWS * PER_ROW; c += NT) {
             const int r = c / PER_ROW;
-            const int m = blockIdx.x * ROWS + r;
+            const int m = row_first + blockIdx.x * ROWS + r;
             const int piece = c % PER_ROW;
-            const bool valid = m < rows;
+            const bool valid = m < row_end;
             int64_t at = 0;
             if (valid) {
                 const int head = kvh * group + (m % per_row) / positions;
@@ -181,10 +183,10 @@ _SOURCE = r"""
             for (int k = 0; k < KSTEPS; k++) {
                 const int column = k * 16 + (lane % 4) * 2;
                 const int r0 = row0 + j * 16 + lane / 4;
-                qa[j][k][0] = query_word(queries, r0, rows, group, positions, heads, kvh, D, column);
-                qa[j][k][1] = query_word(queries, r0 + 8, rows, group, positions, heads, kvh, D, column);
-                qa[j][k][2] = query_word(queries, r0, rows, group, positions, heads, kvh, D, column + 8);
-                qa[j][k][3] = query_word(queries, r0 + 8, rows, group, positions, heads, kvh, D, column + 8);
+                qa[j][k][0] = query_word(queries, r0, row_end, group, positions, heads, kvh, D, column);
+                qa[j][k][1] = query_word(queries, r0 + 8, row_end, group, positions, heads, kvh, D, column);
+                qa[j][k][2] = query_word(queries, r0, row_end, group, positions, heads, kvh, D, column + 8);
+                qa[j][k][3] = query_word(queries, r0 + 8, row_end, group, positions, heads, kvh, D, column + 8);
             }
         }
     }
@@ -351,7 +353,7 @@ _SOURCE = r"""
         stage = (stage + 1) % STAGES;
     }
     constexpr float LN2 = 0.6931471805599453f;
-    const int64_t level = ((int64_t)kvh * splits + split) * rows;
+    const int64_t level = ((int64_t)kvh * splits + split) * chunk[2] - row_first;  // output rows: the launch's
 #pragma unroll
     for (int j = 0; j < MT; j++) {
 #pragma unroll
@@ -360,7 +362,7 @@ _SOURCE = r"""
             sum += __shfl_xor_sync(0xffffffff, sum, 1);
             sum += __shfl_xor_sync(0xffffffff, sum, 2);
             const int m = row0 + j * 16 + lane / 4 + h * 8;
-            if (m >= rows) {
+            if (m >= row_end) {
                 continue;
             }
             if (lane % 4 == 0) {
@@ -428,6 +430,9 @@ def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGE
 # 32-key steps in three stages.
 PREFILL_TILING = Tiling(warps=4, tiles=2, keys=64, stages=2, shared_queries=True)
 DECODE_TILING = Tiling(warps=4, tiles=2, keys=32, stages=3, shared_queries=True)
+# Blocks of the prefill cut the H200 holds at once (two per SM: registers), for ``prefix_level``'s
+# last wave; None: no cut of the last wave.
+PREFILL_SLOTS: int | None = None
 
 
 def default_tiling(positions: int) -> Tiling:
@@ -460,12 +465,62 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
     [Hkv, S, B * group * L, 1]), float32, in the stacked row order of
     kv/shared_prefix_attention.stacked_prefix_stats. ``tiling``: the kernel's cut (None: the query
     shape's, ``default_tiling``)."""
-    batch, heads, positions, dim = queries.shape
-    tiling = tiling or default_tiling(positions)
+    tiling = tiling or default_tiling(queries.shape[2])
+    rows = _stacked_rows(queries, prefix_keys)
+    chunk, splits = split_plan(rows, prefix_keys.shape[1], prefix_keys.shape[2], target_blocks, tiling.rows)
+    return _launch(mx.contiguous(queries), prefix_keys, prefix_values, scale, tiling, chunk, splits, 0, rows)
+
+
+def prefix_level(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, scale: float,
+                 tiling: Tiling | None = None, slots: int | None = None,
+                 ) -> tuple[mx.array, mx.array, mx.array]:
+    """``one_level(*prefix_partials(...))``: one unnormalized level [Hkv, rows, n], the prefill's form.
+
+    With ``slots`` (blocks the device holds at once; None: ``PREFILL_SLOTS``, 0: none) the whole prefix
+    per block leaves the last wave of blocks part empty: the rows of that wave's tiles then go in a
+    second launch of finer splits (``wave_cut``), merged alone and joined to the rest."""
+    tiling = tiling or default_tiling(queries.shape[2])
+    slots = PREFILL_SLOTS if slots is None else slots
     kv_heads, length = prefix_keys.shape[1], prefix_keys.shape[2]
-    rows = batch * heads // kv_heads * positions
-    chunk, splits = split_plan(rows, kv_heads, length, target_blocks, tiling.rows)
-    level = (kv_heads, splits, rows)
+    rows = _stacked_rows(queries, prefix_keys)
+    chunk, splits = split_plan(rows, kv_heads, length, TARGET_BLOCKS, tiling.rows)
+    cut = wave_cut(rows, kv_heads, length, tiling.rows, slots) if slots and splits == 1 else None
+    queries = mx.contiguous(queries)
+    if cut is None:
+        return one_level(*_launch(queries, prefix_keys, prefix_values, scale, tiling, chunk, splits, 0, rows))
+    whole_rows, tail_chunk, tail_splits = cut
+    whole = one_level(*_launch(queries, prefix_keys, prefix_values, scale, tiling, chunk, 1, 0, whole_rows))
+    tail = one_level(*_launch(queries, prefix_keys, prefix_values, scale, tiling, tail_chunk, tail_splits,
+                              whole_rows, rows - whole_rows))
+    return tuple(mx.concatenate([a, b], axis=1) for a, b in zip(whole, tail, strict=True))
+
+
+def wave_cut(rows: int, kv_heads: int, length: int, block_rows: int, slots: int) -> tuple[int, int, int] | None:
+    """(rows per KV head in whole-prefix blocks, keys per split and splits for the rest) when the whole
+    prefix per block leaves the last of several waves of ``slots`` blocks less than 3/4 full; None
+    otherwise. The rest's splits make the fewest waves per unit of work (ties: fewer splits)."""
+    tiles = -(-rows // block_rows)
+    whole = min(tiles, slots * (tiles * kv_heads // slots) // kv_heads)  # tiles per KV head in full waves
+    rest = (tiles - whole) * kv_heads
+    if whole == 0 or rest == 0 or rest > 0.75 * slots:
+        return None
+    best = min(range(1, 9), key=lambda s: (-(-rest * s // slots) / s, s))
+    if best == 1:
+        return None
+    chunk, splits = split_plan(rows - whole * block_rows, kv_heads, length, rest * best, block_rows)
+    return whole * block_rows, chunk, splits
+
+
+def _stacked_rows(queries: mx.array, prefix_keys: mx.array) -> int:
+    batch, heads, positions, _ = queries.shape
+    return batch * heads // prefix_keys.shape[1] * positions
+
+
+def _launch(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, scale: float, tiling: Tiling,
+            chunk: int, splits: int, first_row: int, launch_rows: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Stacked rows [first_row, first_row + launch_rows) of every KV head in ``splits`` chunks of keys."""
+    kv_heads, dim = prefix_keys.shape[1], queries.shape[-1]
+    level = (kv_heads, splits, launch_rows)
     shared = tiling.shared_bytes(dim)
     key = (shared, tiling.warps, tiling.min_blocks)
     if key not in _kernels:
@@ -474,11 +529,13 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
             output_names=_OUTPUTS, source=_SOURCE,
             header=_HEADER + _HEADER_STAGING + _launch_bounds(32 * tiling.warps, tiling.min_blocks),
             ensure_row_contiguous=False, shared_memory=shared)
+    plan = constant(("prefix plan", chunk, first_row, launch_rows),
+                    lambda: mx.array([chunk, first_row, launch_rows], mx.int32))
     return tuple(_kernels[key](
-        inputs=[mx.contiguous(queries), prefix_keys, prefix_values, scale_array(scale), int_array(chunk)],
+        inputs=[queries, prefix_keys, prefix_values, scale_array(scale), plan],
         template=[("D", dim), ("WARPS", tiling.warps), ("MT", tiling.tiles), ("KB", tiling.keys),
                   ("STAGES", tiling.stages), ("QSMEM", tiling.shared_queries), ("SUB", tiling.sub or tiling.keys)],
-        grid=(-(-rows // tiling.rows) * 32 * tiling.warps, splits, kv_heads),
+        grid=(-(-launch_rows // tiling.rows) * 32 * tiling.warps, splits, kv_heads),
         threadgroup=(32 * tiling.warps, 1, 1),
         output_shapes=[(*level, dim), (*level, 1), (*level, 1)],
         output_dtypes=[mx.float32] * 3,
@@ -506,8 +563,8 @@ def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int =
     """Max |kernel - plain stacked GEMMs| of the normalized prefix level, bf16, for one split (a chunk of
     many staged blocks, the last one partial) and for many; rows x group not a multiple of 64; the
     prefix a strided view of a longer buffer; ``positions`` queries per row (a prefill chunk), given
-    as the strided view mlx-lm's models hand over ([B, L, Hq, D] transposed); ``tiling``: the cut
-    checked (None: the query shape's)."""
+    as the strided view mlx-lm's models hand over ([B, L, Hq, D] transposed); a launch of the rows
+    past the first 16 alone; ``tiling``: the cut checked (None: the query shape's)."""
     q = mx.random.normal((rows, positions, heads, dim)).astype(mx.bfloat16).swapaxes(1, 2)
     buffer = mx.random.normal((2, 1, kv_heads, length + 77, dim)).astype(mx.bfloat16)
     keys, values = buffer[0, :, :, 5:length + 5], buffer[1, :, :, 5:length + 5]
@@ -518,4 +575,11 @@ def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int =
     for target in (1, TARGET_BLOCKS):
         got = merged(*prefix_partials(q, keys, values, scale, target, tiling))
         worst = max(worst, mx.abs(got - want).max().item())
+    # a launch of the rows from the 17th on, in 3 splits (``prefix_level``'s second launch)
+    stacked = want.shape[1]
+    if stacked > 16:
+        chunk, _ = split_plan(stacked, kv_heads, length, 3 * kv_heads, stacked)
+        got = merged(*_launch(mx.contiguous(q), keys, values, scale, tiling or default_tiling(positions), chunk,
+                              -(-length // chunk), 16, stacked - 16))
+        worst = max(worst, mx.abs(got - want[:, 16:]).max().item())
     return worst

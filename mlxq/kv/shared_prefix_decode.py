@@ -263,8 +263,7 @@ def _mma_prefill(queries, prefix_keys, prefix_values, tail_keys, tail_values, ta
                  sinks: mx.array | None, shares: mx.array | None) -> mx.array:
     """Many queries per row (the tails' prefill): the prefix on tensor cores as one level (no score
     matrix in memory), each row's causal tail and the merge in plain operations (float32)."""
-    levels = prefix_mma_kernel.one_level(*prefix_mma_kernel.prefix_partials(
-        queries, prefix_keys, prefix_values, scale))
+    levels = prefix_mma_kernel.prefix_level(queries, prefix_keys, prefix_values, scale)
     prefix = unstacked(queries, prefix_keys.shape[1], levels)
     return with_tails(queries, prefix, tail_keys, tail_values, tail_starts, scale, sinks, None, shares)
 
