@@ -430,8 +430,9 @@ def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGE
 # 32-key steps in three stages.
 PREFILL_TILING = Tiling(warps=4, tiles=2, keys=64, stages=2, shared_queries=True)
 DECODE_TILING = Tiling(warps=4, tiles=2, keys=32, stages=3, shared_queries=True)
-# Blocks of the prefill cut the H200 holds at once (two per SM: registers), for ``prefix_level``'s
-# last wave; None: no cut of the last wave.
+# Blocks of the prefill cut the device holds at once, for ``prefix_level``'s cut of the last wave
+# (264 on an H200: two per SM); None: no cut. Measured slower on the H200 at 128 to 16k keys
+# (docs/benchmarks.md, "H200: the prefix kernel's cuts"), so off.
 PREFILL_SLOTS: int | None = None
 
 
