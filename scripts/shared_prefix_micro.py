@@ -24,7 +24,8 @@ One decode step (one query per row) of one attention layer, for each case
 - ``shared_mma``: kv/prefix_mma_kernel.py, the prefix on tensor cores in
   splits, then the split path's tail-and-merge kernel (CUDA, bf16 only);
   ``mma_by_target`` the same per ``--mma-targets`` value (blocks per
-  launch the splits aim at, and warps per block after a colon),
+  launch the splits aim at, and warps per block after a colon: the one-tile
+  cut of that many warps),
   ``mma_prefix_ms`` the prefix kernel alone;
 - ``shared_mma_gqa``: the same prefix levels merged by the GQA decode
   kernel walking the tails;
@@ -192,12 +193,12 @@ def mma_sweep(q, pk, pv, tail_k, tail_v, starts, scale, targets, reps) -> dict[s
     the prefix kernel alone at its default target."""
     if not targets or not mx.cuda.is_available():
         return None
-    from mlxq.kv.prefix_mma_kernel import prefix_partials
+    from mlxq.kv.prefix_mma_kernel import Tiling, prefix_partials
     from mlxq.kv.tail_merge_kernel import tails_and_merge
 
     def run(spec):
-        target, warps = (int(x) for x in f"{spec}:4".split(":")[:2])
-        stats = prefix_partials(q, pk, pv, scale, target, warps)
+        target, *warps = (int(x) for x in str(spec).split(":")[:2])
+        stats = prefix_partials(q, pk, pv, scale, target, Tiling(warps=warps[0]) if warps else None)
         return tails_and_merge(q, tail_k, tail_v, starts, scale, None, stats, None)
 
     try:

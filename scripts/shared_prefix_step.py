@@ -31,10 +31,11 @@ prefix (engine/shared_tails.py's forward), for ``--prefill-paths``:
 ``ops_whole`` (plain operations, the prefix's scores in one product),
 ``ops`` (the same in blocks of kv/shared_prefix_attention.SCORE_BLOCK
 scores), ``mma_prefill`` (the tensor-core prefix, CUDA; ``mma_prefill_w8``:
-its blocks of 8 warps instead of ``PREFILL_WARPS``), and ``copies``
+the one-tile cut of 8 warps instead of ``PREFILL_TILING``), and ``copies``
 (per-row copies of the prefix through the model's own attention, where
 they fit in ``--max-copies-gb``). Median of ``--prefill-reps`` after a
-warm-up forward; logits of the last position against ``ops_whole``.
+warm-up forward; logits of the last position against ``ops_whole``
+(``--logits-out``: also saved, to compare two builds' runs).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import json
 import time
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from mlxq.kv import attention_route, cuda_attention, shared_prefix_decode
@@ -153,7 +155,7 @@ def time_prefill(model, make_caches, rows: int, length: int, vocab: int, reps: i
     return sorted(times)[len(times) // 2], logits
 
 
-def prefill_case(model, vocab, rows, prefix, length, reps, max_copies_gb, paths) -> dict:
+def prefill_case(model, vocab, rows, prefix, length, reps, max_copies_gb, paths, logits_out=None) -> dict:
     """The tails' prefill: one forward of ``length`` tokens per row on a shared ``prefix``."""
     mx.random.seed(0)
     prefix_cache = prefill_prefix(model, prefix, vocab)
@@ -179,6 +181,8 @@ def prefill_case(model, vocab, rows, prefix, length, reps, max_copies_gb, paths)
         result[f"{path}_ms"] = ms
         reference = logits if reference is None else reference
         result[f"{path}_logit_diff"] = mx.abs(logits - reference).max().item()
+        if logits_out:  # to compare builds: one file per case and path
+            np.save(f"{logits_out}-{rows}x{prefix}+{length}-{path}.npy", np.array(logits))
         print(f"  prefill {rows}x{prefix}+{length} {path}: {ms:.1f} ms", flush=True)
     return result
 
@@ -198,13 +202,15 @@ def _prefill_path(path: str):
         finally:
             shared_prefix_attention.SCORE_BLOCK = block
     elif path == "mma_prefill_w8":
-        warps = shared_prefix_decode.PREFILL_WARPS
-        shared_prefix_decode.PREFILL_WARPS = 8
+        from mlxq.kv import prefix_mma_kernel
+
+        tiling = prefix_mma_kernel.PREFILL_TILING
+        prefix_mma_kernel.PREFILL_TILING = prefix_mma_kernel.Tiling(warps=8)
         try:
             with shared_prefix_decode.forced("mma_prefill"):
                 yield
         finally:
-            shared_prefix_decode.PREFILL_WARPS = warps
+            prefix_mma_kernel.PREFILL_TILING = tiling
     else:
         with shared_prefix_decode.forced(path):
             yield
@@ -248,6 +254,7 @@ def main() -> None:
     parser.add_argument("--prefill-cases", default="", help="rows x prefix + chunk, e.g. 64x14500+56")
     parser.add_argument("--prefill-paths", default="ops_whole,ops,mma_prefill,copies")
     parser.add_argument("--prefill-reps", type=int, default=3)
+    parser.add_argument("--logits-out", help="save each prefill's last-position logits as PREFIX-CASE-PATH.npy")
     args = parser.parse_args()
     import mlx_lm
 
@@ -266,7 +273,7 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
     for case in filter(None, args.prefill_cases.split(",")):
         results.append(prefill_case(model, vocab, *parse_case(case), args.prefill_reps, args.max_copies_gb,
-                                    args.prefill_paths.split(",")))
+                                    args.prefill_paths.split(","), args.logits_out))
         print(json.dumps(results[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

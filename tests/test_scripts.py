@@ -117,12 +117,26 @@ def test_shared_prefix_micro(tmp_path):
 def test_shared_prefix_step(small_model, tmp_path):
     out = tmp_path / "step.json"
     run("shared_prefix_step.py", "--model", str(small_model), "--cases", "3x40+5", "--steps", "2",
-        "--prefill-cases", "3x40+6", "--prefill-reps", "1", "--json", str(out))
+        "--prefill-cases", "3x40+6", "--prefill-reps", "1", "--json", str(out),
+        "--logits-out", str(tmp_path / "logits"))
     case, prefill = json.loads(out.read_text())["cases"]
+    assert (tmp_path / "logits-3x40+6-ops.npy").exists()  # one per prefill case and path
     assert case["copies_ms"] > 0 and case["shared_ops_ms"] > 0 and case["auto_path"] == "ops"
     assert case["shared_ops_logit_diff"] < 1e-4  # float32 on the CPU
     assert prefill["ops_ms"] > 0 and prefill["ops_whole_logit_diff"] == 0.0
     assert prefill["copies_logit_diff"] < 1e-4 and "mma_prefill_ms" not in prefill  # no kernel on the CPU
+
+
+def test_prefix_kernel_micro_reports_each_variant(tmp_path):
+    """On the CPU every variant fails alone (no CUDA backend) and the others still run."""
+    out = tmp_path / "kernel.json"
+    run("prefix_kernel_micro.py", "--cases", "prefill:2x100+3,decode:2x64+1", "--heads", "8:2:64",
+        "--variants", "d,w4,t4.2.32.3.1,t4.2.64.2.1.0.32@528", "--reps", "1", "--json", str(out),
+        env={"PYTHONPATH": str(SCRIPTS.parent)})
+    prefill, decode = json.loads(out.read_text())["results"]
+    assert prefill["case"] == "prefill:2x100+3" and decode["gflop"] >= 0
+    assert list(decode["variants"]) == ["d", "w4", "t4.2.32.3.1", "t4.2.64.2.1.0.32@528"]
+    assert all("CUDA" in row["failed"] for row in decode["variants"].values())
 
 
 def test_shared_prefix_serving(small_model, tmp_path):

@@ -91,9 +91,6 @@ MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 gr
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
 METAL_MAX_GROUP_TOKENS = GQA_MAX_GROUP_TOKENS  # the CUDA gqa kernel's bound, taken over: not measured on Metal
 PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa", "mma_prefill")
-# Warps per block of the prefix kernel in a prefill: each block stages the whole prefix once for its
-# 16 x PREFILL_WARPS query rows (64 x 56 queries x 4 heads of a group = 14,336 rows per KV head).
-PREFILL_WARPS = 4
 AGREEMENT = 2e-2  # a kernel's largest difference to the plain path, bf16 outputs of order 1: a few ulps
 
 _kernels: frozenset[str] = frozenset()  # the kernel paths whose self-checks passed (``passing_paths``)
@@ -266,8 +263,7 @@ def _mma_prefill(queries, prefix_keys, prefix_values, tail_keys, tail_values, ta
                  sinks: mx.array | None, shares: mx.array | None) -> mx.array:
     """Many queries per row (the tails' prefill): the prefix on tensor cores as one level (no score
     matrix in memory), each row's causal tail and the merge in plain operations (float32)."""
-    levels = prefix_mma_kernel.one_level(*prefix_mma_kernel.prefix_partials(
-        queries, prefix_keys, prefix_values, scale, warps=PREFILL_WARPS))
+    levels = prefix_mma_kernel.prefix_level(queries, prefix_keys, prefix_values, scale)
     prefix = unstacked(queries, prefix_keys.shape[1], levels)
     return with_tails(queries, prefix, tail_keys, tail_values, tail_starts, scale, sinks, None, shares)
 
@@ -451,7 +447,7 @@ def _mma_partials_agree(layout: Layout | None = None) -> bool:
     if layout is not None and (layout.dtype != mx.bfloat16 or layout.dim not in prefix_mma_kernel.HEAD_DIMS):
         return False
     try:
-        prefill = prefix_mma_kernel.self_check(rows=5, positions=9, warps=PREFILL_WARPS, **heads)
+        prefill = prefix_mma_kernel.self_check(rows=5, positions=9, **heads)
         return max(prefix_mma_kernel.self_check(**heads), prefill) < AGREEMENT
     except Exception as exc:
         log.warning("mma prefix kernel unavailable (%s: %s)", type(exc).__name__, exc)

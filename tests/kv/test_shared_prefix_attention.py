@@ -14,7 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxq.kv.shared_prefix_attention import merge, prefix_partial, shared_prefix_attention, tail_partial
+from mlxq.kv.shared_prefix_attention import (
+    merge,
+    prefix_partial,
+    shared_prefix_attention,
+    stacked_prefix_stats,
+    tail_partial,
+)
 
 TOLERANCE = 1e-5
 
@@ -213,19 +219,33 @@ def test_the_start_up_self_check_covers_every_kernel_path():
         assert not decode.enable() and not decode.is_enabled()
 
 
+@pytest.mark.parametrize("block_rows", [64, 128, 256])
 @pytest.mark.parametrize("rows, kv_heads, length, target", [
     (256, 8, 2048, 264), (256, 8, 16384, 264), (64, 8, 12288, 264), (4, 2, 333, 264), (76, 8, 1000, 1),
-    (2048, 8, 64, 264), (1, 1, 1, 264)])
-def test_the_prefix_splits_cover_every_key_once_in_whole_staged_blocks(rows, kv_heads, length, target):
+    (2048, 8, 64, 264), (1, 1, 1, 264), (14848, 8, 16018, 264)])
+def test_the_prefix_splits_cover_every_key_once_in_whole_staged_blocks(rows, kv_heads, length, target, block_rows):
     """Every split of the tensor-core kernel has a key (its peak is finite), chunks are whole blocks of
     staged keys, and the launch stays near its target number of blocks unless the prefix is too short."""
-    from mlxq.kv.prefix_mma_kernel import KEYS_PER_BLOCK, QUERY_ROWS, split_plan
+    from mlxq.kv.prefix_mma_kernel import KEYS_PER_BLOCK, split_plan
 
-    chunk, splits = split_plan(rows, kv_heads, length, target)
+    chunk, splits = split_plan(rows, kv_heads, length, target, block_rows=block_rows)
     assert chunk % KEYS_PER_BLOCK == 0 and (splits - 1) * chunk < length <= splits * chunk
-    blocks = splits * -(-rows // QUERY_ROWS) * kv_heads
-    assert blocks <= max(target, -(-rows // QUERY_ROWS) * kv_heads) * 2
+    blocks = splits * -(-rows // block_rows) * kv_heads
+    assert blocks <= max(target, -(-rows // block_rows) * kv_heads) * 2
     assert splits == 1 or blocks >= target // 2 or chunk == KEYS_PER_BLOCK
+
+
+def test_the_kernel_cuts_fit_a_block():
+    """Every cut the kernel takes by default stages whole softmax steps of whole 16-key products, the
+    keys of a chunk in whole staged blocks, and fits the H200's shared memory per block (227 KiB)."""
+    from mlxq.kv.prefix_mma_kernel import DECODE_TILING, HEAD_DIMS, KEYS_PER_BLOCK, PREFILL_TILING, Tiling
+
+    for tiling in (PREFILL_TILING, DECODE_TILING, Tiling()):
+        sub = tiling.sub or tiling.keys
+        assert sub % 16 == 0 and tiling.keys % sub == 0 and KEYS_PER_BLOCK % tiling.keys == 0
+        assert tiling.stages >= 2 and tiling.rows == 16 * tiling.tiles * tiling.warps
+        assert all(tiling.shared_bytes(dim) <= 227 * 1024 for dim in HEAD_DIMS)
+    assert Tiling(4, 2, 32, 3, True).shared_bytes(128) == (2 * 3 * 32 + 128) * 136 * 2
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
@@ -247,7 +267,11 @@ def test_the_tensor_core_prefix_kernel_matches_the_stacked_gemms():
     assert prefix_mma_kernel.self_check() < 2e-2
     assert prefix_mma_kernel.self_check(rows=64, heads=32, kv_heads=8, length=2048) < 2e-2
     assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64) < 2e-2
-    assert prefix_mma_kernel.self_check(rows=70, warps=8) < 2e-2  # not run on a device yet
+    for tiling in (prefix_mma_kernel.PREFILL_TILING, prefix_mma_kernel.DECODE_TILING, prefix_mma_kernel.Tiling(),
+                   prefix_mma_kernel.Tiling(warps=8, tiles=2, keys=64, sub=32)):
+        assert prefix_mma_kernel.self_check(rows=70, tiling=tiling) < 2e-2
+        assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64, tiling=tiling) < 2e-2
+        assert prefix_mma_kernel.self_check(rows=5, positions=9, tiling=tiling) < 2e-2
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
@@ -294,3 +318,50 @@ def test_split_prefix_levels_merge_to_the_whole_prefix():
     levels = [stacked_prefix_stats(q, pk[:, :, a:a + 64], pv[:, :, a:a + 64], 0.125) for a in range(0, 300, 64)]
     got = merged(*(mx.stack([level[i] for level in levels], axis=1) for i in range(3)))
     assert mx.abs(got - weighted / total).max().item() < 1e-6
+
+
+def _plain_launch(queries, keys, values, scale, tiling, chunk, splits, first_row, launch_rows):
+    """The kernel launch's contract in plain operations: its rows' level per chunk of keys."""
+    levels = [stacked_prefix_stats(queries, keys[:, :, s * chunk:(s + 1) * chunk],
+                                   values[:, :, s * chunk:(s + 1) * chunk], scale) for s in range(splits)]
+    return tuple(mx.stack([level[i][:, first_row:first_row + launch_rows] for level in levels], axis=1)
+                 for i in range(3))
+
+
+@pytest.mark.parametrize("slots", [0, 6, 9])
+def test_the_last_waves_rows_in_finer_splits_give_the_same_level(monkeypatch, slots):
+    """``prefix_level`` cuts the last wave's tiles into a launch of finer splits: the joined level is the
+    whole-prefix one (the kernel launches in plain operations here)."""
+    from mlxq.kv import prefix_mma_kernel
+
+    monkeypatch.setattr(prefix_mma_kernel, "_launch", _plain_launch)
+    tiling = prefix_mma_kernel.Tiling(warps=1, tiles=1)  # 16 rows per block
+    q = mx.random.normal((5, 4, 6, 16), key=mx.random.key(3))  # 5 x 2 x 6 = 60 rows per KV head: 4 tiles
+    keys, values = mx.random.normal((2, 1, 2, 300, 16), key=mx.random.key(4))
+    cut = prefix_mma_kernel.wave_cut(60, 2, 300, 16, slots) if slots else None
+    assert (cut is not None) == (slots == 6)  # 8 tiles: one full wave of 6 and 2 left; 9 hold them all
+    if cut:
+        assert cut[0] == 48 and cut[2] > 1 and (cut[2] - 1) * cut[1] < 300 <= cut[2] * cut[1]
+    got = prefix_mma_kernel.prefix_level(q, keys, values, 0.25, tiling, slots)
+    want = stacked_prefix_stats(q, keys, values, 0.25)
+    assert mx.allclose(got[0] / got[2], want[0] / want[2], atol=1e-5).item()
+
+
+def test_a_wave_cut_needs_a_part_empty_last_wave():
+    from mlxq.kv.prefix_mma_kernel import wave_cut
+
+    assert wave_cut(14848, 8, 16018, 128, 264) == (99 * 128, 2304, 7)  # 928 blocks: 3 waves + 136 tiles
+    assert wave_cut(14848, 8, 16018, 128, 232) is None  # 928 = 4 full waves
+    assert wave_cut(14848, 8, 16018, 128, 1000) is None  # one wave
+    assert wave_cut(128 * 30, 8, 2048, 128, 100) == (25 * 128, 448, 5)  # 2 waves + 40 blocks: 5 splits
+    assert wave_cut(128 * 30, 8, 2048, 128, 62) is None  # 3 waves + 56 of 62 blocks: nearly full
+
+
+def test_the_self_check_compares_every_launch_it_makes(monkeypatch):
+    """With the launches in plain operations the kernel's self-check finds only rounding (its
+    bookkeeping: splits, the rows from the 17th launched alone, the stacked order)."""
+    from mlxq.kv import prefix_mma_kernel
+
+    monkeypatch.setattr(prefix_mma_kernel, "_launch", _plain_launch)
+    assert prefix_mma_kernel.self_check(rows=3, heads=8, kv_heads=2, length=100, dim=64) < 2e-2
+    assert prefix_mma_kernel.self_check(rows=5, heads=8, kv_heads=2, length=300, dim=64, positions=9) < 2e-2

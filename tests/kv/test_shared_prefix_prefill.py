@@ -103,7 +103,8 @@ def _chunked_partials(queries, keys, values, scale, *_, **__):
 
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_the_prefill_path_around_the_kernel_equals_attention_over_copies(monkeypatch, with_sinks):
-    monkeypatch.setattr(prefix_mma_kernel, "prefix_partials", _chunked_partials)
+    monkeypatch.setattr(prefix_mma_kernel, "prefix_level",
+                        lambda *args, **kwargs: prefix_mma_kernel.one_level(*_chunked_partials(*args, **kwargs)))
     q, pk, pv, tk, tv, starts = make_group(5, 2, 4, 150, 10, 6, 32, [0, 2, 4, 9, 1], seed=14)
     sinks = mx.random.normal((8,)) if with_sinks else None
     shares = mx.array([True, False, True, True, True])
