@@ -13,13 +13,17 @@ positions whose weight is exactly zero.
 queries are cut into blocks, and each block's softmax reads only the key
 columns any of its queries may attend to (a causal mask hides the rest);
 the weights past them are written as zeros. For one row of scores this is
-the same arithmetic in the same order: the masked scores are -inf, their
-``exp`` is 0, the row's maximum ignores them and its normalizer adds them
-last as exact zeros. The matrix products see the same operands as MLX's
-fallback (full rows of weights, zeros included), so the result is equal to
+the same arithmetic in the same order: MLX writes a masked score as the
+dtype's lowest value, whose ``exp`` after the row's maximum is subtracted
+is exactly 0, the maximum ignores them and the normalizer adds them last as
+exact zeros (every causal row attends to at least its own position). The
+matrix products see the same operands as MLX's fallback (full rows of
+weights, zeros included), so the result is equal to
 ``mx.fast.scaled_dot_product_attention`` bit for bit (tests/kv/test_cpu_attention.py
-checks it shape by shape, and the parity suites run through it). The blocks
-alternate between two CPU streams, so the second core computes half of them.
+checks it shape by shape, and a model's logits through it). A causal
+prefill of L tokens then evaluates about L x L / 2 exponentials. With
+``MLXQ_CPU_ATTENTION=two`` the blocks alternate between two CPU streams (the
+same values; on the 2-core VM no faster, MKL's threads hold the cores).
 
 ``install()`` routes mlx-lm's attention entry point (the
 ``scaled_dot_product_attention`` every mlx-lm model module imports) through
@@ -42,7 +46,7 @@ log = logging.getLogger("mlxq.kv")
 MIN_QUERIES = 16  # shorter chunks (decode steps, a token or two of a prompt) keep mlx-lm's call
 BLOCK = 64  # queries per softmax block
 MAX_BLOCKS = 16
-STREAMS = 2  # ``MLXQ_CPU_ATTENTION=one``: every block on the caller's stream
+STREAMS = 1  # ``MLXQ_CPU_ATTENTION=two``: every other block (or half the rows) on a second CPU stream
 
 _mlx_lm_attention = base.scaled_dot_product_attention
 _installed = False
@@ -93,19 +97,27 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 
 def _softmax(scores: mx.array, causal_offset: int | None) -> mx.array:
-    """MLX's softmax over the last axis, by blocks of queries (axis -2) on two streams. With
-    ``causal_offset`` (query i sits at key position offset + i), a block of queries [a, b) reads the
-    key columns [0, offset + b) and the rest of its rows are zeros."""
+    """MLX's softmax over the last axis. With ``causal_offset`` (query i sits at key position
+    offset + i): by blocks of queries (axis -2), a block [a, b) reading the key columns
+    [0, offset + b), the rest of its rows zeros; the blocks alternate between two streams.
+    Without: the rows in two halves, one per stream (one stream: MLX's call as it is)."""
     length, span = scores.shape[-2], scores.shape[-1]
+    second = _second_stream() if STREAMS > 1 else None
+    if causal_offset is None:
+        if second is None:
+            return mx.softmax(scores, axis=-1, precise=True)
+        rows = scores.reshape(-1, span)  # contiguous (the mask's ``where`` wrote it): halves need no copy
+        half = rows.shape[0] // 2
+        return mx.concatenate([mx.softmax(rows[:half], axis=-1, precise=True),
+                               mx.softmax(rows[half:], axis=-1, precise=True, stream=second)]).reshape(scores.shape)
     count = min(MAX_BLOCKS, -(-length // BLOCK))
     if count < 2:
         return mx.softmax(scores, axis=-1, precise=True)
     bounds = [length * i // count for i in range(count + 1)]
-    second = _second_stream()
     parts = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        end = span if causal_offset is None else min(span, causal_offset + b)
-        stream = second if STREAMS > 1 and i % 2 else None
+        end = min(span, causal_offset + b)
+        stream = second if i % 2 else None
         block = mx.softmax(scores[..., a:b, :end], axis=-1, precise=True, stream=stream)
         if end < span:
             block = mx.pad(block, [(0, 0)] * (block.ndim - 1) + [(0, span - end)], stream=stream)
@@ -128,10 +140,10 @@ def install() -> bool:
     wanted = os.environ.get("MLXQ_CPU_ATTENTION", "").lower()
     if wanted == "mlx" or mx.default_device() != mx.cpu:
         return False
-    STREAMS = 1 if wanted == "one" else 2
+    STREAMS = 2 if wanted == "two" else 1
     if not _installed:
         _installed = True
-        log.info("CPU attention routing on (prefill softmax by blocks on two streams)")
+        log.info("CPU attention routing on (prefill softmax by blocks of queries, %d stream(s))", STREAMS)
     for module in list(sys.modules.values()):
         name = getattr(module, "__name__", "") or ""
         if name.startswith("mlx_lm.models.") and name != base.__name__ \

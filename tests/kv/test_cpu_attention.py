@@ -58,8 +58,8 @@ def test_equals_mlx_attention_bit_for_bit(kind, batch, heads, kv_heads, length, 
     assert mx.array_equal(got, want, equal_nan=True).item()  # rows masked whole are NaN in both
 
 
-def test_on_one_stream_too(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "STREAMS", 1)
+def test_on_two_streams_too(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "STREAMS", 2)
     q, k, v = _qkv(1, 8, 4, 200, 260)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
     assert mx.array_equal(cpu_attention.attention(q, k, v, 0.2, "causal"), want).item()
