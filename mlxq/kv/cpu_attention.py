@@ -99,8 +99,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 def _softmax(scores: mx.array, causal_offset: int | None) -> mx.array:
     """MLX's softmax over the last axis. With ``causal_offset`` (query i sits at key position
     offset + i): by blocks of queries (axis -2), a block [a, b) reading the key columns
-    [0, offset + b), the rest of its rows zeros; the blocks alternate between two streams.
-    Without: the rows in two halves, one per stream (one stream: MLX's call as it is)."""
+    [0, offset + b), the rest of its rows zeros (with ``STREAMS`` 2, every other block on the second
+    stream). Without: MLX's call as it is (with two streams, the rows in two halves, one per stream)."""
     length, span = scores.shape[-2], scores.shape[-1]
     second = _second_stream() if STREAMS > 1 else None
     if causal_offset is None:
