@@ -159,6 +159,7 @@ class Engine:
         self.scheduler = None  # BatchScheduler once loaded, when the model can batch
         self.warmup_done = False  # the start-up warm-up ran (engine/warmup.py)
         self.cuda_attention = False  # attention routed past cuDNN builds and masked fallbacks (kv/cuda_attention.py)
+        self.cpu_attention = False  # prefill softmax by blocks, exact (kv/cpu_attention.py)
         self.footprint = None  # KvFootprint once loaded
         self.kv_budget_bytes: int | None = config.kv_budget_bytes  # the effective budget (auto resolved at load)
         self.scheme = None  # kv.scheme.KvScheme once loaded
@@ -348,11 +349,13 @@ class Engine:
 
     def _setup_lanes(self) -> None:
         from mlxq.kv.capabilities import UnknownCacheKind, model_cache_kinds
+        from mlxq.kv.cpu_attention import install as install_cpu_attention
         from mlxq.kv.cuda_attention import install as install_cuda_attention
         from mlxq.kv.projection import measure_footprint
         from mlxq.kv.scheme import head_dims, probe_caches, resolve_scheme
 
         self.cuda_attention = install_cuda_attention()  # after the load: routes the model's attention calls
+        self.cpu_attention = not self.cuda_attention and install_cpu_attention()  # the CPU backend's twin
         probe = probe_caches(self.loaded.model)
         self.scheme = resolve_scheme(self.config.kv_quant, self.config.kv_group_size, self.loaded.path, probe,
                                      head_dims(probe))

@@ -8,7 +8,8 @@ module to ``route``, with no change to mlx-lm's files:
 - a SharedPrefixBatchCache layer runs its ``attend`` (the shared prefix read
   once for the group; any backend);
 - everything else goes where it went before: kv/cuda_attention.py's router
-  when that is installed (CUDA), else mlx-lm's own function.
+  when that is installed (CUDA), kv/cpu_attention.py's on the CPU backend,
+  else mlx-lm's own function.
 
 mlx-lm's quantized attention scales its ``queries`` argument in place
 (``queries *= scale``): ``route`` hands it a fresh array object, so no
@@ -26,7 +27,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base
 
-from mlxq.kv import cuda_attention, shared_prefix_decode
+from mlxq.kv import cpu_attention, cuda_attention, shared_prefix_decode
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 _mlx_lm_attention = base.scaled_dot_product_attention
@@ -38,9 +39,14 @@ def route(queries, keys, values, cache, scale, mask, sinks=None):
         return cache.attend(queries, keys, values, scale, sinks)
     if hasattr(cache, "bits"):
         queries = mx.array(queries)  # the quantized path's in-place scaling stays on this copy
+    return _previous()(queries, keys, values, cache, scale, mask, sinks)
+
+
+def _previous():
+    """The entry point the modules had before ``install``: a backend's router, else mlx-lm's own."""
     if cuda_attention._installed:
-        return cuda_attention.route(queries, keys, values, cache, scale, mask, sinks)
-    return _mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks)
+        return cuda_attention.route
+    return cpu_attention.route if cpu_attention._installed else _mlx_lm_attention
 
 
 def _model_modules():
@@ -62,7 +68,7 @@ def install(check: bool = True) -> None:
     if check:
         shared_prefix_decode.enable()
     for module in _model_modules():
-        if module.scaled_dot_product_attention in (_mlx_lm_attention, cuda_attention.route):
+        if module.scaled_dot_product_attention in (_mlx_lm_attention, cuda_attention.route, cpu_attention.route):
             module.scaled_dot_product_attention = route
 
 
@@ -70,7 +76,7 @@ def uninstall() -> None:
     """Give each module back the function it had (the CUDA router where that is installed)."""
     global _routing
     _routing = False
-    previous = cuda_attention.route if cuda_attention._installed else _mlx_lm_attention
+    previous = _previous()
     for module in _model_modules():
         if module.scaled_dot_product_attention is route:
             module.scaled_dot_product_attention = previous

@@ -111,6 +111,7 @@ class ServerState:
         return {
             "scheme": scheme.key if scheme else None,
             "cuda_attention": self.engine.cuda_attention,
+            "cpu_attention": self.engine.cpu_attention,
             "group_size": scheme.group_size if scheme and scheme.quantized else None,
             "layer_bits": list(scheme.layer_bits) if scheme and scheme.quantized else None,
             "bytes_per_token": sum(layer.bytes_per_token for layer in footprint.layers) if footprint else None,
