@@ -30,7 +30,8 @@ def test_the_main_commands_help_shows_examples():
 
 
 def test_shell_completion_script_and_completions():
-    script = mlxq("--show-completion", "bash", env={"SHELL": "/bin/bash"})
+    # typer takes the shell from the argument, not from the process's ancestors (a detached run has no shell)
+    script = mlxq("--show-completion", "bash", env={"_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"})
     assert script.returncode == 0 and "complete -o default -F _mlxq_completion mlxq" in script.stdout
     commands = mlxq(env={"_MLXQ_COMPLETE": "complete_bash", "COMP_WORDS": "mlxq se", "COMP_CWORD": "1"})
     assert commands.stdout.split() == ["serve"]
