@@ -182,30 +182,14 @@ class GroupTally:
         return len(self.leases)
 
     def add(self, lease: Lease | None) -> None:
-        row = len(self.leases)
+        _count(self._nodes, lease, len(self.leases))
         self.leases.append(lease)
-        if lease is None or not lease.held:
-            return
-        for node in lease.chain():
-            if node.tokens and node.depth < lease.cached:
-                entry = self._nodes.get(id(node))
-                if entry is None:
-                    self._nodes[id(node)] = (node, [row], [lease.cached])
-                else:
-                    entry[1].append(row)
-                    entry[2][0] = min(entry[2][0], lease.cached)
 
     def best(self, policy: SharingPolicy, extra: Sequence[Lease | None] = ()) -> Group | None:
         """``choose_group`` over the counted leases followed by ``extra`` (not counted)."""
         more: dict[int, tuple[Node, list[int], list[int]]] = {}  # the extras' rows per node, in meeting order
         for k, lease in enumerate(extra):
-            if lease is None or not lease.held:
-                continue
-            for node in lease.chain():
-                if node.tokens and node.depth < lease.cached:
-                    entry = more.setdefault(id(node), (node, [], [lease.cached]))
-                    entry[1].append(self.count + k)
-                    entry[2][0] = min(entry[2][0], lease.cached)
+            _count(more, lease, self.count + k)
         best: tuple[int, Node, int, list[int], list[int]] | None = None
         for key, (node, rows, least) in self._nodes.items():
             added = more.get(key)
@@ -222,6 +206,18 @@ class GroupTally:
         _, node, length, rows, added = best
         in_group = set(rows) | set(added)
         return Group(node, length, tuple(i in in_group for i in range(self.count + len(extra))))
+
+
+def _count(nodes: dict[int, tuple[Node, list[int], list[int]]], lease: Lease | None, row: int) -> None:
+    """Add ``row`` to ``nodes``' count of every node of ``lease``'s chain it reads (id -> (node, rows,
+    [least cached])), new nodes in the order ``choose_group`` meets them."""
+    if lease is None or not lease.held:
+        return
+    for node in lease.chain():
+        if node.tokens and node.depth < lease.cached:
+            entry = nodes.setdefault(id(node), (node, [], [lease.cached]))
+            entry[1].append(row)
+            entry[2][0] = min(entry[2][0], lease.cached)
 
 
 def _better(best, policy: SharingPolicy, node: Node, count: int, length: int, rows: list[int], added: list[int]):
