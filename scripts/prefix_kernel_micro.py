@@ -11,9 +11,7 @@ bf16) and variant:
 - ``w4`` / ``w8``: one 16-row tile per warp, 4 / 8 warps per block (main's kernel);
 - ``tW.M.K.S.Q[.B[.U]]``: the tiled kernel (``Tiling(W, M, K, S, Q, B, U)``: warps, 16-row tiles per
   warp, keys per stage, stages, queries in shared memory, blocks per SM for ``__launch_bounds__``, keys
-  per softmax step); ``@N`` after a variant: its target blocks per launch; ``~`` after it
-  (prefill cases): the last wave's rows in finer splits (``prefix_level`` at two blocks of 4 warps
-  per SM of an H200).
+  per softmax step); ``@N`` after a variant: its target blocks per launch.
 
 Prefill cases time ``one_level`` over the partials (what the prefill path runs), decode cases the
 partials alone. Each variant is wrapped: one that fails to compile or run is reported and the others
@@ -40,7 +38,7 @@ VARIANTS = ("w4,w8,t4.1.64.2.0,t4.1.64.2.0.3,t4.1.64.2.1.3,t8.1.64.2.0,t4.2.32.2
 
 def parse_variant(text: str) -> tuple:
     """(tiling, warps, target blocks) of ``w4``, ``t4.2.32.3.1@528`` and the like."""
-    name, _, target = text.rstrip("~").partition("@")
+    name, _, target = text.partition("@")
     target = int(target) if target else 264
     if name == "d":
         return None, None, target
@@ -93,11 +91,6 @@ def run_case(kind: str, rows: int, prefix: int, queries: int, variants: list[str
                 return prefix_partials(q, keys, values, scale, target, tiling=tiling)
 
             fn = (lambda partials=partials: one_level(*partials())) if kind == "prefill" else partials
-            if spec.endswith("~") and kind == "prefill":
-                from mlxq.kv.prefix_mma_kernel import prefix_level
-
-                def fn(tiling=tiling):
-                    return prefix_level(q, keys, values, scale, tiling, 264 * 4 // (tiling.warps if tiling else 4))
             got = fn() if kind == "prefill" else one_level(*fn())
             got = got[0] / got[2]
             error = max(mx.abs(got[:, :stacked] - want[0]).max().item(),

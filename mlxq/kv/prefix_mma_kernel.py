@@ -430,12 +430,6 @@ def split_plan(rows: int, kv_heads: int, length: int, target_blocks: int = TARGE
 # 32-key steps in three stages.
 PREFILL_TILING = Tiling(warps=4, tiles=2, keys=64, stages=2, shared_queries=True)
 DECODE_TILING = Tiling(warps=4, tiles=2, keys=32, stages=3, shared_queries=True)
-# Blocks of the prefill cut the device holds at once, for ``prefix_level``'s cut of the last wave
-# (264 on an H200: two per SM); None: no cut. Measured slower on the H200 at 128 to 16k keys
-# (docs/benchmarks.md, "H200: the prefix kernel's cuts"), so off.
-PREFILL_SLOTS: int | None = None
-
-
 def default_tiling(positions: int) -> Tiling:
     """The cut for ``positions`` queries per row."""
     return PREFILL_TILING if positions > 1 else DECODE_TILING
@@ -473,43 +467,9 @@ def prefix_partials(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.
 
 
 def prefix_level(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, scale: float,
-                 tiling: Tiling | None = None, slots: int | None = None,
-                 ) -> tuple[mx.array, mx.array, mx.array]:
-    """``one_level(*prefix_partials(...))``: one unnormalized level [Hkv, rows, n], the prefill's form.
-
-    With ``slots`` (blocks the device holds at once; None: ``PREFILL_SLOTS``, 0: none) the whole prefix
-    per block leaves the last wave of blocks part empty: the rows of that wave's tiles then go in a
-    second launch of finer splits (``wave_cut``), merged alone and joined to the rest."""
-    tiling = tiling or default_tiling(queries.shape[2])
-    slots = PREFILL_SLOTS if slots is None else slots
-    kv_heads, length = prefix_keys.shape[1], prefix_keys.shape[2]
-    rows = _stacked_rows(queries, prefix_keys)
-    chunk, splits = split_plan(rows, kv_heads, length, TARGET_BLOCKS, tiling.rows)
-    cut = wave_cut(rows, kv_heads, length, tiling.rows, slots) if slots and splits == 1 else None
-    queries = mx.contiguous(queries)
-    if cut is None:
-        return one_level(*_launch(queries, prefix_keys, prefix_values, scale, tiling, chunk, splits, 0, rows))
-    whole_rows, tail_chunk, tail_splits = cut
-    whole = one_level(*_launch(queries, prefix_keys, prefix_values, scale, tiling, chunk, 1, 0, whole_rows))
-    tail = one_level(*_launch(queries, prefix_keys, prefix_values, scale, tiling, tail_chunk, tail_splits,
-                              whole_rows, rows - whole_rows))
-    return tuple(mx.concatenate([a, b], axis=1) for a, b in zip(whole, tail, strict=True))
-
-
-def wave_cut(rows: int, kv_heads: int, length: int, block_rows: int, slots: int) -> tuple[int, int, int] | None:
-    """(rows per KV head in whole-prefix blocks, keys per split and splits for the rest) when the whole
-    prefix per block leaves the last of several waves of ``slots`` blocks less than 3/4 full; None
-    otherwise. The rest's splits make the fewest waves per unit of work (ties: fewer splits)."""
-    tiles = -(-rows // block_rows)
-    whole = min(tiles, slots * (tiles * kv_heads // slots) // kv_heads)  # tiles per KV head in full waves
-    rest = (tiles - whole) * kv_heads
-    if whole == 0 or rest == 0 or rest > 0.75 * slots:
-        return None
-    best = min(range(1, 9), key=lambda s: (-(-rest * s // slots) / s, s))
-    if best == 1:
-        return None
-    chunk, splits = split_plan(rows - whole * block_rows, kv_heads, length, rest * best, block_rows)
-    return whole * block_rows, chunk, splits
+                 tiling: Tiling | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """``one_level(*prefix_partials(...))``: one unnormalized level [Hkv, rows, n], the prefill's form."""
+    return one_level(*prefix_partials(queries, prefix_keys, prefix_values, scale, tiling=tiling))
 
 
 def _stacked_rows(queries: mx.array, prefix_keys: mx.array) -> int:
@@ -564,8 +524,8 @@ def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int =
     """Max |kernel - plain stacked GEMMs| of the normalized prefix level, bf16, for one split (a chunk of
     many staged blocks, the last one partial) and for many; rows x group not a multiple of 64; the
     prefix a strided view of a longer buffer; ``positions`` queries per row (a prefill chunk), given
-    as the strided view mlx-lm's models hand over ([B, L, Hq, D] transposed); a launch of the rows
-    past the first 16 alone; ``tiling``: the cut checked (None: the query shape's)."""
+    as the strided view mlx-lm's models hand over ([B, L, Hq, D] transposed); ``tiling``: the cut
+    checked (None: the query shape's)."""
     q = mx.random.normal((rows, positions, heads, dim)).astype(mx.bfloat16).swapaxes(1, 2)
     buffer = mx.random.normal((2, 1, kv_heads, length + 77, dim)).astype(mx.bfloat16)
     keys, values = buffer[0, :, :, 5:length + 5], buffer[1, :, :, 5:length + 5]
@@ -576,11 +536,4 @@ def self_check(rows: int = 19, heads: int = 32, kv_heads: int = 8, length: int =
     for target in (1, TARGET_BLOCKS):
         got = merged(*prefix_partials(q, keys, values, scale, target, tiling))
         worst = max(worst, mx.abs(got - want).max().item())
-    # a launch of the rows from the 17th on, in 3 splits (``prefix_level``'s second launch)
-    stacked = want.shape[1]
-    if stacked > 16:
-        chunk, _ = split_plan(stacked, kv_heads, length, 3 * kv_heads, stacked)
-        got = merged(*_launch(mx.contiguous(q), keys, values, scale, tiling or default_tiling(positions), chunk,
-                              -(-length // chunk), 16, stacked - 16))
-        worst = max(worst, mx.abs(got - want[:, 16:]).max().item())
     return worst

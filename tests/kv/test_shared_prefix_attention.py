@@ -328,38 +328,9 @@ def _plain_launch(queries, keys, values, scale, tiling, chunk, splits, first_row
                  for i in range(3))
 
 
-@pytest.mark.parametrize("slots", [0, 6, 9])
-def test_the_last_waves_rows_in_finer_splits_give_the_same_level(monkeypatch, slots):
-    """``prefix_level`` cuts the last wave's tiles into a launch of finer splits: the joined level is the
-    whole-prefix one (the kernel launches in plain operations here)."""
-    from mlxq.kv import prefix_mma_kernel
-
-    monkeypatch.setattr(prefix_mma_kernel, "_launch", _plain_launch)
-    tiling = prefix_mma_kernel.Tiling(warps=1, tiles=1)  # 16 rows per block
-    q = mx.random.normal((5, 4, 6, 16), key=mx.random.key(3))  # 5 x 2 x 6 = 60 rows per KV head: 4 tiles
-    keys, values = mx.random.normal((2, 1, 2, 300, 16), key=mx.random.key(4))
-    cut = prefix_mma_kernel.wave_cut(60, 2, 300, 16, slots) if slots else None
-    assert (cut is not None) == (slots == 6)  # 8 tiles: one full wave of 6 and 2 left; 9 hold them all
-    if cut:
-        assert cut[0] == 48 and cut[2] > 1 and (cut[2] - 1) * cut[1] < 300 <= cut[2] * cut[1]
-    got = prefix_mma_kernel.prefix_level(q, keys, values, 0.25, tiling, slots)
-    want = stacked_prefix_stats(q, keys, values, 0.25)
-    assert mx.allclose(got[0] / got[2], want[0] / want[2], atol=1e-5).item()
-
-
-def test_a_wave_cut_needs_a_part_empty_last_wave():
-    from mlxq.kv.prefix_mma_kernel import wave_cut
-
-    assert wave_cut(14848, 8, 16018, 128, 264) == (99 * 128, 2304, 7)  # 928 blocks: 3 waves + 136 tiles
-    assert wave_cut(14848, 8, 16018, 128, 232) is None  # 928 = 4 full waves
-    assert wave_cut(14848, 8, 16018, 128, 1000) is None  # one wave
-    assert wave_cut(128 * 30, 8, 2048, 128, 100) == (25 * 128, 448, 5)  # 2 waves + 40 blocks: 5 splits
-    assert wave_cut(128 * 30, 8, 2048, 128, 62) is None  # 3 waves + 56 of 62 blocks: nearly full
-
-
 def test_the_self_check_compares_every_launch_it_makes(monkeypatch):
     """With the launches in plain operations the kernel's self-check finds only rounding (its
-    bookkeeping: splits, the rows from the 17th launched alone, the stacked order)."""
+    bookkeeping: splits, the stacked order)."""
     from mlxq.kv import prefix_mma_kernel
 
     monkeypatch.setattr(prefix_mma_kernel, "_launch", _plain_launch)
