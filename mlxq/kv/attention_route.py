@@ -22,12 +22,11 @@ attention calls are exactly those of ``off``, with no extra call per layer.
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
 from mlx_lm.models import base
 
 from mlxq.kv import cpu_attention, cuda_attention, shared_prefix_decode
+from mlxq.kv.model_modules import model_modules
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 _mlx_lm_attention = base.scaled_dot_product_attention
@@ -49,14 +48,6 @@ def _previous():
     return cpu_attention.route if cpu_attention._installed else _mlx_lm_attention
 
 
-def _model_modules():
-    for module in list(sys.modules.values()):
-        name = getattr(module, "__name__", "") or ""
-        if name.startswith("mlx_lm.models.") and name != base.__name__ \
-                and hasattr(module, "scaled_dot_product_attention"):
-            yield module
-
-
 def install(check: bool = True) -> None:
     """Route every loaded mlx-lm model module's attention through ``route`` (idempotent).
 
@@ -67,7 +58,7 @@ def install(check: bool = True) -> None:
     _routing = True
     if check:
         shared_prefix_decode.enable()
-    for module in _model_modules():
+    for module in model_modules():
         if module.scaled_dot_product_attention in (_mlx_lm_attention, cuda_attention.route, cpu_attention.route):
             module.scaled_dot_product_attention = route
 
@@ -77,7 +68,7 @@ def uninstall() -> None:
     global _routing
     _routing = False
     previous = _previous()
-    for module in _model_modules():
+    for module in model_modules():
         if module.scaled_dot_product_attention is route:
             module.scaled_dot_product_attention = previous
 

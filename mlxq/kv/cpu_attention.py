@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import mlx.core as mx
 from mlx_lm.models import base
+
+from mlxq.kv.model_modules import rebind
 
 log = logging.getLogger("mlxq.kv")
 
@@ -144,9 +145,5 @@ def install() -> bool:
     if not _installed:
         _installed = True
         log.info("CPU attention routing on (prefill softmax by blocks of queries, %d stream(s))", STREAMS)
-    for module in list(sys.modules.values()):
-        name = getattr(module, "__name__", "") or ""
-        if name.startswith("mlx_lm.models.") and name != base.__name__ \
-                and getattr(module, "scaled_dot_product_attention", None) is _mlx_lm_attention:
-            module.scaled_dot_product_attention = route
+    rebind(_mlx_lm_attention, route)
     return True

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 
 import mlx.core as mx
 from mlx_lm.models import base
@@ -38,6 +37,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxq.kv import gqa_decode_kernel
 from mlxq.kv.decode_kernel import HEAD_DIMS, masked_decode_attention, self_check
+from mlxq.kv.model_modules import rebind
 
 log = logging.getLogger("mlxq.kv")
 
@@ -138,9 +138,5 @@ def install() -> bool:
         _installed = True
         log.info("CUDA attention routing on (decode kernel self-check max diff %.2g)", error)
         _enable_gqa()
-    for module in list(sys.modules.values()):
-        name = getattr(module, "__name__", "") or ""
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is \
-                _mlx_lm_attention:
-            module.scaled_dot_product_attention = route
+    rebind(_mlx_lm_attention, route, include_base=True)
     return True
