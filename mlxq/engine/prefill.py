@@ -184,6 +184,7 @@ class Prefilling:
             timed = self._meanwhile(caches, shared, len(group) * longest, started)
             self.faults.run("prefill", lambda: mx.eval(evaluable(caches) + ([] if last_logits is None
                                                                              else [last_logits])))
+            self.phases.add_batched_forward(*self._forward_grid)
             if timed is not None:
                 self._learn_forward(*timed)
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
@@ -265,6 +266,7 @@ class Prefilling:
         shared prefix (``shared``) the layout is the tails' and the attention goes through its seam.
         Returns the forward's logits (lazy: computed only if read)."""
         tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
+        self._forward_grid = (sum(map(len, chunks)), tokens.size)  # counted once the forward succeeded
         evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
         written = [c.tail for c in caches] if shared is not None else caches
         # Tails that start empty (``shared.recomputed``): the padding columns lie in each row's left
@@ -285,6 +287,7 @@ class Prefilling:
             for cache in caches:
                 cache.prepare(lengths=lengths, right_padding=padding)
         tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
+        self._forward_grid = (sum(map(len, chunks)), tokens.size)  # counted once the forward succeeded
         with adapter_rows(self.model, [j.row.request.adapter for j in group]), self._routed(shared):
             self.model(tokens, cache=caches)
         if any(padding):

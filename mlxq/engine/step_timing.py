@@ -79,6 +79,11 @@ class PhaseTiming:
     prefill_s: float = 0.0
     joins: int = 0  # steps in which prefilled joiners joined
     join_s: float = 0.0
+    # Batched prefill forwards (several joiners' chunks in one forward, left- or right-padded to one
+    # length): the prompt tokens they computed and the positions they computed, padding included.
+    batched_forwards: int = 0
+    batched_tokens: int = 0
+    batched_positions: int = 0
 
     def add_prefill(self, seconds: float) -> None:
         self.prefill_iterations += 1
@@ -87,6 +92,12 @@ class PhaseTiming:
     def add_join(self, seconds: float) -> None:
         self.joins += 1
         self.join_s += seconds
+
+    def add_batched_forward(self, tokens: int, positions: int) -> None:
+        """One batched prefill forward of ``tokens`` prompt tokens on a rows x columns grid of ``positions``."""
+        self.batched_forwards += 1
+        self.batched_tokens += tokens
+        self.batched_positions += positions
 
     def as_dict(self, decode: DecodeTiming) -> dict:
         """``busy_share``: each phase's part of the time the scheduler spent in all three."""
@@ -100,6 +111,12 @@ class PhaseTiming:
             "joins": self.joins,
             "join_ms": mean_ms(self.join_s, self.joins),
             "busy_share": busy_share(decode.step_s, self.prefill_s, self.join_s),
+            # the padding's share of what batched prefill forwards computed (their cost follows positions)
+            "batched_prefill": {
+                "forwards": self.batched_forwards, "tokens": self.batched_tokens,
+                "positions": self.batched_positions,
+                "padding_share": (round(1 - self.batched_tokens / self.batched_positions, 4)
+                                  if self.batched_positions else None)},
             "totals": {"prefill_s": self.prefill_s, "prefill_iterations": self.prefill_iterations,
                        "join_s": self.join_s, "joins": self.joins},
         }

@@ -71,3 +71,19 @@ def test_prefill_and_joins_are_timed_and_shares_add_up(load_tiny):
     doc = phases.as_dict(scheduler.timing)
     assert abs(sum(doc["busy_share"].values()) - 1) < 1e-3
     assert doc["busy_share"]["decode"] > 0
+    # Each prompt prefilled alone: no batched forward, no padding share to report.
+    assert doc["batched_prefill"] == {"forwards": 0, "tokens": 0, "positions": 0, "padding_share": None}
+
+
+@pytest.mark.parametrize("token0_in_decode", [True, False])
+def test_a_batched_prefill_counts_its_prompt_tokens_and_the_padded_grid(load_tiny, token0_in_decode):
+    """Three fresh prompts of 5, 9 and 3 tokens prefill together: one forward of every prompt but its
+    last token (4 + 8 + 2), left-padded to the longest (3 rows x 8 positions)."""
+    scheduler, _ = _scheduler(load_tiny, token0_in_decode)
+    for i, prompt in enumerate([list(range(10, 15)), list(range(100, 109)), [3, 4, 5]]):
+        scheduler.add(Request(f"r{i}", prompt, SamplingParams(), 3, ignore_eos=True), lambda e: None)
+    while not scheduler.is_idle:
+        scheduler.step()
+    assert scheduler.phases.prefill_iterations == 1
+    assert scheduler.phases.as_dict(scheduler.timing)["batched_prefill"] == {
+        "forwards": 1, "tokens": 14, "positions": 24, "padding_share": round(1 - 14 / 24, 4)}

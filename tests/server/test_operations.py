@@ -156,6 +156,7 @@ def test_stats_split_each_decode_step(ops_server):
     assert set(batch["row_copies"]) == {"kept", "broadcast", "gathered", "extracted", "batch_extends", "extended_rows",
                                         "referenced"}
     assert abs(sum(phases["busy_share"].values()) - 1) < 1e-3
+    assert set(phases["batched_prefill"]) == {"forwards", "tokens", "positions", "padding_share"}
     assert scraped['mlxq:scheduler_phase_seconds_total{phase="prefill"}'] == phases["totals"]["prefill_s"]
 
 
