@@ -10,7 +10,7 @@ from mlxq.server.errors import APIError, invalid
 from mlxq.server.head_split import encode, encode_chat, shared_ids
 from mlxq.server.offload import INLINE_TEXT_CHARS, leave_loop_if, parsing_inline
 from mlxq.server.system_heads import renew, system_head
-from mlxq.server.token_bound import token_lower_bound
+from mlxq.server.token_bound import may_reach, token_lower_bound
 
 # The model's own template (a client cannot supply one: server/template_kwargs.py) still runs with a budget,
 # in a worker thread: a render that outlives it is refused, and the caller stops waiting for it.
@@ -126,7 +126,7 @@ def render_chat(tokenizer, messages, tools, template_kwargs: dict, *, add_genera
 
 def refuse_if_it_cannot_fit(tokenizer, text: str, context_length: int | None, param: str) -> None:
     """A 400 before tokenizing when ``text`` provably has more tokens than the context holds."""
-    if context_length is None:
+    if context_length is None or not may_reach(tokenizer, text, context_length):
         return
     at_least = token_lower_bound(tokenizer, text)
     if at_least >= context_length:  # a prompt must leave room for one generated token

@@ -39,6 +39,14 @@ def token_lower_bound(tokenizer, text: str) -> int:
     return math.ceil(len(text.encode("utf-8", "surrogatepass")) / longest)
 
 
+def may_reach(tokenizer, text: str, limit: int) -> bool:
+    """Whether ``token_lower_bound(tokenizer, text)`` could be ``limit`` or more, known from the text's
+    length alone (a character is at most 4 UTF-8 bytes, a lone surrogate 3): an agent's 90 KB chat on
+    a long context is not encoded to UTF-8 just to find it fits."""
+    longest = max_bytes_per_token(tokenizer)
+    return longest is not None and math.ceil(4 * len(text) / longest) >= limit
+
+
 @lru_cache(maxsize=8)
 def max_bytes_per_token(tokenizer) -> int | None:
     """The most text bytes one token can stand for, or None when no byte bound is sound."""

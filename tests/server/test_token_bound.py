@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from mlxq.golden.cases import ARCHS
-from mlxq.server.token_bound import max_bytes_per_token, token_lower_bound
+from mlxq.server.token_bound import max_bytes_per_token, may_reach, token_lower_bound
 
 
 def _texts(seed: int) -> list[str]:
@@ -29,6 +29,21 @@ def test_the_bound_holds_for_every_text(load_tiny, arch):
     for text in _texts(hash(arch) % 1000):
         exact = len(tokenizer.encode(text, add_special_tokens=False))
         assert token_lower_bound(tokenizer, text) <= exact, text[:40]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_text_cleared_by_its_length_never_reaches_the_limit_by_its_bound(load_tiny, arch):
+    """``may_reach`` false means the bound is under the limit: skipping the bound there refuses nothing
+    the bound would have refused. Limits around each text's bound, and far above it."""
+    _, tokenizer = load_tiny(arch)
+    cleared = 0
+    for text in _texts(hash(arch) % 1000) + ["\ud800" * 300, "x" * 90_000]:
+        bound = token_lower_bound(tokenizer, text)
+        for limit in (1, bound - 1, bound, bound + 1, 4 * bound + 8, 10 * len(text) + 1):
+            if not may_reach(tokenizer, text, limit):
+                cleared += 1
+                assert bound < limit, (text[:40], limit)
+    assert cleared > 40  # the length alone clears long texts on a long context
 
 
 def _bpe(normalizer=None, pre_tokenizer=None) -> Tokenizer:
