@@ -74,11 +74,12 @@ def hold_for_burst(joiners: Sequence[JoinerView], admissions: Sequence[float], n
     A burst of agents on a cached prompt reaches the engine over ~0.1 s (each request parsed and
     tokenized in the server): prefilled as it comes, a first group's forward and decode step run
     while the rest queue behind them (on the H200, 64 agents split 21 + 43: the second group's
-    TTFT ~0.85 s against ~0.4 s). Hold while every joiner is a fresh short tail (nobody with a
-    long prefill of its own is delayed), the last two admissions came within ``gap_s`` of each
-    other (a lone request is never held), the newest within ``gap_s`` of now, and the oldest
-    joiner within ``window_s``. Rows already decoding go on meanwhile; a steady stream of
-    arrivals closer than ``gap_s`` waits up to ``window_s`` each time, in fewer, larger forwards.
+    TTFT ~0.85 s against ~0.4 s). Hold while every joiner is a fresh short tail or has nothing left
+    to prefill, its whole prompt cached (nobody with a long prefill of its own is delayed), the
+    last two admissions came within ``gap_s`` of each other (a lone request is never held), the
+    newest within ``gap_s`` of now, and the oldest joiner within ``window_s``. Rows already
+    decoding go on meanwhile; a steady stream of arrivals closer than ``gap_s`` waits up to
+    ``window_s`` each time, in fewer, larger forwards.
 
     The server may know more are coming before a second arrives: 64 agents' requests reach its
     sockets within ~10 ms, and the event loop reads several before the first is submitted. With
@@ -87,7 +88,7 @@ def hold_for_burst(joiners: Sequence[JoinerView], admissions: Sequence[float], n
     request has nothing on its way."""
     if hold.window_s <= 0 or not joiners:
         return False
-    if not all(j.finishes_short_tail and not (j.following or j.restoring or j.cancelled) for j in joiners):
+    if not all(j.waits_well_for_a_burst and not (j.following or j.restoring or j.cancelled) for j in joiners):
         return False
     first = min(j.admitted_at for j in joiners)
     if now - first >= hold.window_s:

@@ -204,6 +204,13 @@ class JoinerView:
         return 0 < self.next_chunk <= SHORT_PREFILL and self.done + self.next_chunk >= self.extent.prompt - 1
 
     @property
+    def waits_well_for_a_burst(self) -> bool:
+        """Only a short tail of its own left to prefill (``finishes_short_tail``), or nothing at all: its
+        whole prompt cached (the same chat sent again). Held with the rest of a burst it waits at most
+        the hold's window; taken alone, it would join and decode while the rest queue behind it."""
+        return self.finishes_short_tail or (self.is_prefilled and not self.following)
+
+    @property
     def own_tokens(self) -> int:
         """Prompt tokens it prefills itself: what neither the prompt cache nor its leader gives it."""
         start = max(self.done, self.shared) if self.following else self.done

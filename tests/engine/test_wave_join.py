@@ -208,6 +208,41 @@ def test_a_burst_still_arriving_waits_for_the_rest_and_prefills_as_one_forward(l
         assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
 
 
+def test_a_chat_sent_again_whole_waits_with_its_burst_instead_of_splitting_it(load_tiny):
+    """A request whose whole prompt is cached (an agent's chat sent again) has nothing to prefill. In a
+    burst it is held with the new tails and joins with them in one step: were it taken at once, it
+    would join and decode alone while the burst's tails queue behind it (on the H200, 64 such rows
+    arriving over ~0.15 s took 0.7-4.8 s to their first tokens)."""
+    from mlxq.engine.burst_hold import BurstHold
+
+    burst = BurstHold(window_s=0.15, gap_s=0.02)
+    scheduler, finished, tokenizer, shared, now = cached_prompt_on_a_clock(load_tiny, 8, burst)
+    cached = wave(tokenizer, shared, "cached", 4, "Please")
+    run_wave(scheduler, cached[:1])  # its prompt and answer are stored
+    again = replace(cached[0], request_id="again")
+    now[0] += 10.0
+    steps, rows_before = scheduler.phases.prefill_iterations, scheduler.num_rows
+    for r in (again, replace(cached[1])):
+        scheduler.add(r, lambda e: None)
+        now[0] += 0.005
+    scheduler.step()
+    assert scheduler.num_rows == rows_before == 0 and scheduler.num_prefilling == 2  # held, the chat sent again too
+    assert scheduler.phases.prefill_iterations == steps
+    for r in cached[2:]:
+        scheduler.add(replace(r), lambda e: None)
+        now[0] += 0.005
+    now[0] += 0.025  # the burst has come
+    scheduler.step()
+    assert scheduler.phases.prefill_iterations == steps + 1 and scheduler.num_rows == 4  # one forward, one join
+    while not scheduler.is_idle:
+        scheduler.step()
+    model, _ = load_tiny("llama")
+    cold = wave(tokenizer, shared, "cold", 1, "Agent")  # what cached_prompt_on_a_clock ran first
+    expected = serial_with_cache(model, tokenizer, cold + cached + [again])
+    for r in cached + [again]:
+        assert finished[r.request_id][0] == expected[r.request_id][0], r.request_id
+
+
 def test_a_request_cancelled_while_its_burst_is_held_ends_at_the_next_step_and_the_rest_stay_held(load_tiny):
     """A client that goes away while its tail is held for the rest of the burst is not kept for the
     hold's window: the next step (when the burst has stopped arriving for ``gap_s`` and the engine
