@@ -88,7 +88,7 @@ def hold_for_burst(joiners: Sequence[JoinerView], admissions: Sequence[float], n
     request has nothing on its way."""
     if hold.window_s <= 0 or not joiners:
         return False
-    if not all(j.waits_well_for_a_burst and not (j.following or j.restoring or j.cancelled) for j in joiners):
+    if not all(j.waits_well_for_a_burst for j in joiners):
         return False
     first = min(j.admitted_at for j in joiners)
     if now - first >= hold.window_s:

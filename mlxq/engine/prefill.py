@@ -169,13 +169,15 @@ class Prefilling:
             sources = self._lease_sources(group)
             shared = self._shared_tails(group, [n + token0 for n in lengths]) if last else None
             placed = None if shared is not None else self._placed(group, lengths, last)
+            fed = chunks  # each row's tokens in this forward, padded to the longest (left or right)
             if placed is not None:  # every row written where it stays (engine/tail_placement.py)
                 caches, layout = placed
                 self._placed_forward(group, caches, layout, chunks)
             elif shared is not None and shared.layout is not None:  # the tails placed alike
                 caches = shared.caches
                 run = [c + j.prompt[-1:] for c, j in zip(chunks, group, strict=True)] if token0 else chunks
-                out = self._placed_forward(group, caches, shared.layout, shared.tokens(group, run), shared)
+                fed = shared.tokens(group, run)
+                out = self._placed_forward(group, caches, shared.layout, fed, shared)
                 last_logits = out[:, -1, :] if token0 else None  # left-padded: every row's last prompt token
             else:
                 caches = shared.caches if shared is not None else merge_with_room(
@@ -184,7 +186,7 @@ class Prefilling:
             timed = self._meanwhile(caches, shared, len(group) * longest, started)
             self.faults.run("prefill", lambda: mx.eval(evaluable(caches) + ([] if last_logits is None
                                                                              else [last_logits])))
-            self.phases.add_batched_forward(*self._forward_grid)
+            self.phases.add_batched_forward(sum(map(len, fed)), len(fed) * max(map(len, fed)))
             if timed is not None:
                 self._learn_forward(*timed)
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
@@ -266,7 +268,6 @@ class Prefilling:
         shared prefix (``shared``) the layout is the tails' and the attention goes through its seam.
         Returns the forward's logits (lazy: computed only if read)."""
         tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
-        self._forward_grid = (sum(map(len, chunks)), tokens.size)  # counted once the forward succeeded
         evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
         written = [c.tail for c in caches] if shared is not None else caches
         # Tails that start empty (``shared.recomputed``): the padding columns lie in each row's left
@@ -287,7 +288,6 @@ class Prefilling:
             for cache in caches:
                 cache.prepare(lengths=lengths, right_padding=padding)
         tokens = mx.array([c + [0] * (longest - len(c)) for c in chunks])
-        self._forward_grid = (sum(map(len, chunks)), tokens.size)  # counted once the forward succeeded
         with adapter_rows(self.model, [j.row.request.adapter for j in group]), self._routed(shared):
             self.model(tokens, cache=caches)
         if any(padding):

@@ -374,7 +374,7 @@ class BatchScheduler(Intake, MemoryShedding, Prefilling, TailSharing, Joining, R
         if not all(j.row.output.num_generated > 0 or j.row.output.finished is not None for j in ready):
             return False
         views = self.joiners.views(self._chunk_len)
-        if not all(v.finishes_short_tail and not (v.following or v.restoring or v.cancelled) for v in views):
+        if not all(v.waits_well_for_a_burst for v in views):  # the prefilled ones joined in this step
             return False
         self._skipped_decode = True
         return True

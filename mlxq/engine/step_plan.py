@@ -206,9 +206,11 @@ class JoinerView:
     @property
     def waits_well_for_a_burst(self) -> bool:
         """Only a short tail of its own left to prefill (``finishes_short_tail``), or nothing at all: its
-        whole prompt cached (the same chat sent again). Held with the rest of a burst it waits at most
-        the hold's window; taken alone, it would join and decode while the rest queue behind it."""
-        return self.finishes_short_tail or (self.is_prefilled and not self.following)
+        whole prompt cached (the same chat sent again); neither following a leader, restoring from disk
+        nor cancelled. Held with the rest of a burst it waits at most the hold's window; taken alone, it
+        would join and decode while the rest queue behind it."""
+        return ((self.finishes_short_tail or self.is_prefilled)
+                and not (self.following or self.restoring or self.cancelled))
 
     @property
     def own_tokens(self) -> int:
