@@ -33,7 +33,9 @@ from mlxq.engine.step_plan import PrefillPlan
 from mlxq.engine.step_sampling import sample_step
 from mlxq.engine.tail_placement import PlacedRows, can_place, merge_for_tails, submitted_by_layers, tails_in_place
 from mlxq.engine.wave_caches import PrefilledTogether, finalize_chunks, merge_with_room, same_as_previous
+from mlxq.kv import packed_tails
 from mlxq.kv.batch_ops import extract_row, view_rows
+from mlxq.kv.packed_tails import PackedTailsCache, Packing, packed_positions
 from mlxq.models.multi_lora import adapter_rows
 from mlxq.store.prefix import boundary_snapshot, system_snapshot
 
@@ -170,6 +172,7 @@ class Prefilling:
             shared = self._shared_tails(group, [n + token0 for n in lengths]) if last else None
             placed = None if shared is not None else self._placed(group, lengths, last)
             fed = chunks  # each row's tokens in this forward, padded to the longest (left or right)
+            positions = None  # the forward's grid when it is not the padded one (rows x the longest)
             if placed is not None:  # every row written where it stays (engine/tail_placement.py)
                 caches, layout = placed
                 self._placed_forward(group, caches, layout, chunks)
@@ -177,16 +180,21 @@ class Prefilling:
                 caches = shared.caches
                 run = [c + j.prompt[-1:] for c, j in zip(chunks, group, strict=True)] if token0 else chunks
                 fed = shared.tokens(group, run)
-                out = self._placed_forward(group, caches, shared.layout, fed, shared)
-                last_logits = out[:, -1, :] if token0 else None  # left-padded: every row's last prompt token
+                if packed_tails.packs(self.sharing.plan, [len(tokens) for tokens in fed]):
+                    out, packing = self._packed_forward(group, caches, shared.layout, fed, shared)
+                    positions = packing.tokens
+                    last_logits = out[packing.ends, 0, :] if token0 else None
+                else:
+                    out = self._placed_forward(group, caches, shared.layout, fed, shared)
+                    last_logits = out[:, -1, :] if token0 else None  # left-padded: every row's last prompt token
             else:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
                 self._right_padded_forward(group, caches, shared, chunks, lengths)
-            timed = self._meanwhile(caches, shared, len(group) * longest, started)
+            timed = self._meanwhile(caches, shared, positions or len(group) * longest, started)
             self.faults.run("prefill", lambda: mx.eval(evaluable(caches) + ([] if last_logits is None
                                                                              else [last_logits])))
-            self.phases.add_batched_forward(sum(map(len, fed)), len(fed) * max(map(len, fed)))
+            self.phases.add_batched_forward(sum(map(len, fed)), positions or len(fed) * max(map(len, fed)))
             if timed is not None:
                 self._learn_forward(*timed)
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
@@ -278,6 +286,25 @@ class Prefilling:
         with (adapter_rows(self.model, [j.row.request.adapter for j in group]), keeping, self._routed(shared),
               submitted_by_layers(caches, submit)):
             return self.model(tokens, cache=caches)
+
+    def _packed_forward(self, group: list[Joiner], caches: list, layout, fed: list, shared) -> tuple:
+        """``_placed_forward`` on a shared prefix with no padding (kv/packed_tails.py): each of the
+        rows' tokens is one row of one position, every layer written into ``caches`` (the padded
+        forward's) as the padded forward writes them. Returns (logits [tokens, 1, V], lazy; the
+        ``Packing``)."""
+        packing = Packing.of(layout.chunk_padding, [len(tokens) for tokens in fed], packed_tails.SHAPE_MULTIPLE)
+        positions = packed_positions(caches[0], packing)
+        packed = [PackedTailsCache(cache, packing, positions) for cache in caches]
+        tokens = packing.token_ids(fed)
+        adapters = [j.row.request.adapter for j, row in zip(group, fed, strict=True) for _ in row]
+        adapters += adapters[-1:] * packing.spare
+        evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
+        keeping = (contextlib.nullcontext() if shared.recomputed is not None
+                   else tails_in_place([c.tail for c in caches], layout, evaluate))
+        submit = lambda arrays: self.faults.run("prefill", lambda: mx.async_eval(arrays))  # noqa: E731
+        self.sharing_stats.tails_packed += 1
+        with (adapter_rows(self.model, adapters), keeping, self._routed(shared), submitted_by_layers(caches, submit)):
+            return self.model(tokens, cache=packed), packing
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):
         """mlx-lm's way: chunks right-padded, the caches told the real lengths (``prepare``/``finalize``, so

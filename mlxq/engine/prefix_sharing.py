@@ -272,12 +272,14 @@ class SharingStats:
             self.auto_declined += 1
             self.auto_last_declined = why
     tails_recomputed: int = 0  # joiners' own leased tokens past a group's prefix computed again, not gathered
+    tails_packed: int = 0  # tails' forwards run packed, one position per row (kv/packed_tails.py)
 
     def count_step(self, groups: tuple[Group, ...]) -> None:
         self.steps += bool(groups)
         self.multi_group_steps += len(groups) > 1
 
     def as_dict(self, policy: SharingPolicy | None, total_steps: int, groups: tuple[Group, ...]) -> dict:
+        from mlxq.kv import packed_tails
         from mlxq.kv.shared_prefix_decode import kernel_status
 
         return {
@@ -292,6 +294,8 @@ class SharingStats:
             "auto_declined_joins": self.auto_declined,
             "auto_last_declined": self.auto_last_declined,
             "tail_tokens_recomputed": self.tails_recomputed,
+            "tails_packed_forwards": self.tails_packed,
+            "tails_packed_declined": packed_tails.declined(policy.plan if policy else None),
             "groups": len(groups),
             "group_rows": sum(group.rows for group in groups),
             "prefix_tokens": [group.prefix_length for group in groups],

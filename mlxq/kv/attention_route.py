@@ -6,7 +6,8 @@ scale=, mask=)``. ``install()`` rebinds that name in each loaded model
 module to ``route``, with no change to mlx-lm's files:
 
 - a SharedPrefixBatchCache layer runs its ``attend`` (the shared prefix read
-  once for the group; any backend);
+  once for the group; any backend), and so does a PackedTailsCache (the
+  tails' forward with one position per row, kv/packed_tails.py);
 - everything else goes where it went before: kv/cuda_attention.py's router
   when that is installed (CUDA), kv/cpu_attention.py's on the CPU backend,
   else mlx-lm's own function.
@@ -27,6 +28,7 @@ from mlx_lm.models import base
 
 from mlxq.kv import cpu_attention, cuda_attention, shared_prefix_decode
 from mlxq.kv.model_modules import model_modules
+from mlxq.kv.packed_tails import PackedTailsCache
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 _mlx_lm_attention = base.scaled_dot_product_attention
@@ -34,7 +36,7 @@ _routing = False  # ``install`` ran and ``uninstall`` did not since
 
 
 def route(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, SharedPrefixBatchCache):
+    if isinstance(cache, (SharedPrefixBatchCache, PackedTailsCache)):
         return cache.attend(queries, keys, values, scale, sinks)
     if hasattr(cache, "bits"):
         queries = mx.array(queries)  # the quantized path's in-place scaling stays on this copy

@@ -75,9 +75,11 @@ import mlx.core as mx
 
 from mlxq.kv import gqa_decode_kernel, metal_decode_kernel, prefix_mma_kernel, shared_prefix_kernel, tail_merge_kernel
 from mlxq.kv.shared_prefix_attention import (
+    Partial,
     Quant,
     RowGroups,
     grouped_shared_prefix_attention,
+    prefix_partial,
     shared_prefix_attention,
     unstacked,
     with_tails,
@@ -266,6 +268,21 @@ def _mma_prefill(queries, prefix_keys, prefix_values, tail_keys, tail_values, ta
     levels = prefix_mma_kernel.prefix_level(queries, prefix_keys, prefix_values, scale)
     prefix = unstacked(queries, prefix_keys.shape[1], levels)
     return with_tails(queries, prefix, tail_keys, tail_values, tail_starts, scale, sinks, None, shares)
+
+
+def packed_prefix_partial(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, scale: float
+                          ) -> Partial:
+    """The prefix's level for a packed tails' forward (kv/packed_tails.py): queries [T, Hq, 1, D], one
+    position per row but as many rows as a prefill chunk's cells, so the tensor-core kernel takes them
+    in the prefill's cut (``mma_prefill``'s check covers it: the same kernel, stacked rows of one
+    position); plain operations in bounded blocks where that path is off. Never ``RouteMemo``: one
+    query per row would pick a decode path, which reads one tail per row."""
+    path = _forced or ("mma_prefill" if "mma_prefill" in _kernels else "ops")
+    if path == "mma_prefill" and prefix_mma_kernel.can_run(queries, prefix_keys):
+        levels = prefix_mma_kernel.prefix_level(queries, prefix_keys, prefix_values, scale,
+                                                tiling=prefix_mma_kernel.PREFILL_TILING)
+        return unstacked(queries, prefix_keys.shape[1], levels)
+    return prefix_partial(queries, prefix_keys, prefix_values, scale)
 
 
 def _mma_gqa_decode(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, scale: float,

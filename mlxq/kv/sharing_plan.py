@@ -22,6 +22,7 @@ list for rows that begin with the same ``prefix_length`` tokens.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -29,7 +30,10 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_pr
 
 from mlxq.kv import attention_route, shared_prefix_decode
 from mlxq.kv.batch_ops import merge_solo_rows
+from mlxq.kv.packed_tails import probe_disagreement
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
+
+log = logging.getLogger("mlxq.kv")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class SharingPlan:
     shared: tuple[bool, ...]  # per layer: the prefix is read once for the whole group
     declined: str | None  # why no layer shares (None when at least one does)
     quantized: bool = False  # QuantizedKVCache layers share too (measured equal on the CPU only)
+    # Why a tails' forward on a shared prefix does not run packed (kv/packed_tails.py; None: it does).
+    packed_tails_declined: str | None = "not probed"
 
     @property
     def can_share(self) -> bool:
@@ -74,7 +80,10 @@ def plan_sharing(model) -> SharingPlan:
                            f"layers {bypassed} compute attention outside mlx-lm's scaled_dot_product_attention")
     layouts = {p.layout for p in probes if isinstance(p, _Probe)}
     shared_prefix_decode.enable(layouts.pop() if len(layouts) == 1 else None)  # layers alike, else every variant
-    return SharingPlan(tuple(candidates), None, quantized=mx.default_device() == mx.cpu)
+    packed = probe_disagreement(model) if all(candidates) else "not every layer shares"
+    if packed is not None:
+        log.info("the tails' forward on a shared prefix stays padded: %s", packed)
+    return SharingPlan(tuple(candidates), None, quantized=mx.default_device() == mx.cpu, packed_tails_declined=packed)
 
 
 def _layer_shares(plan: SharingPlan, layer: int, column: list) -> bool:

@@ -16,7 +16,7 @@ import pytest
 from mlxq.engine.prefix_sharing import SharingPolicy
 from mlxq.engine.scheduler import BatchScheduler, SchedulerConfig
 from mlxq.golden.cases import LONG
-from mlxq.kv import attention_route
+from mlxq.kv import attention_route, packed_tails
 from mlxq.kv.projection import measure_footprint
 from mlxq.kv.sharing_plan import plan_sharing
 from mlxq.store.prompt_cache import PromptCache
@@ -28,6 +28,15 @@ from tests.engine.test_wave_join import run_wave, wave
 def routed():
     yield
     attention_route.uninstall()
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["packed", "padded"])
+def packed(request, monkeypatch) -> bool:
+    """Every test both ways: the tails' forward packed (one position per row, kv/packed_tails.py; the
+    default) and left-padded to the longest tail (MLXQ_PACKED_TAILS=0)."""
+    monkeypatch.setattr(packed_tails, "PACKED_TAILS", request.param)
+    monkeypatch.setattr(packed_tails, "MIN_PADDING_SHARE", 0.0)  # however little padding these waves have
+    return request.param
 
 
 def sharing_scheduler(model, tokenizer):
@@ -43,6 +52,9 @@ def sharing_scheduler(model, tokenizer):
 
 def counters(scheduler) -> dict:
     return scheduler.batch.copies.as_dict() | {"prefill_steps": scheduler.phases.prefill_iterations,
+                                               "packed": scheduler.sharing_stats.tails_packed,
+                                               "tokens": scheduler.phases.batched_tokens,
+                                               "positions": scheduler.phases.batched_positions,
                                                "groups": scheduler.sharing_stats.groups,
                                                "joined": scheduler.sharing_stats.rows_joined}
 
@@ -58,7 +70,7 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def test_a_cached_burst_prefills_its_tails_on_the_stored_prefix_and_decodes_as_one_group(load_tiny):
+def test_a_cached_burst_prefills_its_tails_on_the_stored_prefix_and_decodes_as_one_group(load_tiny, packed):
     model, tokenizer = load_tiny("llama")
     shared = tokenizer.encode(LONG + " " + LONG)
     scheduler, finished = sharing_scheduler(model, tokenizer)
@@ -72,6 +84,7 @@ def test_a_cached_burst_prefills_its_tails_on_the_stored_prefix_and_decodes_as_o
     assert change["broadcast"] == change["gathered"] == change["batch_extends"] == 0, change
     assert change["groups"] == 1, change
     assert scheduler._prefilled_together is None
+    assert change["packed"] == packed  # the one forward, packed or padded
     assert_serial_tokens(model, tokenizer, cold + cached, finished)
     for r in cached:
         assert finished[r.request_id][1] >= len(shared)  # the prefix came from the RAM tier
@@ -171,7 +184,7 @@ def asking_waves(tokenizer, shared: list[int]):
     return asking("cold", 3, "asks about cold?"), asking("cached", 8, "wants {} things" + " now" * 3)
 
 
-def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered(load_tiny, monkeypatch):
+def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered(load_tiny, monkeypatch, packed):
     """Agents whose questions begin with tokens of another agent's stored question lease the prefix
     plus those few tokens: the tails' forward computes them again (the tails start empty, nothing is
     gathered), they no longer count as cached, and every row's greedy tokens are the serial lane's."""
@@ -206,6 +219,8 @@ def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered
     assert len({finished[r.request_id][1] for r in cached}) == 1  # each row cached the group's prefix alone
     assert len(set(leased.values())) > 1  # while their leases lent different lengths
     assert len(submitted) == len(model.layers) - 1  # one forward, submitted layer by layer
+    assert change["packed"] == packed
+    assert (change["positions"] == change["tokens"]) == packed  # packed: no padding computed
     assert_serial_tokens(model, tokenizer, cold + cached, finished)
 
 
@@ -300,7 +315,7 @@ def test_a_forward_without_a_held_burst_takes_nothing_in_meanwhile(load_tiny):
 
 @pytest.mark.parametrize(("ends_at_token0", "with_logprobs"), [(0, False), (3, False), (0, True)])
 def test_token_0_drawn_from_the_tails_forward_gives_the_serial_lanes_tokens(load_tiny, monkeypatch, ends_at_token0,
-                                                                            with_logprobs):
+                                                                            with_logprobs, packed):
     """``MLXQ_TAILS_TOKEN0`` (on by default): a cached burst's tails run their last prompt token too and token 0 is
     drawn from that forward's last position, handed out as the rows join (no decode step computes
     it); rows that end at token 0 (``max_tokens`` 1 here) leave at the join. Every row's greedy
@@ -338,4 +353,5 @@ def test_token_0_drawn_from_the_tails_forward_gives_the_serial_lanes_tokens(load
         scheduler.step()
     change = delta(counters(scheduler), before)
     assert change["prefill_steps"] == 1 and change["referenced"] == 8, change
+    assert change["packed"] == packed
     assert_serial_tokens(model, tokenizer, cold + cached, finished)
