@@ -63,9 +63,10 @@ def padding_share(lengths: list[int]) -> float:
     return 1 - sum(lengths) / (len(lengths) * max(lengths))
 
 
-# Packed forwards run a multiple of this many tokens (``Packing``'s spares): at most 2% more tokens for a
-# 64-row burst of ~55-token tails, for shapes that repeat across bursts.
-SHAPE_MULTIPLE = 64
+# Packed forwards run a multiple of this many tokens (``Packing``'s spares). On the H200, rounding a 64-row
+# burst's ~3,400 tokens up to a multiple of 64 (a few shapes across bursts instead of a new one each) took
+# 216 ms against 218 without (``scripts/packed_tails_forward.py --fresh``): not taken.
+SHAPE_MULTIPLE = 1
 
 
 # Below this padding share the padded forward is kept: packing's own gathers cost more than the padding.
@@ -78,7 +79,7 @@ MIN_PADDING_SHARE = 0.1
 class Packing:
     """Where each of a forward's T tokens sits in the rows' left-padded grid [B, W], and back.
 
-    T is the rows' own tokens rounded up to a multiple of ``SHAPE_MULTIPLE``: the spare tokens repeat
+    T is the rows' own tokens rounded up to a multiple (``SHAPE_MULTIPLE``): the spare tokens repeat
     the last row's last token (its id, its position, its cell for the tail's attention), and no cell
     takes their K/V, so they change nothing. A device that compiles or records work per shape (MLX's
     CUDA graphs) then sees a few shapes across bursts, not a new one per burst."""
@@ -89,6 +90,7 @@ class Packing:
     ends: mx.array  # [B] int32: each row's last token
     batch: int
     width: int
+    flat: mx.array | None = None  # [T] int32: each token's cell in the grid flattened (row * W + column)
     spare: int = 0  # tokens after the rows' own (repeats of the last one)
 
     @classmethod
@@ -110,7 +112,9 @@ class Packing:
         rows += [rows[-1]] * spare
         columns += [columns[-1]] * spare
         as_array = lambda x: mx.array(x, mx.int32)  # noqa: E731
-        return cls(as_array(rows), as_array(columns), as_array(cells), as_array(ends), len(lengths), width, spare)
+        flat = [b * width + c for b, c in zip(rows, columns, strict=True)]
+        return cls(as_array(rows), as_array(columns), as_array(cells), as_array(ends), len(lengths), width,
+                   as_array(flat), spare)
 
     def token_ids(self, fed: list[list[int]]) -> mx.array:
         """[T, 1]: the rows' tokens ``fed`` (each row's, in order), then the spares."""
@@ -120,14 +124,21 @@ class Packing:
     def tokens(self) -> int:
         return self.rows.shape[0]
 
+    # Both moves are one ``take`` of whole rows of a 2-D array (H x n values each): on the H200 MLX's
+    # gather by two index arrays around a slice (``x[rows, :, columns, :]``) took 0.5 ms a layer for
+    # a 64-row burst's three partials, several times the bytes' worth.
+
     def padded(self, x: mx.array) -> mx.array:
         """[T, H, 1, n] -> [B, H, W, n] (a padding cell holds its row's first token: never read)."""
-        gathered = x[self.cells]  # [B * W, H, 1, n]
-        return gathered.reshape(self.batch, self.width, x.shape[1], x.shape[3]).swapaxes(1, 2)
+        tokens, heads, _, n = x.shape
+        gathered = mx.take(x.reshape(tokens, heads * n), self.cells, axis=0)  # [B * W, H * n]
+        return gathered.reshape(self.batch, self.width, heads, n).swapaxes(1, 2)
 
     def packed(self, x: mx.array) -> mx.array:
         """[B, H, W, n] -> [T, H, 1, n]: the real cells only."""
-        return x[self.rows, :, self.columns, :][:, :, None, :]
+        batch, heads, width, n = x.shape
+        cells = x.swapaxes(1, 2).reshape(batch * width, heads * n)
+        return mx.take(cells, self.flat, axis=0).reshape(-1, heads, 1, n)
 
 
 def packed_positions(target: SharedPrefixBatchCache, packing: Packing) -> mx.array:
@@ -160,8 +171,14 @@ class PackedTailsCache:
         target = self.target
         if not target.fetched(keys):
             raise ValueError("packed tails' attention needs the keys update_and_fetch returned, unchanged")
-        prefix = shared_prefix_decode.packed_prefix_partial(queries, target.prefix_keys, target.prefix_values, scale)
         packing = self.packing
+        # Token t's keys end at its own column: the forward's chunk fills the last W of the span.
+        ends = packing.columns + (keys.shape[2] - packing.width + 1)
+        fused = shared_prefix_decode.packed_fused(queries, target.prefix_keys, target.prefix_values, keys, values,
+                                                  target.tail.left_padding, packing.rows, ends, scale, sinks)
+        if fused is not None:
+            return fused
+        prefix = shared_prefix_decode.packed_prefix_partial(queries, target.prefix_keys, target.prefix_values, scale)
         tail = tail_partial(packing.padded(queries), keys, values, scale,
                             tail_mask(target.tail.left_padding, packing.width, keys.shape[2]))
         tail = Partial(*(packing.packed(x) for x in (tail.weighted, tail.peak, tail.total)))
