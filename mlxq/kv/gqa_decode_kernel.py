@@ -127,12 +127,9 @@ _SOURCE = """
                                prefix_keys_strides[2], prefix_values_strides[2], 0, prefix_keys_shape[2], slot,
                                qr, o, m, l);
     }
-    // Packed tails (one query per token): the token's row in the tails, its keys up to its own column.
-    const int row = PACKED ? token_rows[b] : b;
-    const int end = PACKED ? token_ends[b] : keys_shape[2];
-    walk_keys<T, D, G, NT, LOADS>(keys + (int64_t)row * keys_strides[0] + kvh * keys_strides[1] + part * VEC,
-                           values + (int64_t)row * values_strides[0] + kvh * values_strides[1] + part * VEC,
-                           keys_strides[2], values_strides[2], starts[row], end, slot, qr, o, m, l);
+    walk_keys<T, D, G, NT, LOADS>(keys + b * keys_strides[0] + kvh * keys_strides[1] + part * VEC,
+                           values + b * values_strides[0] + kvh * values_strides[1] + part * VEC,
+                           keys_strides[2], values_strides[2], starts[b], keys_shape[2], slot, qr, o, m, l);
     __shared__ float slot_max[SLOTS][G];
     __shared__ float slot_total[SLOTS][G];
     __shared__ float slot_out[SLOTS][G][D];
@@ -229,32 +226,19 @@ def gqa_levels_decode(queries, tail_keys, tail_values, tail_starts, scale: float
     return _launch(queries, tail_keys, tail_values, tail_starts, scale, sinks, shares, levels=levels)
 
 
-def gqa_packed_levels_decode(queries, tail_keys, tail_values, tail_starts, token_rows: mx.array,
-                             token_ends: mx.array, scale: float, sinks: mx.array | None,
-                             levels: tuple[mx.array, mx.array, mx.array]) -> mx.array:
-    """``gqa_levels_decode`` for a packed tails' forward (kv/packed_tails.py): queries [T, Hq, 1, D]
-    one per token, token t reading row ``token_rows[t]`` of the tails from that row's start up to
-    ``token_ends[t]`` (its own column, causal), merged with its prefix levels (stacked over the T
-    tokens); every token sees the prefix."""
-    return _launch(queries, tail_keys, tail_values, tail_starts, scale, sinks, levels=levels,
-                   packed=(token_rows, token_ends))
-
-
 def _launch(queries, keys, values, starts, scale: float, sinks=None, shares=None, prefix=None,
-            levels=None, packed=None) -> mx.array:
+            levels=None) -> mx.array:
     batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
     threads = block_threads(queries.dtype, dim, heads // kv_heads)
     no_levels = constant(("no levels",), lambda: mx.zeros((1, 1, 1, 1), mx.float32))
-    no_tokens = constant(("no tokens",), lambda: mx.zeros((1,), mx.int32))
-    tokens = (no_tokens, no_tokens) if packed is None else tuple(mx.contiguous(x.astype(mx.int32)) for x in packed)
     return _compiled()(
         inputs=[mx.contiguous(queries), *prefix_inputs(prefix, queries.dtype), keys, values,
                 row_starts(starts), scale_array(scale), sinks_array(sinks), row_shares(shares, batch),
-                *(mx.contiguous(x) for x in levels or (no_levels,) * 3), *tokens],
+                *(mx.contiguous(x) for x in levels or (no_levels,) * 3)],
         template=[("T", queries.dtype), ("D", dim), ("G", heads // kv_heads), ("NT", threads), ("LOADS", LOADS),
                   ("HAS_PREFIX", prefix is not None), ("HAS_SINKS", sinks is not None),
-                  ("HAS_LEVELS", levels is not None), ("PACKED", packed is not None)],
+                  ("HAS_LEVELS", levels is not None)],
         grid=(kv_heads * threads, batch, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[queries.shape],
@@ -266,9 +250,9 @@ def _compiled():
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
-            name="mlxq_gqa_decode_levels_packed",
+            name="mlxq_gqa_decode_levels",
             input_names=["queries", "prefix_keys", "prefix_values", "keys", "values", "starts", "scale", "sinks",
-                         "shares", "level_weighted", "level_peak", "level_total", "token_rows", "token_ends"],
+                         "shares", "level_weighted", "level_peak", "level_total"],
             output_names=["out"],
             source=_SOURCE,
             header=_HEADER,

@@ -92,7 +92,7 @@ GQA_MAX_GROUP_TOKENS = 524_288  # from here the split path's GEMMs beat the gqa 
 MMA_MIN_GROUP_TOKENS = 131_072  # from here the tensor-core prefix takes bf16 groups (H200, 8B shape)
 AUTO_MIN_GROUP_TOKENS = 131_072  # the smallest group measured faster in whole-model steps (64 x 2k, H200)
 METAL_MAX_GROUP_TOKENS = GQA_MAX_GROUP_TOKENS  # the CUDA gqa kernel's bound, taken over: not measured on Metal
-PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa", "mma_prefill", "mma_packed")
+PATHS = ("ops", "full", "split", "gqa", "mma", "mma_gqa", "mma_prefill")
 AGREEMENT = 2e-2  # a kernel's largest difference to the plain path, bf16 outputs of order 1: a few ulps
 
 _kernels: frozenset[str] = frozenset()  # the kernel paths whose self-checks passed (``passing_paths``)
@@ -101,7 +101,7 @@ _metal_checked = False  # enable_metal() ran the Metal kernel's check
 _declined: str | None = None  # why a backend's kernel stays off (``kernel_status``; set on Metal)
 _grouped_enabled: bool | None = None  # the split path for several groups per batch (None: not checked yet)
 _forced: str | None = None  # set by ``forced`` (benchmarks, tests)
-_OPTIONAL = ("gqa", "mma", "mma_gqa", "mma_prefill", "mma_packed")  # paths whose failed self-check keeps the others on
+_OPTIONAL = ("gqa", "mma", "mma_gqa", "mma_prefill")  # paths whose failed self-check keeps the others on
 _report: dict | None = None  # what enable()'s self-check ran, found and took (``check_report``)
 _path_seconds: dict[str, float] = {}  # self_check's time per kernel path (its first launches compile it)
 
@@ -270,35 +270,6 @@ def _mma_prefill(queries, prefix_keys, prefix_values, tail_keys, tail_values, ta
     return with_tails(queries, prefix, tail_keys, tail_values, tail_starts, scale, sinks, None, shares)
 
 
-def packed_fused(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, tail_keys: mx.array,
-                 tail_values: mx.array, tail_starts: mx.array, token_rows: mx.array, token_ends: mx.array,
-                 scale: float, sinks: mx.array | None = None) -> mx.array | None:
-    """A packed tails' forward's attention in two kernels (``mma_packed``): the prefix's levels for
-    the T tokens' queries [T, Hq, 1, D] on tensor cores (the prefill's cut), then one block per token
-    and KV head walks the token's row of the tails up to its own column (``token_rows``,
-    ``token_ends``) and merges them (kv/gqa_decode_kernel.py): no gather into the padded layout, no
-    float32 partial in memory. None where that path is off or the shapes are not the kernels'."""
-    if not (_forced in (None, "mma_packed") and "mma_packed" in _kernels
-            and prefix_mma_kernel.can_run(queries, prefix_keys)
-            and gqa_decode_kernel.can_run(queries, tail_keys, tail_values)):
-        return None
-    levels = prefix_mma_kernel.prefix_partials(queries, prefix_keys, prefix_values, scale,
-                                               tiling=prefix_mma_kernel.PREFILL_TILING)
-    return gqa_decode_kernel.gqa_packed_levels_decode(queries, tail_keys, tail_values, tail_starts, token_rows,
-                                                      token_ends, scale, sinks, levels)
-
-
-def packed_reference(queries, prefix_keys, prefix_values, tail_keys, tail_values, tail_starts, token_rows: list[int],
-                     token_ends: list[int], scale: float, sinks=None) -> mx.array:
-    """What ``packed_fused`` computes, token by token in plain operations (its self-check)."""
-    out = []
-    for t, (row, end) in enumerate(zip(token_rows, token_ends, strict=True)):
-        tail = slice(row, row + 1)
-        out.append(shared_prefix_attention(queries[t:t + 1], prefix_keys, prefix_values, tail_keys[tail, :, :end],
-                                           tail_values[tail, :, :end], tail_starts[tail], scale, sinks))
-    return mx.concatenate(out)
-
-
 def packed_prefix_partial(queries: mx.array, prefix_keys: mx.array, prefix_values: mx.array, scale: float
                           ) -> Partial:
     """The prefix's level for a packed tails' forward (kv/packed_tails.py): queries [T, Hq, 1, D], one
@@ -366,8 +337,7 @@ def _check_inputs(dtype, positions: int = 1, heads: int = 8, kv_heads: int = 2, 
 
 def checked_paths(dtype) -> tuple[str, ...]:
     """The kernel paths ``self_check`` compares with the plain path in ``dtype``."""
-    return ("full", "split", "gqa") + (("mma", "mma_gqa", "mma_prefill", "mma_packed") if dtype == mx.bfloat16
-                                       else ())
+    return ("full", "split", "gqa") + (("mma", "mma_gqa", "mma_prefill") if dtype == mx.bfloat16 else ())
 
 
 def self_check(dtype=mx.bfloat16, layout: Layout | None = None) -> dict[str, float]:
@@ -394,39 +364,13 @@ def self_check(dtype=mx.bfloat16, layout: Layout | None = None) -> dict[str, flo
             q, pk, pv, tk, tv, starts, scale = args
             want = shared_prefix_attention(q, pk, pv, tk, tv, starts, scale, sinks, None, shares).astype(mx.float32)
             for path in [p for p in worst if (p == "mma_prefill") == (positions > 1)]:
-                if path == "mma_packed" and shares is not None:  # packed tails: every token in the group
-                    continue
                 began = time.perf_counter()
                 worst[path] = max(worst[path], _path_error(path, (*args, sinks, None, shares), want))
                 _path_seconds[path] = _path_seconds.get(path, 0.0) + time.perf_counter() - began
     return worst
 
 
-# The packed check's tokens: (row of the tails, its end column), rows of several tokens and of one.
-_PACKED_TOKENS = ((0, 3), (0, 4), (0, 40), (2, 18), (2, 30), (3, 40), (5, 21), (5, 22), (5, 39), (1, 2))
-
-
-def _packed_error(args: tuple, sinks) -> float:
-    """Max |``packed_fused`` - ``packed_reference``| on ``_check_inputs``' tails and prefix, ten tokens."""
-    _, pk, pv, tk, tv, starts, scale = args
-    rows, ends = ([t[i] for t in _PACKED_TOKENS] for i in (0, 1))
-    q = mx.random.normal((len(rows), args[0].shape[1], 1, args[0].shape[-1])).astype(args[0].dtype)
-    want = packed_reference(q, pk, pv, tk, tv, starts, rows, ends, scale, sinks).astype(mx.float32)
-    global _kernels
-    kernels, _kernels = _kernels, frozenset({"mma_packed"})  # this path alone, for the check
-    try:
-        got = packed_fused(q, pk, pv, tk, tv, starts, mx.array(rows), mx.array(ends), scale, sinks)
-    except Exception as exc:
-        log.warning("mma_packed shared-prefix path unavailable (%s: %s)", type(exc).__name__, exc)
-        return float("inf")
-    finally:
-        _kernels = kernels
-    return mx.abs(got.astype(mx.float32) - want).max().item()
-
-
 def _path_error(path: str, args: tuple, want: mx.array) -> float:
-    if path == "mma_packed":  # its own inputs and reference (``want`` is the one-query rows')
-        return _packed_error(args[:7], args[7])
     try:
         with forced(path):
             got = attention(*args).astype(mx.float32)
@@ -509,8 +453,6 @@ def passing_paths(errors: dict[str, float], mma_partials_agree: bool, bound: flo
         passed.add("mma_gqa")
     if mma_partials_agree and errors.get("mma_prefill", float("inf")) < bound:
         passed.add("mma_prefill")
-    if {"gqa", "mma_prefill"} <= passed and errors.get("mma_packed", float("inf")) < bound:
-        passed.add("mma_packed")
     return frozenset(passed)
 
 

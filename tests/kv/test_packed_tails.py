@@ -194,26 +194,6 @@ def test_attention_with_sinks_is_the_padded_rows_at_their_real_cells():
     assert not mx.allclose(got, cache.attend(q, keys, values, 0.25), rtol=0, atol=1e-3).item()  # sinks count
 
 
-@pytest.mark.parametrize("with_sinks", [False, True])
-def test_the_fused_kernels_reference_is_the_packed_attention(with_sinks):
-    """``shared_prefix_decode.packed_reference`` (what the CUDA ``mma_packed`` path is checked
-    against at start-up: each token a one-query row over its row's tail cut at its own column) gives
-    the packed attention of the plain path; off CUDA ``packed_fused`` declines (None)."""
-    from mlxq.kv import shared_prefix_decode
-
-    target, pk, q, k, v, prefix = unit()
-    sinks = mx.random.normal((4,), key=mx.random.key(11)) if with_sinks else None
-    cache = PackedTailsCache(target(), pk, mx.zeros((pk.tokens,), mx.int32))
-    keys, values = cache.update_and_fetch(k, v)
-    got = cache.attend(q, keys, values, 0.25, sinks)
-    ends = (pk.columns + keys.shape[2] - pk.width + 1).tolist()
-    want = shared_prefix_decode.packed_reference(q, *prefix, keys, values, cache.target.tail.left_padding,
-                                                 pk.rows.tolist(), ends, 0.25, sinks)
-    assert mx.allclose(want, got, rtol=0, atol=1e-6).item(), mx.abs(want - got).max().item()
-    assert shared_prefix_decode.packed_fused(q, *prefix, keys, values, cache.target.tail.left_padding, pk.rows,
-                                             mx.array(ends), 0.25, sinks) is None
-
-
 def test_only_one_group_of_sharing_rows_and_its_own_fetched_keys_are_taken():
     target, pk, q, k, v, prefix = unit()
     positions = mx.zeros((pk.tokens,), mx.int32)

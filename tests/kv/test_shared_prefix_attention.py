@@ -197,10 +197,6 @@ def test_a_caches_route_is_worked_out_again_only_when_its_inputs_change(monkeypa
     ({"full": 0.005, "split": 0.004, "gqa": 0.5, "mma": 0.006, "mma_gqa": 0.005}, True, {"full", "split", "mma"}),
     ({"full": 0.005, "split": 0.004, "gqa": 0.006, "mma": 0.006, "mma_gqa": 0.005}, False,
      {"full", "split", "gqa"}),  # the tensor-core kernel's own check failed
-    ({"full": 0.005, "split": 0.004, "gqa": 0.006, "mma_prefill": 0.006, "mma_packed": 0.005}, True,
-     {"full", "split", "gqa", "mma_prefill", "mma_packed"}),  # packed tails: both its kernels' paths
-    ({"full": 0.005, "split": 0.004, "gqa": 0.5, "mma_prefill": 0.006, "mma_packed": 0.005}, True,
-     {"full", "split", "mma_prefill"}),  # the gqa kernel failed: packed tails keep plain operations
     ({"full": 0.005, "split": 0.004, "gqa": 0.006}, True, {"full", "split", "gqa"}),  # float16: no mma
     ({"full": 0.5, "split": 0.004, "gqa": 0.006, "mma": 0.006, "mma_gqa": 0.005}, True, set()),
 ])
