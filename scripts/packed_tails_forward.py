@@ -76,7 +76,7 @@ def targets(prefix: list, padding: list[int], width: int) -> list[SharedPrefixBa
     return out
 
 
-def forward(model, prefix, tails: list[list[int]], packed: bool, multiple: int = 1) -> tuple[float, float, mx.array]:
+def forward(model, prefix, tails: list[list[int]], packed: bool) -> tuple[float, float, mx.array]:
     """(ms of the forward and its evaluation, host ms of ``Packing.of``, [B, vocab] float32 last logits)."""
     lengths = [len(t) for t in tails]
     width = max(lengths)
@@ -85,10 +85,10 @@ def forward(model, prefix, tails: list[list[int]], packed: bool, multiple: int =
     packing_ms = 0.0
     if packed:
         start = time.perf_counter()
-        packing = Packing.of(padding, lengths, multiple)
+        packing = Packing.of(padding, lengths)
         packing_ms = 1000 * (time.perf_counter() - start)
         positions = packed_positions(caches[0], packing)
-        tokens = packing.token_ids(tails)
+        tokens = mx.array([[x] for t in tails for x in t])
         layers = [PackedTailsCache(c, packing, positions) for c in caches]
     else:
         tokens = mx.array([[0] * p + t for p, t in zip(padding, tails, strict=True)])
@@ -130,23 +130,20 @@ def run_case(model, vocab: int, text: str, reps: int, seed: int) -> dict:
             "argmax_agree": agree.mean().item(), "padded_all_ms": times["padded"], "packed_all_ms": times["packed"]}
 
 
-def run_fresh(model, vocab: int, text: str, reps: int, seed: int, multiple: int) -> dict:
+def run_fresh(model, vocab: int, text: str, reps: int, seed: int) -> dict:
     """As a server sees bursts: every rep draws new tail lengths (a new packed shape each time; the
-    padded width, the longest tail, repeats more often), run padded, packed, and packed to a
-    multiple of ``multiple`` tokens, in rotating order. Medians over the reps, first runs included."""
+    padded width, the longest tail, repeats more often), run padded and packed in alternating order.
+    Medians over the reps, first runs at a shape included."""
     rows, prefix_len, lo, hi = parse_case(text)
     rng = np.random.default_rng(seed)
     prefix = prefill_prefix(model, mx.array(rng.integers(0, vocab, (1, prefix_len)), mx.int32))
-    ways = {"padded": (False, 1), "packed": (True, 1), f"packed_x{multiple}": (True, multiple)}
-    times: dict[str, list[float]] = {way: [] for way in ways}
-    names = list(ways)
+    times: dict[str, list[float]] = {"padded": [], "packed": []}
     for rep in range(reps):
         lengths = [int(n) for n in rng.integers(lo, hi + 1, rows)]
         tails = [[int(x) for x in rng.integers(0, vocab, n)] for n in lengths]
-        for way in names[rep % 3:] + names[:rep % 3]:
-            times[way].append(forward(model, prefix, tails, *ways[way])[0])
-    return {"case": text, "fresh": True, "multiple": multiple,
-            **{f"{way}_ms": float(np.median(t)) for way, t in times.items()},
+        for way in ("padded", "packed") if rep % 2 == 0 else ("packed", "padded"):
+            times[way].append(forward(model, prefix, tails, packed=way == "packed")[0])
+    return {"case": text, "fresh": True, **{f"{way}_ms": float(np.median(t)) for way, t in times.items()},
             **{f"{way}_all_ms": t for way, t in times.items()}}
 
 
@@ -160,7 +157,6 @@ def main() -> None:
     parser.add_argument("--json-out", help="write the results here")
     parser.add_argument("--fresh", action="store_true",
                         help="new tail lengths every rep (``run_fresh``): what a server's bursts see")
-    parser.add_argument("--multiple", type=int, default=64, help="with --fresh: the bucketed packed forward's")
     args = parser.parse_args()
     loaded = load_model(args.model)
     cuda_attention.install()
@@ -169,7 +165,7 @@ def main() -> None:
     results = []
     for case in filter(None, args.cases.split(",")):
         if args.fresh:
-            r = run_fresh(loaded.model, loaded.vocab_size, case, args.reps, args.seed, args.multiple)
+            r = run_fresh(loaded.model, loaded.vocab_size, case, args.reps, args.seed)
             results.append(r)
             medians = {k: round(v, 1) for k, v in r.items() if k.endswith("_ms") and not k.endswith("_all_ms")}
             print(case, "fresh shapes:", medians, flush=True)

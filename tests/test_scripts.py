@@ -379,3 +379,16 @@ def test_burst_timeline_groups_a_wave_by_forward(tmp_path):
     assert together["received"] == [0.0, 40.0]
     assert late["token0"] == [516.0, 516.0]  # read at 100, parsed 1, ttft 415
     assert second["last_token0_ms"] == 516.0
+
+
+def test_packed_tails_forward_compares_both_ways(small_model, tmp_path):
+    out, fresh = tmp_path / "packed.json", tmp_path / "fresh.json"
+    run("packed_tails_forward.py", "--model", str(small_model), "--cases", "4x40+3-9,3x40+5", "--reps", "2",
+        "--json-out", str(out))
+    ragged, equal = json.loads(out.read_text())["cases"]
+    assert ragged["padding_share"] > 0 and equal["padding_share"] == 0 and equal["tokens"] == 15
+    for case in (ragged, equal):  # float32 on the CPU: the packed forward is the padded one
+        assert case["max_logit_diff"] == 0.0 and case["argmax_agree"] == 1.0 and case["packed_ms"] > 0
+    run("packed_tails_forward.py", "--model", str(small_model), "--cases", "4x40+3-9", "--reps", "2", "--fresh",
+        "--json-out", str(fresh))
+    assert len(json.loads(fresh.read_text())["cases"][0]["packed_all_ms"]) == 2

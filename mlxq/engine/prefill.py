@@ -172,7 +172,7 @@ class Prefilling:
             shared = self._shared_tails(group, [n + token0 for n in lengths]) if last else None
             placed = None if shared is not None else self._placed(group, lengths, last)
             fed = chunks  # each row's tokens in this forward, padded to the longest (left or right)
-            positions = None  # the forward's grid when it is not the padded one (rows x the longest)
+            packed = False  # the tails ran packed: the forward computed their tokens only, no padding
             if placed is not None:  # every row written where it stays (engine/tail_placement.py)
                 caches, layout = placed
                 self._placed_forward(group, caches, layout, chunks)
@@ -180,9 +180,9 @@ class Prefilling:
                 caches = shared.caches
                 run = [c + j.prompt[-1:] for c, j in zip(chunks, group, strict=True)] if token0 else chunks
                 fed = shared.tokens(group, run)
-                if packed_tails.packs(self.sharing.plan, [len(tokens) for tokens in fed]):
+                packed = packed_tails.packs(self.sharing.plan, [len(tokens) for tokens in fed])
+                if packed:
                     out, packing = self._packed_forward(group, caches, shared.layout, fed, shared)
-                    positions = packing.tokens
                     last_logits = out[packing.ends, 0, :] if token0 else None
                 else:
                     out = self._placed_forward(group, caches, shared.layout, fed, shared)
@@ -191,10 +191,13 @@ class Prefilling:
                 caches = shared.caches if shared is not None else merge_with_room(
                     [j.caches for j in group], longest + (BatchKVCache.step if last else 0), sources)
                 self._right_padded_forward(group, caches, shared, chunks, lengths)
-            timed = self._meanwhile(caches, shared, positions or len(group) * longest, started)
+            tokens = sum(map(len, fed))
+            computed = tokens if packed else len(fed) * max(map(len, fed))  # positions, padding included
+            timed = self._meanwhile(caches, shared, computed, started)
             self.faults.run("prefill", lambda: mx.eval(evaluable(caches) + ([] if last_logits is None
                                                                              else [last_logits])))
-            self.phases.add_batched_forward(sum(map(len, fed)), positions or len(fed) * max(map(len, fed)))
+            self.phases.add_batched_forward(tokens, computed)
+            self.sharing_stats.tails_packed += packed
             if timed is not None:
                 self._learn_forward(*timed)
             # Joining next: the rows stay in this batch, the joiners read views into it (no copy; placed
@@ -276,6 +279,14 @@ class Prefilling:
         shared prefix (``shared``) the layout is the tails' and the attention goes through its seam.
         Returns the forward's logits (lazy: computed only if read)."""
         tokens = mx.array([[0] * p + c for p, c in zip(layout.chunk_padding, chunks, strict=True)])
+        with self._placed_contexts([j.row.request.adapter for j in group], caches, layout, shared):
+            return self.model(tokens, cache=caches)
+
+    @contextlib.contextmanager
+    def _placed_contexts(self, adapters: list[str], caches: list, layout, shared):
+        """What a placed forward runs in: the rows' adapters (one name per row of the model's input),
+        the chunks' padding columns keeping what they hold, the attention through the shared-prefix
+        seam (``shared``), every few layers handed to the device."""
         evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
         written = [c.tail for c in caches] if shared is not None else caches
         # Tails that start empty (``shared.recomputed``): the padding columns lie in each row's left
@@ -283,27 +294,20 @@ class Prefilling:
         keeping = (contextlib.nullcontext() if shared is not None and shared.recomputed is not None
                    else tails_in_place(written, layout, evaluate))
         submit = lambda arrays: self.faults.run("prefill", lambda: mx.async_eval(arrays))  # noqa: E731
-        with (adapter_rows(self.model, [j.row.request.adapter for j in group]), keeping, self._routed(shared),
-              submitted_by_layers(caches, submit)):
-            return self.model(tokens, cache=caches)
+        with (adapter_rows(self.model, adapters), keeping, self._routed(shared), submitted_by_layers(caches, submit)):
+            yield
 
     def _packed_forward(self, group: list[Joiner], caches: list, layout, fed: list, shared) -> tuple:
         """``_placed_forward`` on a shared prefix with no padding (kv/packed_tails.py): each of the
         rows' tokens is one row of one position, every layer written into ``caches`` (the padded
         forward's) as the padded forward writes them. Returns (logits [tokens, 1, V], lazy; the
         ``Packing``)."""
-        packing = Packing.of(layout.chunk_padding, [len(tokens) for tokens in fed], packed_tails.SHAPE_MULTIPLE)
+        packing = Packing.of(layout.chunk_padding, [len(tokens) for tokens in fed])
         positions = packed_positions(caches[0], packing)
         packed = [PackedTailsCache(cache, packing, positions) for cache in caches]
-        tokens = packing.token_ids(fed)
+        tokens = mx.array([[token] for row in fed for token in row])
         adapters = [j.row.request.adapter for j, row in zip(group, fed, strict=True) for _ in row]
-        adapters += adapters[-1:] * packing.spare
-        evaluate = lambda arrays: self.faults.run("prefill", lambda: mx.eval(arrays))  # noqa: E731
-        keeping = (contextlib.nullcontext() if shared.recomputed is not None
-                   else tails_in_place([c.tail for c in caches], layout, evaluate))
-        submit = lambda arrays: self.faults.run("prefill", lambda: mx.async_eval(arrays))  # noqa: E731
-        self.sharing_stats.tails_packed += 1
-        with (adapter_rows(self.model, adapters), keeping, self._routed(shared), submitted_by_layers(caches, submit)):
+        with self._placed_contexts(adapters, caches, layout, shared):
             return self.model(tokens, cache=packed), packing
 
     def _right_padded_forward(self, group: list[Joiner], caches: list, shared, chunks: list, lengths: list[int]):

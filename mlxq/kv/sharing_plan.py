@@ -30,7 +30,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_pr
 
 from mlxq.kv import attention_route, shared_prefix_decode
 from mlxq.kv.batch_ops import merge_solo_rows
-from mlxq.kv.packed_tails import probe_disagreement
+from mlxq.kv.packed_tails_probe import probe_disagreement
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
 log = logging.getLogger("mlxq.kv")
@@ -66,7 +66,9 @@ class _Probe(SharedPrefixBatchCache):
 
 def plan_sharing(model) -> SharingPlan:
     """Probe ``model`` once (one traced token, nothing evaluated) and decide per layer; where some
-    layer shares, check the shared-prefix kernels (CUDA) on the layout the probe saw."""
+    layer shares, check the shared-prefix kernels (CUDA) on the layout the probe saw, and where every
+    layer does, whether its tails' forward may run packed (kv/packed_tails_probe.py: three small
+    forwards, evaluated)."""
     caches = make_prompt_cache(model)
     candidates = [type(c) is KVCache for c in caches]
     if not any(candidates):

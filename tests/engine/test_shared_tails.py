@@ -224,6 +224,42 @@ def test_a_few_own_leased_tokens_past_the_prefix_are_computed_again_not_gathered
     assert_serial_tokens(model, tokenizer, cold + cached, finished)
 
 
+def test_tails_holding_their_leased_tokens_keep_them_through_the_forward(load_tiny, monkeypatch, packed):
+    """Agents whose questions begin with more than ``RECOMPUTED_OWN`` tokens of another's stored
+    question lease them: their tails hold those tokens, placed where each row's chunk begins, and
+    the forward (packed or padded) writes its chunks around them, the chunks' padding columns keeping
+    what they hold; every row's greedy tokens equal the serial lane's."""
+    from mlxq.engine import prefill
+    from mlxq.engine.shared_tails import RECOMPUTED_OWN
+    from mlxq.engine.types import Request, SamplingParams
+
+    model, tokenizer = load_tiny("llama")
+    shared = tokenizer.encode(LONG + " " + LONG)
+    scheduler, finished = sharing_scheduler(model, tokenizer)
+    words = ("alpha", "beta", "gamma")
+
+    def asking(name: str, agents: int, tail: str) -> list[Request]:
+        question = " Agent {}, read the whole repository first and then tell me"
+        return [Request(f"{name}-{i}", shared + tokenizer.encode(question.format(words[i % 3]) + tail.format(i)
+                                                                 + " more" * (5 * i)),
+                        SamplingParams(), 6, ignore_eos=True, snapshot_at=len(shared)) for i in range(agents)]
+
+    cold, cached = asking("cold", 3, " about cold {}?"), asking("cached", 6, " what {} means")
+    run_wave(scheduler, cold)
+    leased = {r.request_id: scheduler.prompt_cache.held_path(r.namespace, r.prompt_ids)[1] for r in cached}
+    assert min(leased.values()) - len(shared) > RECOMPUTED_OWN  # placed, not recomputed
+    kept = []
+    keeping = prefill.tails_in_place
+    monkeypatch.setattr(prefill, "tails_in_place", lambda *args: kept.append(args[1]) or keeping(*args))
+    before = counters(scheduler)
+    run_wave(scheduler, cached)
+    change = delta(counters(scheduler), before)
+    assert change["prefill_steps"] == 1 and change["referenced"] == 6 and change["packed"] == packed, change
+    assert scheduler.sharing_stats.tails_recomputed == 0
+    assert len(kept) == 1 and any(kept[0].chunk_padding)  # the leased tokens kept where chunks are padded
+    assert_serial_tokens(model, tokenizer, cold + cached, finished)
+
+
 def test_quantized_tails_are_never_recomputed_on_empty_plain_tails(load_tiny):
     """Under --kv-quant the tails are quantized caches: the same burst keeps its leased tokens."""
     from mlxq.engine.types import FinishReason

@@ -1,6 +1,6 @@
 """The once-per-model check that a packed tails' forward computes what the padded one does.
 
-kv/packed_tails.py's ``probe_disagreement`` runs two rows' tails both ways on the real model; the
+kv/packed_tails_probe.py's ``probe_disagreement`` runs two rows' tails both ways on the real model; the
 sharing plan keeps its answer (``packed_tails_declined``), /stats shows it, and the scheduler packs
 only where it is None. A model that would get other positions or cannot take one position per row
 is kept padded, with the reason.
@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from mlxq.engine.prefix_sharing import SharingPolicy, SharingStats
-from mlxq.kv import attention_route, packed_tails
+from mlxq.kv import attention_route, packed_tails, packed_tails_probe
 from mlxq.kv.sharing_plan import plan_sharing
 
 
@@ -26,25 +26,27 @@ def routed():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_models_whose_layers_all_share_pack_their_tails(load_tiny, arch):
     model, _ = load_tiny(arch)
-    assert packed_tails.probe_disagreement(model) is None
+    assert packed_tails_probe.probe_disagreement(model) is None
     plan = plan_sharing(model)
     assert plan.packed_tails_declined is None and packed_tails.packs(plan, [3, 9, 4])
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
 def test_models_with_layers_that_keep_per_row_caches_stay_padded(load_tiny, arch):
+    """Sliding-window (gemma3_text) and recurrent (qwen3_next) layers keep per-row caches: the tails
+    are never placed on a shared prefix, and the probe never runs."""
     model, _ = load_tiny(arch)
     plan = plan_sharing(model)
     assert not packed_tails.packs(plan, [3, 9, 4])
-    assert plan.packed_tails_declined in ("not every layer shares", "not probed")
+    assert plan.packed_tails_declined == "not every layer shares"
 
 
 def test_a_model_that_would_see_other_positions_is_kept_padded(load_tiny, monkeypatch):
     """Every packed token at position 0 (what a module computing positions from the sequence axis
     would do): the logits differ, and the probe says by how much."""
     model, _ = load_tiny("llama")
-    monkeypatch.setattr(packed_tails, "packed_positions", lambda target, packing: mx.zeros_like(packing.rows))
-    why = packed_tails.probe_disagreement(model)
+    monkeypatch.setattr(packed_tails_probe, "packed_positions", lambda target, packing: mx.zeros_like(packing.rows))
+    why = packed_tails_probe.probe_disagreement(model)
     assert why is not None and why.startswith("packed logits differ from padded ones by")
 
 
@@ -55,7 +57,7 @@ def test_a_model_that_cannot_take_one_position_per_row_is_kept_padded(load_tiny,
         raise RuntimeError("this module writes whole rows")
 
     monkeypatch.setattr(packed_tails.PackedTailsCache, "update_and_fetch", refused)
-    assert packed_tails.probe_disagreement(model) == (
+    assert packed_tails_probe.probe_disagreement(model) == (
         "a packed forward did not run (RuntimeError: this module writes whole rows)")
 
 
