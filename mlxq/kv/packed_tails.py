@@ -46,7 +46,7 @@ from mlxq.kv import shared_prefix_decode
 from mlxq.kv.shared_prefix_attention import Partial, merge, tail_mask, tail_partial
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
-if TYPE_CHECKING:  # kv/sharing_plan.py imports this module's probe
+if TYPE_CHECKING:  # kv/sharing_plan.py imports this module (through kv/packed_tails_probe.py)
     from mlxq.kv.sharing_plan import SharingPlan
 
 # MLXQ_PACKED_TAILS=0 keeps the tails' forward padded (an A/B lever).
