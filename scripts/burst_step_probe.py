@@ -51,6 +51,7 @@ from mlxq.engine.transient import ModelShape
 from mlxq.engine.types import Request, SamplingParams
 from mlxq.engine.warmup import warm_up
 from mlxq.kv import attention_route, cuda_attention
+from mlxq.kv.packed_tails import PackedTailsCache
 from mlxq.kv.projection import measure_footprint
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 from mlxq.kv.sharing_plan import plan_sharing
@@ -101,7 +102,7 @@ class Timeline:
 
     def wrap(self, name, fn):
         def timed(*args, **kwargs):
-            label = name(args) if callable(name) else name
+            label = name(args, kwargs) if callable(name) else name
             parent = self._open[-1] if self._open else None
             last = self.events[-1] if self.events else None
             merge = (last is not None and last[0] == self._depth and last[1] == label
@@ -132,10 +133,20 @@ class Timeline:
             print(f"    {row['at_ms']:9.2f} {row['ms']:8.2f} x{row['calls']:<3} {row['stage']}", flush=True)
 
 
+def _model_stage(args: tuple, kwargs: dict) -> str:
+    """A model call's stage: one position per row is a decode step, unless the rows are packed tails
+    (kv/packed_tails.py: a prefill of one token per row)."""
+    caches = kwargs.get("cache") or [None]
+    if args[0].shape[1] > 1 or isinstance(caches[0], PackedTailsCache):
+        return "model(prefill)"
+    return "model(decode)"
+
+
 def timeline_patches(stack: ExitStack, sched: BatchScheduler, timeline: Timeline) -> None:
     """The scheduler's stages from admission to token 0, each timed on the host (no fence)."""
     for name in ("step", "_intake", "_plan_and_prefill", "_prefill", "_advance_together", "_lease_sources",
-                 "_shared_tails", "_placed_tails", "_placed", "_placed_forward", "_right_padded_forward",
+                 "_shared_tails", "_placed_tails", "_placed", "_placed_forward", "_packed_forward",
+                 "_right_padded_forward",
                  "_advanced", "_snapshot", "_start_decoding", "_join_shared_tails", "_decode_or_shed",
                  "_decode_step", "_sample", "_emit", "_evict", "_shed_before_decode"):
         if hasattr(sched, name):
@@ -145,11 +156,10 @@ def timeline_patches(stack: ExitStack, sched: BatchScheduler, timeline: Timeline
                          (shared_tails, "place_rows"), (prefill, "tails_in_place")):
         if hasattr(module, name):
             stack.enter_context(mock.patch.object(module, name, timeline.wrap(name, getattr(module, name))))
-    stack.enter_context(mock.patch.object(sched.faults, "run", timeline.wrap(lambda a: f"eval:{a[0]}",
+    stack.enter_context(mock.patch.object(sched.faults, "run", timeline.wrap(lambda a, kw: f"eval:{a[0]}",
                                                                              sched.faults.run)))
     model = sched.model
-    stack.enter_context(mock.patch.object(sched, "model", timeline.wrap(
-        lambda a: "model(decode)" if a[0].shape[1] == 1 else "model(prefill)", model)))
+    stack.enter_context(mock.patch.object(sched, "model", timeline.wrap(_model_stage, model)))
     for name in ("eval", "async_eval"):
         stack.enter_context(mock.patch.object(mx, name, timeline.wrap(f"mx.{name}", getattr(mx, name))))
 
