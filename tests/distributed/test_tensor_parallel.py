@@ -73,7 +73,8 @@ def _structured(url: str) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
-@pytest.mark.parametrize(("arch", "flags"), [("llama", ()), ("qwen3", ("--kv-quant", "8"))])
+@pytest.mark.parametrize(("arch", "flags"), [("llama", ()), pytest.param("qwen3", ("--kv-quant", "8"),
+                                                                         marks=pytest.mark.slow)])  # ~25 s
 def test_two_ranks_generate_what_one_process_does(shardable, arch, flags):
     model = str(shardable[arch])
     with ServerProcess("--model", model, *flags, *SERVE) as one:

@@ -47,7 +47,8 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [ids[: 18 + 9 * i] for i in range(6)]  # past gemma3's 16-token window, each its own length
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", pytest.param("gemma3_text", marks=pytest.mark.slow)])  # ~12 s
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow),
+                                  pytest.param("gemma3_text", marks=pytest.mark.slow)])  # ~12-20 s each
 def test_mixed_adapter_batch_equals_each_adapters_oracle(arch, tiny_model_dirs, adapter_dirs, load_tiny):
     lora, dora = adapter_dirs[arch]
     model_dir = tiny_model_dirs[arch]

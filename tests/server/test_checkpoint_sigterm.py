@@ -32,7 +32,7 @@ def checkpoint_rows(cache) -> list[dict]:
     return [r for r in json.loads(cli("cache", "ls", str(cache), "--json").stdout) if r["kind"] == "checkpoint"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("arch", [pytest.param("gemma3_text", marks=pytest.mark.slow), "qwen3_next"])  # ~15 s each
 def test_sigterm_in_a_batch_reports_its_checkpoints_and_the_row_resumes(tiny_model_dirs, tmp_path, arch):
     """Greedy, no flush asked for: the request running at SIGTERM is cancelled, publishes its last
     checkpoint, and the shutdown's flush makes it durable and says so (its log line counts every request
