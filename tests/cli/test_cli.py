@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from mlxq.cli.main import app
@@ -79,6 +80,7 @@ def test_serve_with_uncached_repo_id_names_the_hf_cache(tmp_path):
     assert "Hugging Face cache" in proc.stderr and "never downloads" in proc.stderr
 
 
+@pytest.mark.slow  # mlx-lm generates the golden set: about 19 s
 def test_golden_gen_writes_tokens(tmp_path):
     result = runner.invoke(app, ["golden", "gen", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -77,6 +77,7 @@ def test_idle_ranks_use_no_cpu_and_wake_for_the_next_request(llama):
     assert texts == alone
 
 
+@pytest.mark.slow  # samples idle CPU time of pipeline ranks for seconds: about 16 s
 def test_idle_pipeline_ranks_sleep_too(qwen3_next):
     with ServerProcess("--model", qwen3_next, "--pipeline-parallel", "2", *SERVE) as two:
         share, stats, texts = _idle_then_wake(two.url)
@@ -97,7 +98,8 @@ def _hand_started_ranks(model: str, hostfile, port: int) -> list[subprocess.Pope
     return procs
 
 
-@pytest.mark.parametrize(("killed", "message"), [(1, "rank 1 is gone"), (0, "rank 0 is gone")])
+@pytest.mark.parametrize(("killed", "message"), [
+    (1, "rank 1 is gone"), pytest.param(0, "rank 0 is gone", marks=pytest.mark.slow)])
 def test_a_rank_killed_while_every_rank_sleeps_ends_the_others(llama, tmp_path, killed, message):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))

@@ -46,6 +46,7 @@ def _mixed_batch(url: str) -> list[list[str]]:
         return list(pool.map(lambda pair: _complete(url, *pair), zip(MODELS, PROMPTS, strict=True)))
 
 
+@pytest.mark.slow  # two tensor-parallel ranks with adapters and one process: about 26 s
 def test_a_mixed_adapter_batch_on_two_ranks_equals_one_process(model_and_adapters):
     model, adapters = model_and_adapters
     flags = [arg for spec in adapters for arg in ("--adapter", spec)]

@@ -304,6 +304,7 @@ def test_a_taken_port_is_refused_before_ranks_start():
     assert f"port {port} is in use" in done.stderr
 
 
+@pytest.mark.slow  # two servers drawing random weights, one of two ranks: about 25 s
 def test_random_weights_drawn_on_each_rank_generate_what_one_process_does():
     """`--model random:PRESET` (no weights on disk): every rank draws the same weights and keeps its shard."""
     with ServerProcess("--model", "random:default", *SERVE) as one:
