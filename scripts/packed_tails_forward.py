@@ -15,10 +15,13 @@ logits and every layer's tail K/V, two ways:
 - ``padded``: [R, W] tokens, each row left-padded to the longest tail W;
 - ``packed``: T rows of one token (T the tails' own tokens) through
   kv/packed_tails.PackedTailsCache (the host-side ``Packing.of`` is timed
-  apart: ``packing_ms``).
+  apart: ``packing_ms``); on CUDA, once its check passed, its attention is
+  one kernel (kv/packed_tails_kernel.py);
+- ``parts`` (only where that kernel runs): packed, its attention in three
+  parts (the prefix kernel's level, the tails in plain operations, merged).
 
-Reps alternate (padded, packed, packed, padded, ...) after one untimed
-warm-up of each. Per case: median ms of each, ``packed_over_padded``
+Reps alternate (padded, packed[, parts], then the reverse, ...) after one
+untimed warm-up of each. Per case: median ms of each, ``packed_over_padded``
 (below 1: packing pays), T against the grid R x W (``padding_share``: the
 cells the padded forward computes for nothing), and the packed logits
 against the padded ones at each row's last token (float32): on the CPU in
@@ -30,6 +33,7 @@ bf16 a GEMM's other row count moves the rounding, argmax stays ~1.0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -76,8 +80,14 @@ def targets(prefix: list, padding: list[int], width: int) -> list[SharedPrefixBa
     return out
 
 
-def forward(model, prefix, tails: list[list[int]], packed: bool) -> tuple[float, float, mx.array]:
+def ways() -> tuple[str, ...]:
+    """The ways compared: ``parts`` only where the packed tails' kernel runs (elsewhere it is ``packed``)."""
+    return ("padded", "packed", "parts") if shared_prefix_decode.packed_kernel_on() else ("padded", "packed")
+
+
+def forward(model, prefix, tails: list[list[int]], way: str) -> tuple[float, float, mx.array]:
     """(ms of the forward and its evaluation, host ms of ``Packing.of``, [B, vocab] float32 last logits)."""
+    packed = way != "padded"
     lengths = [len(t) for t in tails]
     width = max(lengths)
     padding = [width - n for n in lengths]
@@ -93,10 +103,12 @@ def forward(model, prefix, tails: list[list[int]], packed: bool) -> tuple[float,
     else:
         tokens = mx.array([[0] * p + t for p, t in zip(padding, tails, strict=True)])
         layers = caches
+    three_parts = shared_prefix_decode.forced("mma_prefill") if way == "parts" else contextlib.nullcontext()
     start = time.perf_counter()
-    out = model(tokens, cache=layers)
-    logits = (out[packing.ends, 0] if packed else out[:, -1]).astype(mx.float32)
-    mx.eval(logits, [(c.tail.keys, c.tail.values) for c in caches])
+    with three_parts:
+        out = model(tokens, cache=layers)
+        logits = (out[packing.ends, 0] if packed else out[:, -1]).astype(mx.float32)
+        mx.eval(logits, [(c.tail.keys, c.tail.values) for c in caches])
     ms = 1000 * (time.perf_counter() - start)
     del out, layers, caches
     mx.clear_cache()
@@ -109,20 +121,23 @@ def run_case(model, vocab: int, text: str, reps: int, seed: int) -> dict:
     prefix = prefill_prefix(model, mx.array(rng.integers(0, vocab, (1, prefix_len)), mx.int32))
     lengths = [int(n) for n in rng.integers(lo, hi + 1, rows)]
     tails = [[int(x) for x in rng.integers(0, vocab, n)] for n in lengths]
-    forward(model, prefix, tails, packed=False)  # warm-ups: compilation
-    forward(model, prefix, tails, packed=True)
-    times: dict[str, list[float]] = {"padded": [], "packed": [], "packing": []}
+    for way in ways():  # warm-ups: compilation
+        forward(model, prefix, tails, way)
+    times: dict[str, list[float]] = {way: [] for way in ways()} | {"packing": []}
     logits: dict[str, mx.array] = {}
     for rep in range(reps):
-        for way in ("padded", "packed") if rep % 2 == 0 else ("packed", "padded"):
-            ms, packing_ms, logits[way] = forward(model, prefix, tails, packed=way == "packed")
+        for way in ways() if rep % 2 == 0 else ways()[::-1]:
+            ms, packing_ms, logits[way] = forward(model, prefix, tails, way)
             times[way].append(ms)
             if way == "packed":
                 times["packing"].append(packing_ms)
     median = {way: float(np.median(t)) for way, t in times.items()}
     tokens, grid = sum(lengths), rows * max(lengths)
     agree = (logits["padded"].argmax(axis=-1) == logits["packed"].argmax(axis=-1)).astype(mx.float32)
-    return {"case": text, "rows": rows, "prefix": prefix_len, "tail_lengths": [lo, hi],
+    parts = {} if "parts" not in times else {
+        "parts_ms": median["parts"], "packed_over_parts": median["packed"] / median["parts"],
+        "parts_max_logit_diff": mx.abs(logits["parts"] - logits["packed"]).max().item(), "parts_all_ms": times["parts"]}
+    return {**parts, "case": text, "rows": rows, "prefix": prefix_len, "tail_lengths": [lo, hi],
             "padded_ms": median["padded"], "packed_ms": median["packed"], "packing_ms": median["packing"],
             "packed_over_padded": median["packed"] / median["padded"],
             "tokens": tokens, "grid": grid, "padding_share": 1 - tokens / grid,
@@ -137,12 +152,12 @@ def run_fresh(model, vocab: int, text: str, reps: int, seed: int) -> dict:
     rows, prefix_len, lo, hi = parse_case(text)
     rng = np.random.default_rng(seed)
     prefix = prefill_prefix(model, mx.array(rng.integers(0, vocab, (1, prefix_len)), mx.int32))
-    times: dict[str, list[float]] = {"padded": [], "packed": []}
+    times: dict[str, list[float]] = {}
     for rep in range(reps):
         lengths = [int(n) for n in rng.integers(lo, hi + 1, rows)]
         tails = [[int(x) for x in rng.integers(0, vocab, n)] for n in lengths]
-        for way in ("padded", "packed") if rep % 2 == 0 else ("packed", "padded"):
-            times[way].append(forward(model, prefix, tails, packed=way == "packed")[0])
+        for way in ways() if rep % 2 == 0 else ways()[::-1]:
+            times.setdefault(way, []).append(forward(model, prefix, tails, way)[0])
     return {"case": text, "fresh": True, **{f"{way}_ms": float(np.median(t)) for way, t in times.items()},
             **{f"{way}_all_ms": t for way, t in times.items()}}
 
@@ -175,11 +190,14 @@ def main() -> None:
         print(f"{case}: padded {r['padded_ms']:.2f} ms, packed {r['packed_ms']:.2f} ms "
               f"(x{r['packed_over_padded']:.3f}, packing {r['packing_ms']:.2f} ms host); "
               f"T={r['tokens']} of {r['grid']} cells ({100 * r['padding_share']:.1f}% padding); "
-              f"max|dlogit| {r['max_logit_diff']:.3g}, argmax agree {r['argmax_agree']:.3f}", flush=True)
+              f"max|dlogit| {r['max_logit_diff']:.3g}, argmax agree {r['argmax_agree']:.3f}"
+              + (f"; three-part attention {r['parts_ms']:.2f} ms (kernel x{r['packed_over_parts']:.3f}, "
+                 f"max|dlogit| {r['parts_max_logit_diff']:.3g})" if "parts_ms" in r else ""), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": str(mx.default_device()), "model": args.model, "reps": args.reps,
-                       "seed": args.seed, "kernels": shared_prefix_decode.is_enabled(), "cases": results}, f,
+                       "seed": args.seed, "kernels": shared_prefix_decode.is_enabled(),
+                       "check": shared_prefix_decode.check_report(), "cases": results}, f,
                       indent=1)
 
 

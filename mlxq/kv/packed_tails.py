@@ -23,10 +23,13 @@ over the SharedPrefixBatchCache the padded forward would have used):
   cell of the caches the engine keeps afterwards, and every column a row
   can read, is the padded forward's (padding columns of tails that start
   empty hold another token's K/V there: masked, never read);
-- ``attend``: the prefix part for the T queries stacked (as in a decode
-  step: T x group rows per KV head against the prefix, read once), each
-  row's tail attended in the padded layout (tiny next to the prefix: a few
-  dozen keys) and gathered back, merged by log-sum-exp in float32.
+- ``attend``: on CUDA, once its start-up check passed, one kernel
+  (kv/packed_tails_kernel.py: the prefix and each token's own tail in one
+  online softmax, normalized); elsewhere the prefix part for the T queries
+  stacked (as in a decode step: T x group rows per KV head against the
+  prefix, read once), each row's tail attended in the padded layout (tiny
+  next to the prefix: a few dozen keys) and gathered back, merged by
+  log-sum-exp in float32.
 
 The padded layout's cells map to tokens by ``Packing``: plain index arrays
 built once per forward, host side. Whether a model packs at all is decided
@@ -42,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from mlxq.kv import shared_prefix_decode
+from mlxq.kv import packed_tails_kernel, shared_prefix_decode
 from mlxq.kv.shared_prefix_attention import Partial, merge, tail_mask, tail_partial
 from mlxq.kv.shared_prefix_cache import SharedPrefixBatchCache
 
@@ -72,8 +75,10 @@ def padding_share(lengths: list[int]) -> float:
 
 
 # Below this padding share the padded forward is kept: packing's own moves between the layouts cost more
-# than the padding. H200, 8B shape, 16k prefix, 64 rows (docs/benchmarks.md, "H200: packed tails"): the
-# forward packed took 1.05x the padded one's time at no padding, 0.87x at 22% (break-even near 6%).
+# than the padding. H200, 8B shape, 16k prefix, 64 rows (docs/benchmarks.md, "H200: packed tails"): with
+# the three-part attention the forward packed took 1.05x the padded one's time at no padding, 0.87x at 22%
+# (break-even near 6%). With the one-kernel attention (kv/packed_tails_kernel.py) it takes 0.94x at no
+# padding, but bursts too small for that kernel (one split of the prefix) keep the three parts.
 MIN_PADDING_SHARE = 0.1
 
 
@@ -158,8 +163,14 @@ class PackedTailsCache:
         target = self.target
         if not target.fetched(keys):
             raise ValueError("packed tails' attention needs the keys update_and_fetch returned, unchanged")
-        prefix = shared_prefix_decode.packed_prefix_partial(queries, target.prefix_keys, target.prefix_values, scale)
         packing = self.packing
+        if shared_prefix_decode.packed_kernel_on() and packed_tails_kernel.fits(queries, target.prefix_keys, keys,
+                                                                              sinks):
+            positions = packing.columns + (keys.shape[2] - packing.width)  # each token's column in the tail
+            return packed_tails_kernel.packed_attention(queries, target.prefix_keys, target.prefix_values, keys,
+                                                        values, packing.rows, positions, target.tail.left_padding,
+                                                        scale)
+        prefix = shared_prefix_decode.packed_prefix_partial(queries, target.prefix_keys, target.prefix_values, scale)
         tail = tail_partial(packing.padded(queries), keys, values, scale,
                             tail_mask(target.tail.left_padding, packing.width, keys.shape[2]))
         tail = Partial(*(packing.packed(x) for x in (tail.weighted, tail.peak, tail.total)))

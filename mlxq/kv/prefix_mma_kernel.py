@@ -124,7 +124,9 @@ template <int N>
 __device__ __forceinline__ void wait_pending() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 """
 
-_SOURCE = r"""
+# The kernel body in pieces (the packed tails' kernel, kv/packed_tails_kernel.py, reuses them): the set-up,
+# the queries staged, the prefix's first stages in flight, the accumulators.
+_SETUP = r"""
     // Template: D, WARPS, MT (16-row tiles per warp), KB (keys per stage), STAGES, QSMEM, SUB (keys per
     // softmax step: KB / SUB steps per staged block).
     constexpr int NT = 32 * WARPS;
@@ -216,6 +218,10 @@ _SOURCE = r"""
         total[j][0] = total[j][1] = 0.0f;
     }
 
+"""
+
+# The walk over the prefix: a staged block per step, ``SUB`` keys at a time (``key_tile``, ``value_tile`` at ``at``).
+_PREFIX_LOOP_HEAD = r"""
     int stage = 0;
     for (int block = first; block < end; block += KB) {
         wait_pending<STAGES - 2>();  // this block's keys and values (and the queries)
@@ -237,6 +243,10 @@ _SOURCE = r"""
             }
             const __nv_bfloat16* key_tile = key_tiles + stage * TILE + sub * PAD;
             const __nv_bfloat16* value_tile = value_tiles + stage * TILE + sub * PAD;
+"""
+
+# One step's scores s = q k^T for the warp's tiles (``key_tile``: SUB staged keys).
+_SCORES = r"""
             float s[MT][NTILES][4];
 #pragma unroll
             for (int j = 0; j < MT; j++) {
@@ -273,6 +283,10 @@ _SOURCE = r"""
                     }
                 }
             }
+"""
+
+# Keys past the prefix chunk's ``end`` weigh nothing.
+_PREFIX_MASK = r"""
             if (at + SUB > end) {  // the chunk's last block is partial: keys past ``end`` weigh nothing
 #pragma unroll
                 for (int n = 0; n < NTILES; n++) {
@@ -286,6 +300,10 @@ _SOURCE = r"""
                     }
                 }
             }
+"""
+
+# The online softmax over the step's scores, then o += p v (``value_tile``).
+_SOFTMAX_VALUES = r"""
             unsigned p[MT][SUB / 16][4];
 #pragma unroll
             for (int j = 0; j < MT; j++) {
@@ -349,9 +367,17 @@ _SOURCE = r"""
                     }
                 }
             }
+"""
+
+# The step's end, the next stage.
+_PREFIX_LOOP_END = r"""
         }
         stage = (stage + 1) % STAGES;
     }
+"""
+
+# Each split's partial level out: weighted values, peak, total (float32, natural log units).
+_PARTIALS_OUT = r"""
     constexpr float LN2 = 0.6931471805599453f;
     const int64_t level = ((int64_t)kvh * splits + split) * chunk[2] - row_first;  // output rows: the launch's
 #pragma unroll
@@ -377,6 +403,17 @@ _SOURCE = r"""
         }
     }
 """
+
+
+
+def kernel_body(*pieces: str) -> str:
+    """The pieces (each written from a new line) as one kernel source."""
+    return "\n" + "".join(piece.removeprefix("\n") for piece in pieces)
+
+
+_SOURCE = kernel_body(_SETUP, _PREFIX_LOOP_HEAD, _SCORES, _PREFIX_MASK, _SOFTMAX_VALUES, _PREFIX_LOOP_END,
+                      _PARTIALS_OUT)
+
 
 def can_run(queries: mx.array, prefix_keys: mx.array) -> bool:
     """bf16 queries (any number per row) of a head width the kernel has, a non-empty bf16 prefix,

@@ -73,7 +73,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxq.kv import gqa_decode_kernel, metal_decode_kernel, prefix_mma_kernel, shared_prefix_kernel, tail_merge_kernel
+from mlxq.kv import (
+    gqa_decode_kernel,
+    metal_decode_kernel,
+    packed_tails_kernel,
+    prefix_mma_kernel,
+    shared_prefix_kernel,
+    tail_merge_kernel,
+)
 from mlxq.kv.shared_prefix_attention import (
     Partial,
     Quant,
@@ -413,6 +420,10 @@ def enable(layout: Layout | None = None) -> bool:
             return False
         checked = time.perf_counter()
         _kernels = passing_paths(errors, _mma_partials_agree(layout))
+        if "mma_prefill" in _kernels and _packs(layout):  # the packed tails' kernel extends the prefill's
+            errors["mma_packed"] = _packed_error(layout)
+            if errors["mma_packed"] < AGREEMENT:
+                _kernels |= {"mma_packed"}
         seconds = time.perf_counter() - began
         _report |= {"seconds": round(seconds, 2), "passed": sorted(_kernels),
                     "max_diff": {path: round(error, 6) for path, error in errors.items()},
@@ -469,6 +480,32 @@ def _mma_partials_agree(layout: Layout | None = None) -> bool:
     except Exception as exc:
         log.warning("mma prefix kernel unavailable (%s: %s)", type(exc).__name__, exc)
         return False
+
+
+def _packs(layout: Layout | None) -> bool:
+    """Whether the packed tails' kernel takes ``layout``'s model (bf16, a head width it has, no sinks)."""
+    return layout is None or (not layout.sinks and layout.dtype == mx.bfloat16
+                              and layout.dim in prefix_mma_kernel.HEAD_DIMS)
+
+
+def _packed_error(layout: Layout | None = None) -> float:
+    """Max |packed tails' kernel - its plain reference| on ``layout``'s heads (kv/packed_tails_kernel.py);
+    infinite where it does not build."""
+    heads = {} if layout is None else dict(heads=layout.heads, kv_heads=layout.kv_heads, dim=layout.dim)
+    began = time.perf_counter()
+    try:
+        return packed_tails_kernel.self_check(**heads)
+    except Exception as exc:
+        log.warning("packed tails' kernel unavailable (%s: %s)", type(exc).__name__, exc)
+        return float("inf")
+    finally:
+        _path_seconds["mma_packed"] = time.perf_counter() - began
+
+
+def packed_kernel_on() -> bool:
+    """Whether a packed tails' forward may attend through kv/packed_tails_kernel.py (its start-up check
+    passed, and no benchmark or test forced another path)."""
+    return "mma_packed" in _kernels and _forced in (None, "mma_packed")
 
 
 def _grouped_ready() -> bool:
