@@ -34,6 +34,7 @@ import mlx.core as mx
 from mlxq.kv import prefix_mma_kernel
 from mlxq.kv.kernel_inputs import constant, scale_array
 from mlxq.kv.prefix_mma_kernel import (
+    _EACH_OUTPUT_ROW,
     _HEADER,
     _HEADER_STAGING,
     _PREFIX_LOOP_END,
@@ -109,19 +110,8 @@ _TAILS_END = r"""
     }
 """
 
-# Each token's heads normalized, in the queries' layout [T, Hq, 1, D] (bf16).
-_NORMALIZED_OUT = r"""
-#pragma unroll
-    for (int j = 0; j < MT; j++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float sum = total[j][h];
-            sum += __shfl_xor_sync(0xffffffff, sum, 1);
-            sum += __shfl_xor_sync(0xffffffff, sum, 2);
-            const int m = row0 + j * 16 + lane / 4 + h * 8;
-            if (m >= row_end) {
-                continue;
-            }
+# Each token's heads normalized, in the queries' layout [T, Hq, 1, D] (bf16), one output row at a time.
+_NORMALIZED_OUT_ROW = r"""
             const float inverse = 1.0f / sum;
             __nv_bfloat16* w = out + ((int64_t)(m / group) * heads + kvh * group + m % group) * D + (lane % 4) * 2;
 #pragma unroll
@@ -134,7 +124,8 @@ _NORMALIZED_OUT = r"""
 """
 
 _SOURCE = kernel_body(_SETUP, _PREFIX_LOOP_HEAD, _SCORES, _PREFIX_MASK, _SOFTMAX_VALUES, _PREFIX_LOOP_END,
-                      _TAILS_HEAD, _SCORES, _TAIL_MASK, _SOFTMAX_VALUES, _TAILS_END, _NORMALIZED_OUT)
+                      _TAILS_HEAD, _SCORES, _TAIL_MASK, _SOFTMAX_VALUES, _TAILS_END, _EACH_OUTPUT_ROW,
+                      _NORMALIZED_OUT_ROW)
 _INPUTS = ["queries", "prefix_keys", "prefix_values", "scale", "chunk", "tail_keys", "tail_values", "token_rows",
            "token_positions", "row_starts"]
 _kernel = None

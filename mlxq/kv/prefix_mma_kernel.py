@@ -377,9 +377,13 @@ _PREFIX_LOOP_END = r"""
 """
 
 # Each split's partial level out: weighted values, peak, total (float32, natural log units).
-_PARTIALS_OUT = r"""
+_PARTIALS_OUT_HEAD = r"""
     constexpr float LN2 = 0.6931471805599453f;
     const int64_t level = ((int64_t)kvh * splits + split) * chunk[2] - row_first;  // output rows: the launch's
+"""
+
+# Each of the warp's output rows in turn: its total summed over its four lanes, rows past the end skipped.
+_EACH_OUTPUT_ROW = r"""
 #pragma unroll
     for (int j = 0; j < MT; j++) {
 #pragma unroll
@@ -391,6 +395,9 @@ _PARTIALS_OUT = r"""
             if (m >= row_end) {
                 continue;
             }
+"""
+
+_PARTIALS_OUT_ROW = r"""
             if (lane % 4 == 0) {
                 out_peak[level + m] = peak[j][h] * scale2 * LN2;
                 out_total[level + m] = sum;
@@ -412,7 +419,7 @@ def kernel_body(*pieces: str) -> str:
 
 
 _SOURCE = kernel_body(_SETUP, _PREFIX_LOOP_HEAD, _SCORES, _PREFIX_MASK, _SOFTMAX_VALUES, _PREFIX_LOOP_END,
-                      _PARTIALS_OUT)
+                      _PARTIALS_OUT_HEAD, _EACH_OUTPUT_ROW, _PARTIALS_OUT_ROW)
 
 
 def can_run(queries: mx.array, prefix_keys: mx.array) -> bool:
