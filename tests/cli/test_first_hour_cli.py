@@ -8,6 +8,7 @@ import select
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from mlxq.cli.main import app
@@ -29,6 +30,7 @@ def test_the_main_commands_help_shows_examples():
         assert result.exit_code == 0 and "Examples:" in result.output and example in result.output, command
 
 
+@pytest.mark.slow  # typer's completion runs the CLI in subprocesses: about 13 s
 def test_shell_completion_script_and_completions():
     # typer takes the shell from the argument, not from the process's ancestors (a detached run has no shell)
     script = mlxq("--show-completion", "bash", env={"_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"})

@@ -246,6 +246,7 @@ def test_ranks_started_differently_are_refused(shardable, tmp_path):
                for out in outputs), outputs
 
 
+@pytest.mark.slow  # mlx.launch starts the ranks: about 15 s
 def test_under_mlx_launch_and_stopped_by_rank_0(shardable):
     """Ranks started by mlx.launch (its ring hostfile) serve as one; SIGTERM to rank 0 stops both."""
     port = free_port()

@@ -38,7 +38,7 @@ def resumed_text(url: str, payload: dict) -> tuple[str, int]:
     return reply["choices"][0]["text"], reply["usage"]["completion_tokens_details"]["checkpoint_tokens"]
 
 
-@pytest.mark.parametrize("batch", ["1", "4"])
+@pytest.mark.parametrize("batch", ["1", pytest.param("4", marks=pytest.mark.slow)])
 def test_a_request_the_client_left_resumes_from_its_last_token(tiny_model_dirs, tmp_path, batch):
     """Greedy and seeded, serial lane (--batch 1) and batch lane: the re-sent request replays every token
     the left one generated, not the last interval's, and returns the uninterrupted text."""

@@ -207,7 +207,7 @@ def test_kill_during_checkpoint_writes_never_restores_wrong_output(tiny_model_di
     assert restored >= 1
 
 
-@pytest.mark.parametrize("batch", ["1", "4"])
+@pytest.mark.parametrize("batch", ["1", pytest.param("4", marks=SLOW)])
 def test_a_full_disk_drops_checkpoints_not_requests(tiny_model_dirs, tmp_path, batch):
     """Files over 64 KiB fail as on a full disk (RLIMIT_FSIZE: EFBIG; Python ignores SIGXFSZ): in the serial
     lane and in the batch (alone in it: the serial text)."""

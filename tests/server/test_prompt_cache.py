@@ -74,7 +74,7 @@ def conversation(url: str) -> tuple[dict, dict]:
     return first, second
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["gemma3_text", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("batch", ["8", pytest.param("1", marks=pytest.mark.slow)])  # ~10 s each on two cores
 def test_next_turn_hits_a_boundary_snapshot_on_untrimmable_models(tiny_model_dirs, arch, batch):
     model = str(tiny_model_dirs[arch])
@@ -90,8 +90,10 @@ def test_next_turn_hits_a_boundary_snapshot_on_untrimmable_models(tiny_model_dir
     assert second["choices"][0]["message"]["content"] == want_second["choices"][0]["message"]["content"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
-@pytest.mark.parametrize("batch", ["8", "1"])
+# One architecture per batch size in the test command, the other two in the slow set (~8 s each on two cores).
+@pytest.mark.parametrize(("arch", "batch"), [("gemma3_text", "8"), ("qwen3_next", "1"),
+                                             pytest.param("qwen3_next", "8", marks=pytest.mark.slow),
+                                             pytest.param("gemma3_text", "1", marks=pytest.mark.slow)])
 def test_agents_sharing_a_system_prompt_hit_its_snapshot_on_untrimmable_models(tiny_model_dirs, arch, batch):
     model = str(tiny_model_dirs[arch])
     questions = ["What is the cache?", "Who wrote this?", "Why is the sky blue?"]

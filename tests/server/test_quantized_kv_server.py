@@ -39,7 +39,7 @@ def test_batched_quantized_rows_equal_the_serial_lane(tiny_model_dirs):
     assert full["scheme"] == "native" and full["bytes_per_token"] / stats["kv"]["bytes_per_token"] > 6
 
 
-@pytest.mark.parametrize("arch, bits", [("gemma3_text", "8"), ("qwen3_next", "4")])
+@pytest.mark.parametrize("arch, bits", [("gemma3_text", "8"), pytest.param("qwen3_next", "4", marks=pytest.mark.slow)])
 def test_quantized_sliding_window_and_hybrid_models_batch_too(tiny_model_dirs, arch, bits):
     model = str(tiny_model_dirs[arch])
     flags = ("--kv-quant", bits, "--prompt-cache", "0")

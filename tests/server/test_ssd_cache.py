@@ -38,7 +38,8 @@ def stop(server: ServerProcess) -> None:
 @pytest.mark.parametrize("arch, batch, kv_quant", [("llama", "8", "off"),
                                                    pytest.param("llama", "1", "off", marks=pytest.mark.slow),
                                                    pytest.param("gemma3_text", "8", "off", marks=pytest.mark.slow),
-                                                   ("qwen3_next", "8", "off"), ("gemma3_text", "8", "8")])
+                                                   pytest.param("qwen3_next", "8", "off", marks=pytest.mark.slow),
+                                                   ("gemma3_text", "8", "8")])
 def test_a_flushed_prefix_survives_a_restart(tiny_model_dirs, tmp_path, arch, batch, kv_quant):
     args = ("--model", str(tiny_model_dirs[arch]), "--batch", batch, "--ssd-cache", str(tmp_path),
             "--kv-quant", kv_quant)
