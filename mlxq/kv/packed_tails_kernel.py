@@ -149,7 +149,8 @@ def packed_attention(queries: mx.array, prefix_keys: mx.array, prefix_values: mx
 
     queries [T, Hq, 1, D]; prefix_* [1, Hkv, P, D]; tail_* [B, Hkv, S, D] (the rows' padded tails, last
     axis contiguous); token_rows [T] int32, non-decreasing: each token's row; token_positions [T]
-    int32: its own column in its row's tail (it sees the row's keys up to it); row_starts [B] int32:
+    int32: its own column in its row's tail (it sees the row's keys up to it), rising within a row (a
+    block's last row is walked up to its last token's position only); row_starts [B] int32, >= 0:
     each row's first tail column it reads. Returns [T, Hq, 1, D] in the queries' dtype."""
     global _kernel
     tiling = PREFILL_TILING
@@ -194,9 +195,13 @@ def self_check(heads: int = 8, kv_heads: int = 2, dim: int = 128) -> float:
     width = max(lengths)
     span, prefix_length = width + 11, 333
     batch = len(lengths)
-    while not fits(mx.zeros((sum(lengths), heads, 1, dim), mx.bfloat16),
-                   mx.zeros((1, kv_heads, prefix_length, dim), mx.bfloat16), mx.zeros((1,), mx.bfloat16)):
-        lengths, batch = lengths * 2, batch * 2  # more tokens until the prefix runs in one split
+    for _ in range(8):  # more tokens until the prefix runs in one split (a 128-head model: 5 doublings)
+        if fits(mx.zeros((sum(lengths), heads, 1, dim), mx.bfloat16),
+                mx.zeros((1, kv_heads, prefix_length, dim), mx.bfloat16), mx.zeros((1,), mx.bfloat16)):
+            break
+        lengths, batch = lengths * 2, batch * 2
+    else:
+        raise ValueError(f"the packed tails' kernel does not take {heads} query / {kv_heads} KV heads of {dim}")
     rows = [b for b, n in enumerate(lengths) for _ in range(n)]
     positions = [span - n + i for n in lengths for i in range(n)]
     starts = [(span - n - b % 3 * 4) if b % 4 else 0 for b, n in enumerate(lengths)]

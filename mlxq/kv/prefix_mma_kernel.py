@@ -412,7 +412,6 @@ _PARTIALS_OUT_ROW = r"""
 """
 
 
-
 def kernel_body(*pieces: str) -> str:
     """The pieces (each written from a new line) as one kernel source."""
     return "\n" + "".join(piece.removeprefix("\n") for piece in pieces)

@@ -505,7 +505,7 @@ def _packed_error(layout: Layout | None = None) -> float:
 def packed_kernel_on() -> bool:
     """Whether a packed tails' forward may attend through kv/packed_tails_kernel.py (its start-up check
     passed, and no benchmark or test forced another path)."""
-    return "mma_packed" in _kernels and _forced in (None, "mma_packed")
+    return "mma_packed" in _kernels and _forced is None
 
 
 def _grouped_ready() -> bool:

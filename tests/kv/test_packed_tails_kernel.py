@@ -42,12 +42,15 @@ def test_the_reference_is_the_padded_rows_shared_prefix_attention_packed():
     assert not mx.array_equal(again, got).item()
 
 
-def packed_cache(kv_heads=2, dim=16):
+def packed_cache(kv_heads=2, dim=16, leased_shift=0.0):
     padding = [max(LENS) - n for n in LENS]
     packing = Packing.of(padding, LENS)
-    tail = BatchKVCache([p + 3 for p in padding])  # each row's tail starts 3 columns before its chunk
+    # Three columns written before the chunk, so each row's own tokens start 3 columns before its chunk's
+    # first real one: every row reads 3 leased tokens (a row's start is its left padding).
+    tail = BatchKVCache(padding)
     tail.keys, tail.values = normal(len(LENS), kv_heads, 64, dim, seed=6), normal(len(LENS), kv_heads, 64, dim, seed=7)
-    tail._idx = 3  # three leased tokens in each row before the chunk
+    tail.keys[:, :, :3] += leased_shift
+    tail._idx = 3
     tail.offset = tail.offset + 3
     prefix = (normal(1, kv_heads, 37, dim, seed=8), normal(1, kv_heads, 37, dim, seed=9))
     target = SharedPrefixBatchCache.grouped([prefix], tail, [0] * len(LENS))
@@ -57,10 +60,14 @@ def packed_cache(kv_heads=2, dim=16):
 def test_the_packed_cache_hands_the_kernel_what_its_reference_reads(monkeypatch):
     """With the kernel on, the packed cache's attention is the kernel's; here the kernel is stood in for by
     its reference (the CPU has no CUDA), whose output must equal the cache's own plain attention."""
-    cache, (pk, pv) = packed_cache()
+    def fetched(leased_shift=0.0):
+        cache, prefix = packed_cache(leased_shift=leased_shift)
+        tokens = cache.packing.tokens
+        return (cache, prefix, *cache.update_and_fetch(normal(tokens, 2, 1, 16, seed=11),
+                                                       normal(tokens, 2, 1, 16, seed=12)))
+
+    cache, (pk, pv), keys, values = fetched()
     q = normal(cache.packing.tokens, 4, 1, 16, seed=10)
-    keys, values = cache.update_and_fetch(normal(cache.packing.tokens, 2, 1, 16, seed=11),
-                                          normal(cache.packing.tokens, 2, 1, 16, seed=12))
     plain = cache.attend(q, keys, values, 0.25)
     calls = []
 
@@ -74,6 +81,11 @@ def test_the_packed_cache_hands_the_kernel_what_its_reference_reads(monkeypatch)
     got = cache.attend(q, keys, values, 0.25)
     assert len(calls) == 1 and calls[0][3] is keys and calls[0][1] is pk and calls[0][2] is pv
     assert mx.allclose(plain, got, rtol=0, atol=1e-6).item()
+    # The leased columns are read: moving them moves the output (a start at the chunk would not see them).
+    moved, _, moved_keys, moved_values = fetched(leased_shift=5.0)
+    assert not mx.allclose(got, moved.attend(q, moved_keys, moved_values, 0.25), rtol=0, atol=1e-3).item()
+    assert len(calls) == 2
+    calls.pop()
     with shared_prefix_decode.forced("mma_prefill"):  # another path forced: the three parts
         cache.attend(q, keys, values, 0.25)
     assert len(calls) == 1
